@@ -1,0 +1,1 @@
+"""Prefect flows that compose mergeflow's cached tasks."""

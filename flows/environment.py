@@ -1,0 +1,25 @@
+"""Environment defaults applied before Prefect, MLflow or DVC is imported.
+
+Embedded, offline-friendly defaults: no telemetry, a patient ephemeral Prefect server on
+slow machines. Anything the user has already set wins.
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULTS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+    "PREFECT_LOGGING_LOG_PRINTS": "true",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "DVC_NO_ANALYTICS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def configure() -> None:
+    """Set each default that is not already in the environment."""
+    for key, value in DEFAULTS.items():
+        os.environ.setdefault(key, value)

@@ -1,0 +1,88 @@
+"""Checkpoints as safetensors with the architecture in the header; atomic file writes.
+
+Models are never pickled: a checkpoint is a safetensors file whose metadata holds a JSON
+model spec (see ``mergeflow.models.model_spec``) and any extra facts (data size, history).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from mergeflow.errors import MergeflowError
+
+_META_KEY = "mergeflow"
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temp path beside ``path``; on success it replaces ``path`` in one rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """Write canonical, indented JSON atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def save_checkpoint(path: str | Path, state: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+    """Save a state dict as safetensors with ``meta`` (JSON) in the header, atomically."""
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(dict(meta), sort_keys=True)})
+
+
+def _refuse_non_safetensors(path: Path) -> None:
+    with path.open("rb") as f:
+        head = f.read(2)
+    if head[:1] == b"\x80" or head == b"PK":
+        raise MergeflowError(
+            f"{path}: looks like a pickle/torch.save checkpoint; mergeflow never unpickles models. "
+            "Convert it to safetensors (safetensors.torch.save_file) first"
+        )
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Load a safetensors checkpoint and its metadata; clear errors for missing or corrupt files."""
+    path = Path(path)
+    if not path.is_file():
+        raise MergeflowError(f"{path}: checkpoint not found")
+    _refuse_non_safetensors(path)
+    try:
+        state = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as error:
+        raise MergeflowError(f"{path}: corrupt or truncated safetensors checkpoint ({error})") from None
+    return state, json.loads(header.get(_META_KEY, "{}"))
+
+
+def load_model(path: str | Path) -> torch.nn.Module:
+    """Rebuild the model stored in a checkpoint (architecture from its metadata) in eval mode."""
+    from mergeflow.models import build_from_spec
+
+    state, meta = load_checkpoint(path)
+    if "spec" not in meta:
+        raise MergeflowError(f"{path}: checkpoint has no model spec in its metadata")
+    model = build_from_spec(meta["spec"])
+    model.load_state_dict(state)
+    return model.eval()

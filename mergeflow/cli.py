@@ -1,0 +1,136 @@
+"""The ``mergeflow`` command line.
+
+Heavy libraries (torch, Prefect, MLflow) are imported inside the commands that need them,
+so ``--help`` and config errors answer at once. Bad input exits with code 2 and one line
+per problem, naming the key or file, before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mergeflow.errors import ConfigError, MergeflowError
+
+LAST_RUN = Path(".mergeflow") / "last_run.json"
+
+
+def _add_params_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    parser.add_argument(
+        "-S",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a param, e.g. -S merge.options.task_arithmetic.scaling=0.5 (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    from mergeflow.stages import STAGE_NAMES
+
+    parser = argparse.ArgumentParser(prog="mergeflow", description="Federated model merging pipeline.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run the whole pipeline flow (cached stages are skipped)")
+    _add_params_options(run)
+    stage = commands.add_parser("stage", help="run one stage (what dvc.yaml calls)")
+    stage.add_argument("name", choices=STAGE_NAMES)
+    _add_params_options(stage)
+    validate = commands.add_parser("validate", help="check a params file and exit")
+    _add_params_options(validate)
+    dvc = commands.add_parser("dvc-yaml", help="print dvc.yaml generated from the stage registry")
+    dvc.add_argument("--write", action="store_true", help="write ./dvc.yaml instead of printing")
+    ui = commands.add_parser("ui", help="open the MLflow UI on 127.0.0.1")
+    ui.add_argument("--port", type=int, default=5000)
+    commands.add_parser("methods", help="list the registered merge methods")
+    return parser
+
+
+def _run(args: argparse.Namespace, stages: list[str] | None) -> int:
+    from mergeflow.config import load_params
+
+    params = load_params(args.params, args.overrides)
+    from flows.environment import configure
+
+    configure()
+    from flows.pipeline import run_pipeline
+
+    started = time.perf_counter()
+    outcomes = run_pipeline(params, Path.cwd(), stages)
+    elapsed = time.perf_counter() - started
+    LAST_RUN.parent.mkdir(exist_ok=True)
+    LAST_RUN.write_text(json.dumps({"seconds": elapsed, "steps": outcomes}, indent=2) + "\n")
+    ran = [o["name"] for o in outcomes if not o["cached"]]
+    print(f"mergeflow: {len(outcomes)} steps in {elapsed:.1f}s: {len(ran)} ran, {len(outcomes) - len(ran)} cached")
+    if ran:
+        print("  ran: " + ", ".join(ran))
+    return 0
+
+
+def _ui(port: int) -> int:
+    from tasks.tracking import tracking_uri
+
+    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(Path.cwd())]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    print(f"MLflow UI on http://127.0.0.1:{port}")
+    return subprocess.call(command)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        return _run(args, None)
+    if args.command == "stage":
+        return _run(args, [args.name])
+    if args.command == "validate":
+        from mergeflow.config import load_params
+
+        load_params(args.params, args.overrides)
+        print(f"{args.params}: ok")
+        return 0
+    if args.command == "dvc-yaml":
+        from mergeflow.dvcfile import render
+
+        text = render()
+        if args.write:
+            Path("dvc.yaml").write_text(text)
+        else:
+            sys.stdout.write(text)
+        return 0
+    if args.command == "methods":
+        from mergeflow.merge import METHODS
+
+        for method in METHODS.values():
+            print(f"{method.name:18s} {method.summary}")
+        return 0
+    return _ui(args.port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``mergeflow`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ConfigError as error:
+        for line in error.lines:
+            print(f"mergeflow: error: {line}", file=sys.stderr)
+        return 2
+    except (MergeflowError, ValueError) as error:
+        if not isinstance(error, MergeflowError) and type(error).__name__ != "DataError":
+            raise
+        print(f"mergeflow: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

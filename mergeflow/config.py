@@ -1,0 +1,280 @@
+"""The params schema: ``params.yaml`` validated before any work, plus ``-S key=value`` overrides.
+
+Every section is a pydantic model with ``extra="forbid"``, so a misspelt key is an error
+that names it. Stages read whole sections; their names double as DVC ``params:`` entries.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from mergeflow.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PinwheelOptions(_Section):
+    clusters: int = Field(5, ge=2)
+    per_cluster: int = Field(1000, ge=1)
+    radial_std: float = Field(0.3, gt=0)
+    tangential_std: float = Field(0.05, gt=0)
+    rate: float = 0.25
+
+
+class LinregOptions(_Section):
+    n: int = Field(1000, ge=2)
+    dim: int = Field(10, ge=1)
+    noise_std: float = Field(0.5, gt=0)
+    prior_std: float = Field(1.0, gt=0)
+
+
+class HFOptions(_Section):
+    """Any ``datasets.load_dataset`` source: local csv/parquet/json files, or a hub name when online."""
+
+    path: str | None = None
+    name: str | None = None
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    split: str = "train"
+    feature_columns: list[str] | None = None
+    label_column: str = "label"
+    task: Literal["classification", "regression"] = "classification"
+    group_column: str | None = None
+    input_shape: list[int] | None = None
+
+
+class DataConfig(_Section):
+    source: Literal["digits", "wine", "pinwheel", "linreg", "hf"] = "digits"
+    test_fraction: float = Field(0.2, gt=0, lt=1)
+    server_fraction: float = Field(0.1, ge=0, lt=1)
+    standardize: bool = False
+    pinwheel: PinwheelOptions = PinwheelOptions()
+    linreg: LinregOptions = LinregOptions()
+    hf: HFOptions = HFOptions()
+
+    @model_validator(mode="after")
+    def _fractions_leave_training_data(self) -> DataConfig:
+        if self.test_fraction + self.server_fraction >= 0.95:
+            raise ValueError("test_fraction + server_fraction must leave at least 5% for the clients")
+        if self.source == "hf" and not self.hf.path:
+            raise ValueError("source 'hf' needs data.hf.path (e.g. 'csv' with data.hf.data_files)")
+        return self
+
+
+class PartitionConfig(_Section):
+    method: Literal["iid", "dirichlet", "pathological", "natural"] = "dirichlet"
+    num_clients: int = Field(4, ge=1)
+    alpha: float = Field(0.5, gt=0)
+    classes_per_client: int = Field(2, ge=1)
+    min_partition_size: int = Field(10, ge=0)
+
+
+class ModelConfig(_Section):
+    arch: Literal["linear", "mlp", "cnn"] = "mlp"
+    widths: list[int] = [64]
+    activation: Literal["relu", "tanh"] = "relu"
+
+    @field_validator("widths")
+    @classmethod
+    def _positive_widths(cls, widths: list[int]) -> list[int]:
+        if any(w < 1 for w in widths):
+            raise ValueError("every width must be >= 1")
+        return widths
+
+
+class TrainOverride(_Section):
+    """Per-client changes to the fine-tuning defaults (as the SSF paper varies epochs and lr)."""
+
+    epochs: int | None = Field(None, ge=0)
+    lr: float | None = Field(None, gt=0)
+    optimizer: Literal["sgd", "adam"] | None = None
+    momentum: float | None = Field(None, ge=0, lt=1)
+    weight_decay: float | None = Field(None, ge=0)
+    batch_size: int | None = Field(None, ge=1)
+
+
+class TrainConfig(_Section):
+    epochs: int = Field(5, ge=0)
+    lr: float = Field(0.05, gt=0)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    batch_size: int = Field(32, ge=1)
+
+    def with_override(self, override: TrainOverride | None) -> TrainConfig:
+        """These settings with a client's overrides applied."""
+        if override is None:
+            return self
+        changes = override.model_dump(exclude_none=True)
+        return self.model_copy(update=changes)
+
+
+class PretrainConfig(TrainConfig):
+    """Training of the shared base model on the server split (or random init when disabled)."""
+
+    enabled: bool = True
+    epochs: int = Field(20, ge=0)
+
+
+class FinetuneConfig(TrainConfig):
+    clients: dict[int, TrainOverride] = {}
+
+
+class MergeConfig(_Section):
+    methods: list[str] = ["average", "weighted", "task_arithmetic"]
+    options: dict[str, dict[str, Any]] = {}
+
+    @model_validator(mode="after")
+    def _known_methods_and_options(self) -> MergeConfig:
+        from mergeflow.merge import METHODS, validate_options
+
+        for i, name in enumerate(self.methods):
+            if name not in METHODS:
+                raise ValueError(f"methods[{i}]: unknown merge method {name!r}; known: {', '.join(METHODS)}")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError("methods: a method is listed twice")
+        for name, options in self.options.items():
+            if name not in METHODS:
+                raise ValueError(f"options.{name}: unknown merge method {name!r}; known: {', '.join(METHODS)}")
+            try:
+                validate_options(name, options)
+            except ConfigError as error:
+                raise ValueError(error.lines[0].removeprefix("merge.")) from None
+        return self
+
+
+class EvaluateConfig(_Section):
+    ece_bins: int = Field(15, ge=1)
+    batch_size: int = Field(1024, ge=1)
+    noise_std: float = Field(1.0, gt=0)
+
+
+class OrchestrationConfig(_Section):
+    max_workers: int = Field(1, ge=1)
+
+
+class TrackingConfig(_Section):
+    experiment: str = "mergeflow"
+    log_models: bool = True
+
+
+class Params(_Section):
+    """The whole ``params.yaml``."""
+
+    seed: int = 0
+    data: DataConfig = DataConfig()
+    partition: PartitionConfig = PartitionConfig()
+    model: ModelConfig = ModelConfig()
+    pretrain: PretrainConfig = PretrainConfig()
+    finetune: FinetuneConfig = FinetuneConfig()
+    merge: MergeConfig = MergeConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    orchestration: OrchestrationConfig = OrchestrationConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Params:
+        for cid in self.finetune.clients:
+            if not 0 <= cid < self.partition.num_clients:
+                raise ValueError(
+                    f"finetune.clients.{cid}: no such client (partition.num_clients is {self.partition.num_clients})"
+                )
+        if self.model.arch == "cnn" and self.data.source not in ("digits", "hf"):
+            raise ValueError(f"model.arch: 'cnn' needs image-shaped data, and data.source {self.data.source!r} is not")
+        rows = _known_training_rows(self.data)
+        if rows is not None and self.partition.num_clients > rows:
+            raise ValueError(
+                f"partition.num_clients: {self.partition.num_clients} clients but only {rows} training samples"
+            )
+        return self
+
+    def section(self, dotted: str) -> Any:
+        """A section or key as plain JSON data, e.g. ``section("finetune")``."""
+        value: Any = self.model_dump(mode="json")
+        for part in dotted.split("."):
+            value = value[part]
+        return value
+
+
+def _known_training_rows(data: DataConfig) -> int | None:
+    from mergeflow.data import builtin_size
+
+    if data.source == "hf":
+        return None
+    options = {"pinwheel": data.pinwheel.model_dump(), "linreg": data.linreg.model_dump()}.get(data.source, {})
+    total = builtin_size(data.source, **options)
+    return int(total * (1 - data.test_fraction - data.server_fraction))
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split ``a.b=value``; the value is parsed with YAML rules, as ``dvc exp run -S`` does."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError([f"-S {text}: expected KEY=VALUE, e.g. -S merge.methods=[average]"])
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A copy of ``raw`` with each ``key=value`` override set at its dotted path."""
+    result = copy.deepcopy(raw)
+    for text in overrides:
+        key, value = parse_override(text)
+        node = result
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError([f"-S {text}: {part} is not a section"])
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+def _error_lines(error: ValidationError, source: str) -> list[str]:
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(p) for p in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        subkey = re.match(r"^([\w.\[\]]+): (.*)$", message)
+        if subkey:  # a validator that names the exact key below its section
+            key = f"{key}.{subkey.group(1)}" if key else subkey.group(1)
+            message = subkey.group(2)
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        scalar = not isinstance(item["input"], dict | list) and item["type"] != "extra_forbidden"
+        shown = f" (got {json.dumps(item['input'], default=str)})" if scalar else ""
+        where = f"{key}: " if key else ""
+        lines.append(f"{source}: {where}{message}{shown}")
+    return lines
+
+
+def validate_params(raw: dict[str, Any], source: str = "params") -> Params:
+    """Validate a raw params mapping; raise ConfigError with one line per problem."""
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{source}: expected a mapping of sections at the top level"])
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(_error_lines(error, source)) from None
+
+
+def load_params(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> Params:
+    """Read, override and validate a params file. Errors name the file and key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"{path}: params file not found"])
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError([f"{path}: not valid YAML: {error}".replace("\n", " ")]) from None
+    return validate_params(apply_overrides(raw, overrides or []), str(path))

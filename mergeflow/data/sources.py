@@ -1,0 +1,322 @@
+"""Data sources: built-in toy sets and any table that ``datasets.load_dataset`` reads.
+
+Every loader returns ``(dataset, info)``: a ``datasets.Dataset`` with a float32 list
+column ``"x"`` (features flattened to 1-D), a target column ``"y"`` (int64 class id or
+float32 regression target) and optionally a string column ``"group"``, plus a
+JSON-serialisable ``info`` dict describing the task.
+"""
+
+from __future__ import annotations
+
+import glob
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from sklearn.datasets import load_digits, load_wine
+
+from mergeflow.errors import MergeflowError
+
+BUILTIN_SOURCES: tuple[str, ...] = ("digits", "wine", "pinwheel", "linreg")
+TASKS = ("classification", "regression")
+
+_DIGITS_ROWS = 1797
+_WINE_ROWS = 178
+_FILE_SUFFIXES = (".csv", ".tsv", ".parquet", ".json", ".jsonl", ".txt", ".arrow")
+
+
+class DataError(MergeflowError, ValueError):
+    """Data that cannot be loaded, split or partitioned as configured."""
+
+
+def _list_array(x: np.ndarray) -> pa.ListArray:
+    """Arrow ``list<float32>`` column from an ``(N, ...)`` array, rows flattened."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = x.reshape(x.shape[0], int(np.prod(x.shape[1:])))
+    offsets = np.arange(len(x) + 1, dtype=np.int32) * x.shape[1]
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(x.ravel()))
+
+
+def make_dataset(
+    x: np.ndarray, y: np.ndarray, group: np.ndarray | list[str] | None = None
+) -> datasets.Dataset:
+    """Build an in-memory dataset in the ``x`` / ``y`` / ``group`` layout.
+
+    ``y`` keeps its dtype (int64 for classes, float32 for regression targets).
+    """
+    columns: dict[str, pa.Array] = {"x": _list_array(x), "y": pa.array(np.asarray(y))}
+    if group is not None:
+        columns["group"] = pa.array([str(g) for g in group], type=pa.string())
+    return datasets.Dataset(pa.table(columns))
+
+
+def _bind(fn: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
+    """Options merged with ``fn``'s defaults; unknown names raise ``DataError``."""
+    try:
+        bound = inspect.signature(fn).bind(**options)
+    except TypeError as exc:
+        raise DataError(f"bad options for {fn.__name__}: {exc}") from exc
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def builtin_size(source: str, **options: Any) -> int:
+    """Number of rows the built-in ``source`` yields with ``options``, without building it."""
+    if source == "digits":
+        return _DIGITS_ROWS
+    if source == "wine":
+        return _WINE_ROWS
+    if source == "pinwheel":
+        args = _bind(make_pinwheel, options)
+        return int(args["clusters"]) * int(args["per_cluster"])
+    if source == "linreg":
+        return int(_bind(make_linreg, options)["n"])
+    raise DataError(f"unknown built-in source {source!r}; choose one of {', '.join(BUILTIN_SOURCES)}")
+
+
+def _classification_info(source: str, num_classes: int, input_shape: list[int],
+                         class_names: list[str] | None) -> dict[str, Any]:
+    return {
+        "source": source,
+        "task": "classification",
+        "num_classes": num_classes,
+        "input_shape": input_shape,
+        "class_names": class_names,
+    }
+
+
+def load_digits_source() -> tuple[datasets.Dataset, dict[str, Any]]:
+    """The sklearn 8x8 digits (1797 images, 10 classes), pixels scaled to [0, 1]."""
+    bunch = load_digits()
+    ds = make_dataset(bunch.data / 16.0, bunch.target.astype(np.int64))
+    names = [str(c) for c in range(10)]
+    return ds, _classification_info("digits", 10, [1, 8, 8], names)
+
+
+def load_wine_source() -> tuple[datasets.Dataset, dict[str, Any]]:
+    """The sklearn wine set (178 rows, 13 raw features, 3 classes)."""
+    bunch = load_wine()
+    ds = make_dataset(bunch.data, bunch.target.astype(np.int64))
+    names = [str(n) for n in bunch.target_names]
+    return ds, _classification_info("wine", 3, [13], names)
+
+
+def make_pinwheel(
+    clusters: int = 5,
+    per_cluster: int = 1000,
+    radial_std: float = 0.3,
+    tangential_std: float = 0.05,
+    rate: float = 0.25,
+    seed: int = 0,
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """The 2-D pinwheel of Johnson et al. (2016); the class id is the cluster (arm)."""
+    rng = np.random.default_rng(seed)
+    rads = np.linspace(0, 2 * np.pi, clusters, endpoint=False)
+    features = rng.standard_normal((clusters * per_cluster, 2)) * np.array(
+        [radial_std, tangential_std]
+    )
+    features[:, 0] += 1.0
+    labels = np.repeat(np.arange(clusters, dtype=np.int64), per_cluster)
+    angles = rads[labels] + rate * np.exp(features[:, 0])
+    cos, sin = np.cos(angles), np.sin(angles)
+    rotations = np.stack([cos, -sin, sin, cos], axis=1).reshape(-1, 2, 2)
+    points = np.einsum("ti,tij->tj", features, rotations)
+    return make_dataset(points, labels), _classification_info("pinwheel", clusters, [2], None)
+
+
+def make_linreg(
+    n: int = 1000,
+    dim: int = 10,
+    noise_std: float = 0.5,
+    prior_std: float = 1.0,
+    seed: int = 0,
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """Bayesian linear regression with known truth: ``y = X w + noise_std * eps``.
+
+    ``w ~ N(0, prior_std^2 I)``, ``X ~ N(0, I)``, no bias term.
+    """
+    rng = np.random.default_rng(seed)
+    weights = rng.normal(0.0, prior_std, size=dim)
+    x = rng.standard_normal((n, dim))
+    y = x @ weights + noise_std * rng.standard_normal(n)
+    info = {
+        "source": "linreg",
+        "task": "regression",
+        "num_classes": None,
+        "input_shape": [dim],
+        "class_names": None,
+        "noise_std": float(noise_std),
+        "prior_std": float(prior_std),
+        "true_weights": [float(w) for w in weights],
+    }
+    return make_dataset(x, y.astype(np.float32)), info
+
+
+def _check_local_files(data_files: str | list[str] | dict | None) -> None:
+    """Raise ``DataError`` naming the first local data file that does not exist."""
+    if data_files is None:
+        return
+    if isinstance(data_files, str):
+        files: list[str] = [data_files]
+    elif isinstance(data_files, dict):
+        files = [f for v in data_files.values() for f in ([v] if isinstance(v, str) else v)]
+    else:
+        files = list(data_files)
+    for name in files:
+        if "://" in name:
+            continue
+        if any(ch in name for ch in "*?["):
+            if not glob.glob(name, recursive=True):
+                raise DataError(f"data file pattern {name!r} matches no file")
+        elif not Path(name).expanduser().exists():
+            raise DataError(f"data file {name!r} does not exist")
+
+
+def _missing_column(kind: str, column: str, present: list[str]) -> DataError:
+    return DataError(
+        f"{kind} column {column!r} not found in data; columns are: {', '.join(present)}"
+    )
+
+
+def _feature_block(ds: datasets.Dataset, column: str) -> np.ndarray:
+    """One feature column (numbers or fixed-length lists of numbers) as ``(N, k)`` float32."""
+    arr = ds.data.column(column).combine_chunks()
+    while pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or (
+        pa.types.is_fixed_size_list(arr.type)
+    ):
+        lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False)
+        if arr.null_count or (lengths != lengths[0]).any():
+            raise DataError(f"feature column {column!r} holds lists of different lengths")
+        arr = arr.flatten()
+    if not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)
+            or pa.types.is_boolean(arr.type)):
+        raise DataError(
+            f"feature column {column!r} has type {arr.type}; features must be numbers "
+            "or lists of numbers"
+        )
+    if arr.null_count:
+        raise DataError(f"feature column {column!r} has missing values")
+    values = arr.to_numpy(zero_copy_only=False).astype(np.float32)
+    return values.reshape(ds.num_rows, -1)
+
+
+def _labels(ds: datasets.Dataset, column: str, task: str) -> tuple[np.ndarray, list[str] | None]:
+    """Targets as int64 class ids (plus class names when remapped) or float32 values."""
+    arr = ds.data.column(column).combine_chunks()
+    if arr.null_count:
+        raise DataError(f"label column {column!r} has missing values")
+    values = arr.to_numpy(zero_copy_only=False)
+    if task == "regression":
+        try:
+            return values.astype(np.float32), None
+        except (TypeError, ValueError) as exc:
+            raise DataError(f"regression label column {column!r} is not numeric") from exc
+    feature = ds.features[column]
+    if isinstance(feature, datasets.ClassLabel):
+        return values.astype(np.int64), list(feature.names)
+    uniques, codes = np.unique(values, return_inverse=True)
+    contiguous = np.issubdtype(uniques.dtype, np.integer) and np.array_equal(
+        uniques, np.arange(len(uniques))
+    )
+    if contiguous:
+        return values.astype(np.int64), None
+    return codes.astype(np.int64), [str(u) for u in uniques]
+
+
+def load_hf_source(
+    path: str,
+    *,
+    name: str | None = None,
+    data_files: str | list[str] | dict | None = None,
+    split: str = "train",
+    feature_columns: list[str] | None = None,
+    label_column: str = "label",
+    task: str = "classification",
+    group_column: str | None = None,
+    input_shape: list[int] | None = None,
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """Load a table with ``datasets.load_dataset`` and convert it to the x/y/group layout.
+
+    ``path`` is a builder ("csv", "parquet", "json") used with local ``data_files``, or
+    a Hub dataset name (needs network). ``feature_columns=None`` takes every column but
+    the label and group columns; each may hold numbers or lists of numbers. String or
+    non-contiguous class labels are mapped to ``0..C-1`` in sorted order.
+    """
+    if task not in TASKS:
+        raise DataError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    local = path.startswith((".", "/", "~")) or Path(path).suffix in _FILE_SUFFIXES
+    if local and not Path(path).expanduser().exists():
+        raise DataError(f"data path {path!r} does not exist")
+    _check_local_files(data_files)
+    try:
+        raw = datasets.load_dataset(path, name=name, data_files=data_files, split=split)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"could not load dataset {path!r}: {exc}") from exc
+    if raw.num_rows == 0:
+        raise DataError(f"dataset {path!r} split {split!r} has no rows")
+
+    present = list(raw.column_names)
+    if label_column not in present:
+        raise _missing_column("label", label_column, present)
+    if group_column is not None and group_column not in present:
+        raise _missing_column("group", group_column, present)
+    if feature_columns is None:
+        feature_columns = [c for c in present if c not in (label_column, group_column)]
+    if not feature_columns:
+        raise DataError(f"dataset {path!r} has no feature columns besides the label")
+    for column in feature_columns:
+        if column not in present:
+            raise _missing_column("feature", column, present)
+
+    x = np.concatenate([_feature_block(raw, c) for c in feature_columns], axis=1)
+    shape = list(input_shape) if input_shape is not None else [x.shape[1]]
+    if int(np.prod(shape)) != x.shape[1]:
+        raise DataError(
+            f"input_shape {shape} does not match the {x.shape[1]} feature values per row"
+        )
+    y, class_names = _labels(raw, label_column, task)
+    group = raw.data.column(group_column).to_pylist() if group_column is not None else None
+    info = {
+        "source": f"hf:{path}",
+        "task": task,
+        "num_classes": None,
+        "input_shape": shape,
+        "class_names": None,
+    }
+    if task == "classification":
+        info["num_classes"] = len(class_names) if class_names else int(y.max()) + 1
+        info["class_names"] = class_names
+    return make_dataset(x, y, group), info
+
+
+def load_source(
+    source: str, *, seed: int = 0, options: dict[str, Any] | None = None
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """Load a source by name: a built-in one or ``"hf"`` (options go to ``load_hf_source``).
+
+    ``seed`` drives the synthetic sources; ``options`` are the keyword arguments of
+    ``make_pinwheel`` / ``make_linreg`` (without ``seed``) or ``load_hf_source``.
+    """
+    options = dict(options or {})
+    if "seed" in options:
+        raise DataError("pass the seed as load_source(seed=...), not inside options")
+    if source in ("digits", "wine"):
+        if options:
+            raise DataError(f"source {source!r} takes no options, got {', '.join(options)}")
+        return load_digits_source() if source == "digits" else load_wine_source()
+    if source == "pinwheel":
+        return make_pinwheel(**_bind(make_pinwheel, {**options, "seed": seed}))
+    if source == "linreg":
+        return make_linreg(**_bind(make_linreg, {**options, "seed": seed}))
+    if source == "hf":
+        if not options.get("path"):
+            raise DataError("source 'hf' needs options.path (e.g. 'csv' or a Hub name)")
+        return load_hf_source(**_bind(load_hf_source, options))
+    raise DataError(
+        f"unknown data source {source!r}; choose one of {', '.join((*BUILTIN_SOURCES, 'hf'))}"
+    )

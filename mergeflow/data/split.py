@@ -1,0 +1,95 @@
+"""Train / test / server splits and feature standardisation."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import datasets
+import numpy as np
+from sklearn.model_selection import train_test_split
+
+from mergeflow.data.sources import DataError, _list_array
+from mergeflow.data.storage import arrow_table, feature_matrix
+
+
+def _subset(ds: datasets.Dataset, indices: np.ndarray) -> datasets.Dataset:
+    """Rows ``indices`` (sorted, so row order stays deterministic) as a new in-memory dataset."""
+    return datasets.Dataset(arrow_table(ds.select(np.sort(indices))))
+
+
+def _split_off(
+    indices: np.ndarray, labels: np.ndarray | None, size: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Split ``size`` of ``indices`` off, stratified by ``labels`` when that is possible."""
+    stratify = None
+    if labels is not None:
+        counts = np.unique(labels[indices], return_counts=True)[1]
+        n_classes = len(counts)
+        if counts.min() >= 2 and size >= n_classes and len(indices) - size >= n_classes:
+            stratify = labels[indices]
+    rest, taken = train_test_split(
+        indices, test_size=size, random_state=seed, shuffle=True, stratify=stratify
+    )
+    return rest, taken
+
+
+def split_dataset(
+    ds: datasets.Dataset,
+    info: dict[str, Any],
+    *,
+    test_fraction: float,
+    server_fraction: float = 0.0,
+    seed: int = 0,
+) -> dict[str, datasets.Dataset]:
+    """Split into ``"train"``, ``"test"`` and, when ``server_fraction > 0``, ``"server"``.
+
+    Fractions are of the whole dataset (rounded up to whole rows). Classification data
+    is stratified by ``"y"`` unless some class has fewer than two rows. The result is
+    deterministic for a seed and every split keeps the original row order.
+    """
+    n = ds.num_rows
+    if not 0.0 < test_fraction < 1.0:
+        raise DataError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    if not 0.0 <= server_fraction < 1.0:
+        raise DataError(f"server_fraction must be in [0, 1), got {server_fraction}")
+    n_test = math.ceil(test_fraction * n)
+    n_server = math.ceil(server_fraction * n)
+    if n - n_test - n_server < 1:
+        raise DataError(
+            f"test_fraction {test_fraction} + server_fraction {server_fraction} leave no "
+            f"training rows out of {n}"
+        )
+    labels = None
+    if info["task"] == "classification":
+        labels = arrow_table(ds).column("y").to_numpy()
+    rest, test = _split_off(np.arange(n), labels, n_test, seed)
+    server = None
+    if n_server:
+        rest, server = _split_off(rest, labels, n_server, seed)
+    splits = {"train": _subset(ds, rest), "test": _subset(ds, test)}
+    if server is not None:
+        splits["server"] = _subset(ds, server)
+    return splits
+
+
+def standardize(
+    splits: dict[str, datasets.Dataset], fit_on: str = "train"
+) -> tuple[dict[str, datasets.Dataset], dict[str, list[float]]]:
+    """Z-score ``"x"`` in every split with the mean/std of ``splits[fit_on]`` (std 0 -> 1).
+
+    Returns the new splits and ``{"mean": [...], "std": [...]}``.
+    """
+    if fit_on not in splits:
+        raise DataError(f"cannot fit standardisation on missing split {fit_on!r}")
+    x_fit = feature_matrix(splits[fit_on]).astype(np.float64)
+    mean = x_fit.mean(axis=0)
+    std = x_fit.std(axis=0)
+    std[std == 0] = 1.0
+    out = {}
+    for name, ds in splits.items():
+        table = arrow_table(ds)
+        x = (feature_matrix(table) - mean) / std
+        column = table.schema.get_field_index("x")
+        out[name] = datasets.Dataset(table.set_column(column, "x", _list_array(x)))
+    return out, {"mean": mean.tolist(), "std": std.tolist()}

@@ -1,0 +1,60 @@
+"""Parquet storage of datasets and conversion to numpy arrays."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mergeflow.data.sources import DataError
+
+
+def arrow_table(ds: datasets.Dataset) -> pa.Table:
+    """The rows of ``ds`` as a pyarrow table, with any ``select``/``shuffle`` applied."""
+    return ds.with_format("arrow")[:]
+
+
+def feature_matrix(ds: datasets.Dataset | pa.Table) -> np.ndarray:
+    """The ``"x"`` column as a float32 ``(N, D)`` array, read from arrow without Python lists."""
+    table = ds if isinstance(ds, pa.Table) else arrow_table(ds)
+    column = table.column("x").combine_chunks()
+    values = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+    width = values.size // len(column) if len(column) else 0
+    return values.reshape(len(column), width)
+
+
+def save_dataset(ds: datasets.Dataset, path: str | Path) -> None:
+    """Write ``ds`` to a parquet file atomically; identical data gives identical bytes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(arrow_table(ds), tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_dataset_file(path: str | Path) -> datasets.Dataset:
+    """Read a parquet file written by ``save_dataset`` into an in-memory dataset."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"dataset file {str(path)!r} does not exist")
+    return datasets.Dataset(pq.read_table(path))
+
+
+def to_arrays(ds: datasets.Dataset, info: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Features as float32 ``(N, *input_shape)`` and targets as int64 (classes) or float32."""
+    table = arrow_table(ds)
+    x = feature_matrix(table).reshape(table.num_rows, *info["input_shape"])
+    y_dtype = np.int64 if info["task"] == "classification" else np.float32
+    y = table.column("y").to_numpy().astype(y_dtype, copy=False)
+    return x, y

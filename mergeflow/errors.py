@@ -1,0 +1,18 @@
+"""Errors that the command line turns into one clear line and exit code 2."""
+
+from __future__ import annotations
+
+
+class MergeflowError(Exception):
+    """Bad input from the user: a config key, a file or data that cannot be used."""
+
+
+class ConfigError(MergeflowError):
+    """A params file or override that fails validation.
+
+    ``lines`` holds one message per problem, each naming the offending key.
+    """
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines

@@ -1,0 +1,10 @@
+"""Merge methods on plain state dicts: ``merge(method, states, **options)``; ``METHODS`` lists them.
+
+Importing this package registers the built-in methods; a new method is one module here
+with an ``@merge_method`` function, imported below.
+"""
+
+from mergeflow.merge import average, task_arithmetic, weighted  # noqa: F401  (registration)
+from mergeflow.merge.registry import METHODS, MergeMethod, merge, merge_method, validate_options
+
+__all__ = ["METHODS", "MergeMethod", "merge", "merge_method", "validate_options"]

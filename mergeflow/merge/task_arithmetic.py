@@ -1,0 +1,25 @@
+"""Task arithmetic: add the scaled sum of task vectors to the base model."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from mergeflow.merge.registry import merge_method
+
+
+class TaskArithmeticOptions(BaseModel):
+    """λ scales the summed task vectors; 1/K makes it the plain average."""
+
+    model_config = ConfigDict(extra="forbid")
+    scaling: float = 0.3
+
+
+@merge_method("task_arithmetic", options=TaskArithmeticOptions, needs=("base",))
+def task_arithmetic(
+    tensors: list[torch.Tensor], *, base: torch.Tensor | None, weights: torch.Tensor, options: TaskArithmeticOptions
+) -> torch.Tensor:
+    """base + λ·Σ_k (θ_k − base)."""
+    assert base is not None  # guaranteed by needs=("base",)
+    task_vectors = torch.stack(tensors) - base
+    return base + options.scaling * task_vectors.sum(dim=0)

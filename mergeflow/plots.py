@@ -1,0 +1,53 @@
+"""Comparison bar charts of per-model test metrics (no pyplot global state)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+
+def plot_comparison(
+    metrics: dict[str, dict],
+    path: str | Path,
+    *,
+    task: str,
+    title: str = "Test metrics by model",
+) -> None:
+    """Write a PNG with two bar-chart panels: accuracy (classification) or mse
+    (regression) on the left, NLL on the right, one bar per model name.
+
+    The file is written to a temporary file in the same folder and then moved
+    into place with :func:`os.replace`, so readers never see a partial PNG.
+    """
+    primary = {"classification": "accuracy", "regression": "mse"}.get(task)
+    if primary is None:
+        raise ValueError(f"unknown task {task!r}")
+    names = list(metrics)
+    positions = range(len(names))
+    fig = Figure(figsize=(max(10.0, 0.9 * len(names)), 5.0))
+    axes = fig.subplots(1, 2)
+    for ax, key in zip(axes, (primary, "nll")):
+        values = [float(metrics[name][key]) for name in names]
+        ax.bar(positions, values, color="tab:blue" if key == primary else "tab:orange")
+        ax.set_title(key)
+        ax.set_xticks(list(positions), names, rotation=45, ha="right", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        for x, value in zip(positions, values):
+            ax.annotate(f"{value:.3g}", (x, value), ha="center", va="bottom", fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".png", prefix=f".{path.stem}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            fig.savefig(handle, format="png", dpi=120)
+        os.chmod(tmp, 0o644)  # mkstemp creates the file private (0600)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

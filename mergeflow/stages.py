@@ -1,0 +1,127 @@
+"""The one stage registry: each stage's inputs, outputs, params and code.
+
+``dvc.yaml`` is generated from it (``mergeflow dvc-yaml``) and the Prefect pipeline runs
+the same stages in the same order, so the two orchestrators cannot drift apart. Paths are
+relative to the project root. ``plan`` names the function (``module:function``) that turns
+params into the stage's cached steps; it is a string so this module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage.
+
+    ``deps`` are artifact inputs, ``code`` the source paths whose content is part of the
+    cache key (and a DVC dependency), ``params`` the params keys it reads, ``outs`` the
+    cached outputs, ``metrics``/``plots`` small outputs kept in git rather than the cache.
+    ``phases`` run one after another; the steps inside one phase may run in parallel.
+    """
+
+    name: str
+    summary: str
+    phases: tuple[str, ...]
+    deps: tuple[str, ...] = ()
+    code: tuple[str, ...] = ()
+    params: tuple[str, ...] = ()
+    outs: tuple[str, ...] = ()
+    metrics: tuple[str, ...] = ()
+    plots: tuple[str, ...] = ()
+
+    @property
+    def produced(self) -> tuple[str, ...]:
+        """Every path the stage writes."""
+        return self.outs + self.metrics + self.plots
+
+
+_TRAINING_CODE = ("mergeflow/models.py", "mergeflow/training.py", "mergeflow/checkpoints.py", "tasks/training.py")
+_CENTRALIZED_PARAMS = tuple(
+    f"finetune.{key}" for key in ("epochs", "lr", "optimizer", "momentum", "weight_decay", "batch_size")
+)
+
+STAGES: tuple[Stage, ...] = (
+    Stage(
+        name="prepare",
+        summary="Load the data source, split train/test/server, save as parquet datasets.",
+        phases=("tasks.data:plan_prepare",),
+        code=("mergeflow/data", "tasks/data.py"),
+        params=("seed", "data"),
+        outs=("data/prepared",),
+    ),
+    Stage(
+        name="partition",
+        summary="Split the training set across clients with flwr-datasets partitioners.",
+        phases=("tasks.data:plan_partition",),
+        deps=("data/prepared",),
+        code=("mergeflow/data", "tasks/data.py"),
+        params=("seed", "partition"),
+        outs=("data/partitions",),
+        metrics=("metrics/partition.json",),
+        plots=("plots/partition.png",),
+    ),
+    Stage(
+        name="pretrain",
+        summary="Train the shared base model on the server split (or initialise it).",
+        phases=("tasks.training:plan_pretrain",),
+        deps=("data/prepared",),
+        code=_TRAINING_CODE,
+        params=("seed", "model", "pretrain"),
+        outs=("models/base",),
+    ),
+    Stage(
+        name="finetune",
+        summary="Fine-tune one model per client from the base model (one cached task per client).",
+        phases=("tasks.training:plan_finetune",),
+        deps=("models/base", "data/partitions"),
+        code=_TRAINING_CODE,
+        params=("seed", "finetune"),
+        outs=("models/clients",),
+    ),
+    Stage(
+        name="centralized",
+        summary="Train the oracle on the pooled client data with the fine-tuning defaults.",
+        phases=("tasks.training:plan_centralized",),
+        deps=("models/base", "data/partitions"),
+        code=_TRAINING_CODE,
+        params=("seed", *_CENTRALIZED_PARAMS),
+        outs=("models/centralized",),
+    ),
+    Stage(
+        name="merge",
+        summary="Merge the client models with each configured method (one cached task per method).",
+        phases=("tasks.merging:plan_merge",),
+        deps=("models/base", "models/clients"),
+        code=("mergeflow/merge", "mergeflow/checkpoints.py", "tasks/merging.py"),
+        params=("merge",),
+        outs=("models/merged",),
+    ),
+    Stage(
+        name="evaluate",
+        summary="Test metrics of every model, the comparison plot, and the MLflow runs.",
+        phases=("tasks.evaluation:plan_evaluate", "tasks.tracking:plan_track"),
+        deps=("data/prepared", "models/base", "models/clients", "models/centralized", "models/merged"),
+        code=(
+            "mergeflow/evaluation.py",
+            "mergeflow/plots.py",
+            "mergeflow/checkpoints.py",
+            "tasks/evaluation.py",
+            "tasks/tracking.py",
+        ),
+        params=("evaluate", "tracking"),
+        metrics=("metrics/evaluate.json",),
+        plots=("plots/comparison.png",),
+    ),
+)
+
+STAGE_NAMES: tuple[str, ...] = tuple(stage.name for stage in STAGES)
+
+
+def get_stage(name: str) -> Stage:
+    """The stage called ``name``; ValueError listing the known names otherwise."""
+    for stage in STAGES:
+        if stage.name == name:
+            return stage
+    raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGE_NAMES)}")

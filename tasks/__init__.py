@@ -1,0 +1,1 @@
+"""Prefect tasks wrapping mergeflow library calls: cache keys, artifact store, MLflow logging."""

@@ -1,0 +1,95 @@
+"""Steps of the ``prepare`` and ``partition`` stages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mergeflow.checkpoints import write_json
+from mergeflow.config import Params
+from mergeflow.data import (
+    load_dataset_file,
+    load_source,
+    partition_dataset,
+    partition_stats,
+    plot_partition_stats,
+    save_dataset,
+    split_dataset,
+    standardize,
+)
+from tasks.steps import Step
+
+PREPARED = "data/prepared"
+PARTITIONS = "data/partitions"
+_CODE = ("mergeflow/data", "tasks/data.py")
+
+
+def client_file(client: int) -> str:
+    """Relative path of one client's partition."""
+    return f"{PARTITIONS}/client_{client:03d}.parquet"
+
+
+def read_info(root: Path, directory: str = PREPARED) -> dict[str, Any]:
+    """The dataset facts (task, classes, input shape) saved beside the data."""
+    return json.loads((root / directory / "info.json").read_text())
+
+
+def plan_prepare(params: Params) -> list[Step]:
+    """One step: build the dataset and its splits."""
+    return [Step("prepare", "tasks.data:prepare", {"seed": params.seed, "data": params.section("data")}, code=_CODE)]
+
+
+def prepare(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """Load the source, split it (stratified, seeded), optionally standardise, save parquet files."""
+    data = params["data"]
+    source = data["source"]
+    options = data.get(source, {}) if source in ("pinwheel", "linreg", "hf") else {}
+    dataset, info = load_source(source, seed=params["seed"], options=options)
+    splits = split_dataset(
+        dataset, info, test_fraction=data["test_fraction"], server_fraction=data["server_fraction"], seed=params["seed"]
+    )
+    if data["standardize"]:
+        splits, info["standardization"] = standardize(splits)
+    for name, split in splits.items():
+        save_dataset(split, out / PREPARED / f"{name}.parquet")
+    info["sizes"] = {name: len(split) for name, split in splits.items()}
+    write_json(out / PREPARED / "info.json", info)
+    return info["sizes"]
+
+
+def plan_partition(params: Params) -> list[Step]:
+    """One step: partition the training split across the clients."""
+    return [
+        Step(
+            "partition",
+            "tasks.data:partition",
+            {"seed": params.seed, "partition": params.section("partition")},
+            inputs=(f"{PREPARED}/train.parquet", f"{PREPARED}/info.json"),
+            code=_CODE,
+        )
+    ]
+
+
+def partition(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """Write one parquet file per client, the partition statistics and their plot."""
+    spec = params["partition"]
+    info = read_info(root)
+    train = load_dataset_file(root / PREPARED / "train.parquet")
+    parts = partition_dataset(
+        train,
+        method=spec["method"],
+        num_clients=spec["num_clients"],
+        seed=params["seed"],
+        alpha=spec["alpha"],
+        classes_per_client=spec["classes_per_client"],
+        min_partition_size=spec["min_partition_size"],
+    )
+    for client, part in enumerate(parts):
+        save_dataset(part, out / client_file(client))
+    write_json(out / PARTITIONS / "info.json", info)
+    stats = partition_stats(parts, info)
+    write_json(out / "metrics/partition.json", stats)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    plot_partition_stats(stats, out / "plots/partition.png")
+    return {"sizes": stats["sizes"]}

@@ -1,0 +1,76 @@
+"""Step of the ``evaluate`` stage: test metrics of every model and the comparison plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mergeflow.checkpoints import load_model, write_json
+from mergeflow.config import Params
+from mergeflow.data import load_dataset_file, to_arrays
+from mergeflow.evaluation import best_model, ensemble_outputs, evaluate_outputs
+from mergeflow.plots import plot_comparison
+from mergeflow.training import predict
+from tasks.data import PREPARED, read_info
+from tasks.merging import merged_checkpoint
+from tasks.steps import Step
+from tasks.training import BASE, CENTRALIZED, client_checkpoint
+
+METRICS = "metrics/evaluate.json"
+PLOT = "plots/comparison.png"
+_CODE = ("mergeflow/evaluation.py", "mergeflow/plots.py", "mergeflow/checkpoints.py", "tasks/evaluation.py")
+
+
+def plan_evaluate(params: Params) -> list[Step]:
+    """One step over every model the pipeline produced."""
+    clients = tuple(client_checkpoint(c) for c in range(params.partition.num_clients))
+    merged = tuple(merged_checkpoint(m) for m in params.merge.methods)
+    step_params = {
+        "evaluate": params.section("evaluate"),
+        "num_clients": len(clients),
+        "methods": list(params.merge.methods),
+    }
+    return [
+        Step(
+            "evaluate",
+            "tasks.evaluation:evaluate",
+            step_params,
+            inputs=(f"{PREPARED}/test.parquet", f"{PREPARED}/info.json", BASE, CENTRALIZED, *clients, *merged),
+            code=_CODE,
+        )
+    ]
+
+
+def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """Metrics for base, clients, best client, ensemble, centralized and each merge; gain vs centralized."""
+    settings = params["evaluate"]
+    info = read_info(root)
+    task = info["task"]
+    X, y = to_arrays(load_dataset_file(root / PREPARED / "test.parquet"), info)
+    noise_std = info.get("noise_std") or settings["noise_std"]
+
+    def score(outputs: np.ndarray) -> dict[str, float]:
+        return evaluate_outputs(outputs, y, task=task, n_bins=settings["ece_bins"], noise_std=noise_std)
+
+    def outputs_of(path: str) -> np.ndarray:
+        return predict(load_model(root / path), X, batch_size=settings["batch_size"])
+
+    metrics: dict[str, dict[str, Any]] = {"base": score(outputs_of(BASE))}
+    client_outputs = {}
+    for client in range(params["num_clients"]):
+        client_outputs[f"client_{client:03d}"] = outputs_of(client_checkpoint(client))
+        metrics[f"client_{client:03d}"] = score(client_outputs[f"client_{client:03d}"])
+    best = best_model({name: metrics[name] for name in client_outputs}, task=task)
+    metrics["best_client"] = {**metrics[best], "client": int(best.removeprefix("client_"))}
+    metrics["ensemble"] = score(ensemble_outputs(list(client_outputs.values()), task=task))
+    metrics["centralized"] = score(outputs_of(CENTRALIZED))
+    for method in params["methods"]:
+        merged = score(outputs_of(merged_checkpoint(method)))
+        if task == "classification":
+            merged["accuracy_gain"] = merged["accuracy"] - metrics["centralized"]["accuracy"]
+        metrics[f"merged/{method}"] = merged
+    write_json(out / METRICS, metrics)
+    plot_comparison(metrics, out / PLOT, task=task)
+    return {"best_client": best}

@@ -1,0 +1,29 @@
+"""Run a registry stage: plan its steps from params, execute them cached, tidy its outputs."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from mergeflow.config import Params
+from mergeflow.stages import Stage
+from tasks.steps import StepOutcome, resolve, run_steps
+
+log = logging.getLogger("mergeflow")
+
+
+def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
+    """Execute a stage's phases in order and remove stale files from its outputs."""
+    from tasks.store import ArtifactStore
+
+    outcomes: list[StepOutcome] = []
+    for phase in stage.phases:
+        steps = resolve(phase)(params)
+        outcomes += run_steps(steps, root)
+    produced = {name for outcome in outcomes for name in outcome.files}
+    for stale in ArtifactStore(root).prune_outputs(stage.produced, produced):
+        log.info("removed stale output %s", stale)
+    for outcome in outcomes:
+        status = "cached  " if outcome.cached else f"ran {outcome.seconds:5.1f}s"
+        log.info("%-12s %-32s %s", stage.name, outcome.name, status)
+    return outcomes

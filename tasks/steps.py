@@ -1,0 +1,123 @@
+"""Cached steps: one Prefect task type whose cache key is built from content, not objects.
+
+A step is a plain function ``fn(params, root, out) -> summary`` that reads its inputs from
+the project root and writes its outputs under ``out`` with their final relative paths.
+The cache key hashes the step's name, its code files, its params (canonical JSON) and the
+sha256 of every input file, so it is stable across processes and machines; torch objects
+never enter it. The task's persisted result is the output manifest, so a hit in a new
+process re-materialises the files from the artifact store without running the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.context import TaskRunContext
+
+from tasks.store import ArtifactStore, hash_paths
+
+StepFunction = Callable[[dict[str, Any], Path, Path], dict[str, Any]]
+
+# Bump to invalidate every cached step (e.g. after a change to the manifest format).
+CACHE_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One unit of cached work: ``fn`` (as ``module:function``) on ``params`` and ``inputs``."""
+
+    name: str
+    fn: str
+    params: dict[str, Any]
+    inputs: tuple[str, ...] = ()
+    code: tuple[str, ...] = ()
+
+
+@dataclass
+class StepOutcome:
+    """What happened to a step: executed or served from the cache, and what it made."""
+
+    name: str
+    cached: bool
+    seconds: float
+    files: dict[str, str] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def project_root_of_code() -> Path:
+    """The directory that holds the ``mergeflow`` and ``tasks`` packages (code paths are relative to it)."""
+    return Path(__file__).resolve().parent.parent
+
+
+def step_key(step: Step, root: Path) -> str:
+    """The content-addressed cache key of a step."""
+    payload = {
+        "version": CACHE_VERSION,
+        "step": step.name,
+        "fn": step.fn,
+        "params": step.params,
+        "code": hash_paths(project_root_of_code(), step.code),
+        "inputs": hash_paths(root, step.inputs),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
+    return f"{parameters['step'].name.replace('/', '-')}-{parameters['key']}"
+
+
+def resolve(reference: str) -> StepFunction:
+    """Import ``module:function``."""
+    module, _, name = reference.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@task(cache_key_fn=_cache_key, persist_result=True, result_serializer="json")
+def execute_step(step: Step, key: str, root: str) -> dict[str, Any]:
+    """Run a step into a scratch directory and move its outputs into the artifact store.
+
+    ``key`` is computed by the caller (``step_key``) so that it is hashed once and reported.
+    """
+    store = ArtifactStore(Path(root))
+    started = time.perf_counter()
+    with store.scratch_dir() as scratch:
+        summary = resolve(step.fn)(step.params, Path(root), Path(scratch))
+        files = store.ingest(Path(scratch))
+    return {"files": files, "summary": summary, "seconds": time.perf_counter() - started}
+
+
+def _results_dir(root: Path) -> Path:
+    return root / ".mergeflow" / "results"
+
+
+def run_steps(steps: list[Step], root: Path) -> list[StepOutcome]:
+    """Submit steps to the flow's task runner, wait, and materialise their outputs.
+
+    A cache hit whose blobs were deleted from the store is re-executed.
+    """
+    store = ArtifactStore(root)
+    runner = execute_step.with_options(result_storage=_results_dir(root))
+    submitted = []
+    for step in steps:
+        key = step_key(step, root)
+        future = runner.with_options(task_run_name=step.name).submit(step, key, str(root))
+        submitted.append((step, key, future))
+    outcomes = []
+    for step, key, future in submitted:
+        result = future.result()
+        cached = future.state.name == "Cached"
+        if cached and not store.has(result["files"]):
+            result = runner.with_options(task_run_name=step.name, refresh_cache=True)(step, key, str(root))
+            cached = False
+        store.materialise(result["files"])
+        seconds = 0.0 if cached else result["seconds"]
+        outcomes.append(StepOutcome(step.name, cached, seconds, result["files"], result["summary"]))
+    return outcomes

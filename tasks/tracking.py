@@ -1,0 +1,154 @@
+"""MLflow logging of a pipeline's results: a parent run, one child per client and per merge.
+
+The logging step is cached like any other: its key covers the evaluated artifacts, the
+params and the tracking URI, so re-running an unchanged pipeline logs nothing twice,
+while pointing at a new tracking server logs the results there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from mergeflow.checkpoints import load_checkpoint, load_model
+from mergeflow.config import Params
+from tasks.data import PARTITIONS, PREPARED
+from tasks.evaluation import METRICS, PLOT
+from tasks.merging import merged_checkpoint
+from tasks.steps import Step
+from tasks.store import hash_paths
+from tasks.training import client_checkpoint
+
+PARTITION_METRICS = "metrics/partition.json"
+PARTITION_PLOT = "plots/partition.png"
+_MAX_PARAMS_PER_CALL = 100
+
+
+def tracking_uri(root: Path) -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else an absolute SQLite store at the project root."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(root / 'mlflow.db').resolve()}"
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested params as ``a.b.c`` keys with string values, for ``log_params``."""
+    flat: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = json.dumps(value) if not isinstance(value, str) else value
+    return flat
+
+
+def plan_track(params: Params) -> list[Step]:
+    """One step that logs the whole pipeline's results to MLflow."""
+    clients = tuple(client_checkpoint(c) for c in range(params.partition.num_clients))
+    merged = tuple(merged_checkpoint(m) for m in params.merge.methods)
+    step_params = {
+        "params": params.model_dump(mode="json", exclude={"orchestration"}),
+        "uri": os.environ.get("MLFLOW_TRACKING_URI", "local"),
+    }
+    inputs = (METRICS, PLOT, PARTITION_METRICS, PARTITION_PLOT, *clients, *merged)
+    return [Step("track", "tasks.tracking:track", step_params, inputs=inputs, code=("tasks/tracking.py",))]
+
+
+def _git_commit(root: Path) -> str:
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return done.stdout.strip() or "unknown"
+
+
+def _digest(hashes: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _experiment_id(mlflow, name: str, root: Path) -> str:
+    experiment = mlflow.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = (root / "mlruns").resolve().as_uri() if "MLFLOW_TRACKING_URI" not in os.environ else None
+    return mlflow.create_experiment(name, artifact_location=location)
+
+
+def _log_params(mlflow, params: dict[str, str]) -> None:
+    items = list(params.items())
+    for start in range(0, len(items), _MAX_PARAMS_PER_CALL):
+        mlflow.log_params(dict(items[start : start + _MAX_PARAMS_PER_CALL]))
+
+
+def _test_metrics(values: dict[str, Any]) -> dict[str, float]:
+    return {f"test_{k}": float(v) for k, v in values.items() if k != "client"}
+
+
+def _log_client(mlflow, root: Path, client: int, metrics: dict[str, Any]) -> None:
+    from mlflow.entities import Metric
+
+    _, meta = load_checkpoint(root / client_checkpoint(client))
+    with mlflow.start_run(run_name=f"client_{client:03d}", nested=True, tags={"mergeflow.kind": "client"}):
+        mlflow.set_tag("mergeflow.client", str(client))
+        _log_params(mlflow, {**flatten(meta["train"]), "num_examples": str(meta["num_examples"])})
+        history = [Metric("train_loss", float(v), 0, step) for step, v in enumerate(meta["step_losses"])]
+        client_run = mlflow.active_run().info.run_id
+        mlflow.tracking.MlflowClient().log_batch(client_run, metrics=history)
+        mlflow.log_metrics(_test_metrics(metrics[f"client_{client:03d}"]))
+
+
+def _log_merge(mlflow, root: Path, method: str, metrics: dict[str, Any], example, log_models: bool) -> None:
+    import mlflow.pytorch
+    import torch
+
+    path = root / merged_checkpoint(method)
+    _, meta = load_checkpoint(path)
+    tags = {"mergeflow.kind": "merge", "mergeflow.method": method}
+    with mlflow.start_run(run_name=f"merge_{method}", nested=True, tags=tags):
+        _log_params(mlflow, {"method": method, **flatten(meta["options"], "option.")})
+        mlflow.log_metrics(_test_metrics(metrics[f"merged/{method}"]))
+        mlflow.log_artifact(str(path), "checkpoint")
+        if log_models:
+            mlflow.pytorch.log_model(
+                load_model(path),
+                name="model",
+                input_example=example,
+                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+            )
+
+
+def track(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """Log the parent pipeline run and its client and merge child runs."""
+    import mlflow
+    import numpy as np
+
+    from mergeflow.data import load_dataset_file, to_arrays
+    from tasks.data import read_info
+
+    config = params["params"]
+    mlflow.set_tracking_uri(tracking_uri(root))
+    experiment_id = _experiment_id(mlflow, config["tracking"]["experiment"], root)
+    metrics = json.loads((root / METRICS).read_text())
+    info = read_info(root)
+    X, _ = to_arrays(load_dataset_file(root / PREPARED / "test.parquet"), info)
+    example = np.ascontiguousarray(X[:2], dtype=np.float32)
+    tags = {
+        "mergeflow.kind": "pipeline",
+        "mergeflow.git_commit": _git_commit(root),
+        "mergeflow.data_hash": _digest(hash_paths(root, [PREPARED, PARTITIONS])),
+        "mergeflow.params_hash": _digest({"params": json.dumps(config, sort_keys=True)}),
+    }
+    with mlflow.start_run(experiment_id=experiment_id, run_name="pipeline", tags=tags) as parent:
+        _log_params(mlflow, flatten(config))
+        for name in ("base", "centralized", "ensemble", "best_client"):
+            mlflow.log_metrics({f"{name}.{k}": v for k, v in _test_metrics(metrics[name]).items()})
+        for artifact in (METRICS, PLOT, PARTITION_METRICS, PARTITION_PLOT):
+            mlflow.log_artifact(str(root / artifact), Path(artifact).parent.name)
+        for client in range(config["partition"]["num_clients"]):
+            _log_client(mlflow, root, client, metrics)
+        for method in config["merge"]["methods"]:
+            _log_merge(mlflow, root, method, metrics, example, config["tracking"]["log_models"])
+    return {"run_id": parent.info.run_id, "experiment_id": experiment_id}

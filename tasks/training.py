@@ -1,0 +1,143 @@
+"""Steps of the ``pretrain``, ``finetune`` and ``centralized`` stages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mergeflow.checkpoints import load_checkpoint, save_checkpoint
+from mergeflow.config import Params
+from mergeflow.data import load_dataset_file, to_arrays
+from mergeflow.models import build_from_spec, model_spec
+from mergeflow.seeding import derive_seed
+from mergeflow.training import train
+from tasks.data import PARTITIONS, PREPARED, client_file, read_info
+from tasks.steps import Step
+
+BASE = "models/base/base.safetensors"
+CLIENTS = "models/clients"
+CENTRALIZED = "models/centralized/centralized.safetensors"
+_CODE = ("mergeflow/models.py", "mergeflow/training.py", "mergeflow/checkpoints.py", "tasks/training.py")
+_TRAIN_KEYS = ("epochs", "lr", "optimizer", "momentum", "weight_decay", "batch_size")
+
+
+def client_checkpoint(client: int) -> str:
+    """Relative path of one client's fine-tuned model."""
+    return f"{CLIENTS}/client_{client:03d}.safetensors"
+
+
+def _output_dim(info: dict[str, Any]) -> int:
+    return info["num_classes"] if info["task"] == "classification" else 1
+
+
+def _fit(model, X: np.ndarray, y: np.ndarray, task: str, settings: dict[str, Any], seed: int, label: str):
+    return train(model, X, y, task=task, seed=seed, progress=label, **{k: settings[k] for k in _TRAIN_KEYS})
+
+
+def plan_pretrain(params: Params) -> list[Step]:
+    """One step: the shared base model."""
+    step_params = {"seed": params.seed, "model": params.section("model"), "pretrain": params.section("pretrain")}
+    return [Step("pretrain", "tasks.training:pretrain", step_params, inputs=(PREPARED,), code=_CODE)]
+
+
+def pretrain(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """Initialise the base model from the shared seed and train it on the server split if enabled."""
+    info = read_info(root)
+    model_cfg = params["model"]
+    spec = model_spec(
+        model_cfg["arch"],
+        info["input_shape"],
+        _output_dim(info),
+        widths=model_cfg["widths"],
+        activation=model_cfg["activation"],
+        seed=derive_seed(params["seed"], "init"),
+    )
+    model = build_from_spec(spec)
+    settings = params["pretrain"]
+    losses: list[float] = []
+    server = root / PREPARED / "server.parquet"
+    if settings["enabled"] and server.is_file():
+        X, y = to_arrays(load_dataset_file(server), info)
+        result = _fit(model, X, y, info["task"], settings, derive_seed(params["seed"], "pretrain"), "pretrain")
+        losses = result.epoch_losses
+    save_checkpoint(out / BASE, model.state_dict(), {"spec": spec, "role": "base", "epoch_losses": losses})
+    return {"trained": bool(losses)}
+
+
+def _client_settings(params: Params, client: int) -> dict[str, Any]:
+    override = params.finetune.clients.get(client)
+    return params.finetune.with_override(override).model_dump(include=set(_TRAIN_KEYS))
+
+
+def plan_finetune(params: Params) -> list[Step]:
+    """One step per client, keyed by that client's own settings and partition only."""
+    return [
+        Step(
+            f"finetune/client_{client:03d}",
+            "tasks.training:finetune_client",
+            {"seed": params.seed, "client": client, "train": _client_settings(params, client)},
+            inputs=(BASE, client_file(client), f"{PARTITIONS}/info.json"),
+            code=_CODE,
+        )
+        for client in range(params.partition.num_clients)
+    ]
+
+
+def _train_from_base(root: Path, X: np.ndarray, y: np.ndarray, settings: dict[str, Any], seed: int, label: str):
+    info = read_info(root, PARTITIONS)
+    state, meta = load_checkpoint(root / BASE)
+    model = build_from_spec(meta["spec"])
+    model.load_state_dict(state)
+    result = _fit(model, X, y, info["task"], settings, seed, label)
+    return model, meta["spec"], result
+
+
+def finetune_client(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """Fine-tune the base model on one client's partition."""
+    client = params["client"]
+    info = read_info(root, PARTITIONS)
+    X, y = to_arrays(load_dataset_file(root / client_file(client)), info)
+    seed = derive_seed(params["seed"], "finetune", client)
+    model, spec, result = _train_from_base(root, X, y, params["train"], seed, f"client {client}")
+    meta = {
+        "spec": spec,
+        "role": "client",
+        "client": client,
+        "num_examples": len(y),
+        "train": params["train"],
+        "step_losses": result.losses,
+        "epoch_losses": result.epoch_losses,
+    }
+    save_checkpoint(out / client_checkpoint(client), model.state_dict(), meta)
+    return {"num_examples": len(y), "final_loss": result.epoch_losses[-1] if result.epoch_losses else None}
+
+
+def plan_centralized(params: Params) -> list[Step]:
+    """One step: the oracle trained on all client data pooled, with the fine-tuning defaults."""
+    settings = params.finetune.model_dump(include=set(_TRAIN_KEYS))
+    files = tuple(client_file(c) for c in range(params.partition.num_clients))
+    return [
+        Step(
+            "centralized",
+            "tasks.training:centralized",
+            {"seed": params.seed, "train": settings, "num_clients": params.partition.num_clients},
+            inputs=(BASE, f"{PARTITIONS}/info.json", *files),
+            code=_CODE,
+        )
+    ]
+
+
+def centralized(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """Train from the base model on the union of the client partitions."""
+    info = read_info(root, PARTITIONS)
+    clients = range(params["num_clients"])
+    arrays = [to_arrays(load_dataset_file(root / client_file(c)), info) for c in clients]
+    X = np.concatenate([a[0] for a in arrays])
+    y = np.concatenate([a[1] for a in arrays])
+    seed = derive_seed(params["seed"], "centralized")
+    model, spec, result = _train_from_base(root, X, y, params["train"], seed, "centralized")
+    meta = {"spec": spec, "role": "centralized", "num_examples": len(y), "epoch_losses": result.epoch_losses}
+    save_checkpoint(out / CENTRALIZED, model.state_dict(), meta)
+    return {"num_examples": len(y)}

@@ -1,0 +1,72 @@
+"""Params validation: one clear line naming the key, and -S overrides with YAML rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mergeflow.config import apply_overrides, load_params, validate_params
+from mergeflow.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_committed_params_are_valid():
+    params = load_params(ROOT / "params.yaml")
+    assert params.partition.num_clients >= 2
+    assert params.merge.methods
+
+
+def test_overrides_parse_yaml_values():
+    raw = apply_overrides({"merge": {"methods": ["average"]}}, ["merge.methods=[average, weighted]", "seed=3"])
+    assert raw == {"merge": {"methods": ["average", "weighted"]}, "seed": 3}
+
+
+def test_client_override_keys_become_ints():
+    params = validate_params(apply_overrides({}, ["finetune.clients.1.lr=0.2"]))
+    assert params.finetune.with_override(params.finetune.clients[1]).lr == 0.2
+    assert params.finetune.with_override(params.finetune.clients.get(0)).lr == params.finetune.lr
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("partition.alpha=0", "partition.alpha"),
+        ("partition.alpha=-1", "partition.alpha"),
+        ("partition.num_clients=abc", "partition.num_clients"),
+        ("partition.num_clients=5000", "partition.num_clients"),
+        ("merge.methods=[average, nope]", "methods[1]"),
+        ("merge.options.task_arithmetic.bogus=1", "merge.options.task_arithmetic.bogus"),
+        ("data.source=mnist", "data.source"),
+        ("finetune.lr=-0.1", "finetune.lr"),
+        ("finetune.clients.9.lr=0.1", "finetune.clients.9"),
+        ("surprise=1", "surprise"),
+        ("model.arch=cnn", "model.arch"),
+        ("data.test_fraction=1.5", "data.test_fraction"),
+    ],
+)
+def test_bad_values_name_their_key(override, key):
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    if override == "model.arch=cnn":
+        raw["data"]["source"] = "wine"
+    with pytest.raises(ConfigError) as error:
+        validate_params(apply_overrides(raw, [override]), "params.yaml")
+    assert key in str(error.value)
+    assert all(line.startswith("params.yaml:") for line in error.value.lines)
+
+
+def test_unknown_key_is_reported_as_unknown():
+    with pytest.raises(ConfigError, match=r"data\.sorce: unknown key"):
+        validate_params({"data": {"sorce": "digits"}})
+
+
+def test_missing_params_file(tmp_path):
+    with pytest.raises(ConfigError, match="params file not found"):
+        load_params(tmp_path / "nope.yaml")
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_params(ROOT / "params.yaml", ["novalue"])
