@@ -122,9 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in error.lines:
             print(f"mergeflow: error: {line}", file=sys.stderr)
         return 2
-    except (MergeflowError, ValueError) as error:
-        if not isinstance(error, MergeflowError) and type(error).__name__ != "DataError":
-            raise
+    except MergeflowError as error:
         print(f"mergeflow: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

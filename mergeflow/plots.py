@@ -29,13 +29,13 @@ def plot_comparison(
     positions = range(len(names))
     fig = Figure(figsize=(max(10.0, 0.9 * len(names)), 5.0))
     axes = fig.subplots(1, 2)
-    for ax, key in zip(axes, (primary, "nll")):
+    for ax, key in zip(axes, (primary, "nll"), strict=True):
         values = [float(metrics[name][key]) for name in names]
         ax.bar(positions, values, color="tab:blue" if key == primary else "tab:orange")
         ax.set_title(key)
         ax.set_xticks(list(positions), names, rotation=45, ha="right", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-        for x, value in zip(positions, values):
+        for x, value in zip(positions, values, strict=True):
             ax.annotate(f"{value:.3g}", (x, value), ha="center", va="bottom", fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
+
+from prefect.logging import get_run_logger
 
 from mergeflow.config import Params
 from mergeflow.stages import Stage
 from tasks.steps import StepOutcome, resolve, run_steps
-
-log = logging.getLogger("mergeflow")
 
 
 def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
     """Execute a stage's phases in order and remove stale files from its outputs."""
     from tasks.store import ArtifactStore
 
+    log = get_run_logger()
     outcomes: list[StepOutcome] = []
     for phase in stage.phases:
         steps = resolve(phase)(params)

@@ -131,6 +131,7 @@ def track(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     config = params["params"]
     mlflow.set_tracking_uri(tracking_uri(root))
     experiment_id = _experiment_id(mlflow, config["tracking"]["experiment"], root)
+    mlflow.set_experiment(experiment_id=experiment_id)  # nested child runs follow the active experiment
     metrics = json.loads((root / METRICS).read_text())
     info = read_info(root)
     X, _ = to_arrays(load_dataset_file(root / PREPARED / "test.parquet"), info)

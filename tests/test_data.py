@@ -146,8 +146,14 @@ def test_hf_parquet_list_features_and_regression(tmp_path):
     df.to_parquet(path)
     ds, info = load_source(
         "hf",
-        options={"path": "parquet", "data_files": [str(path)], "label_column": "t", "task": "regression",
-                 "feature_columns": ["img", "s"], "input_shape": [5]},
+        options={
+            "path": "parquet",
+            "data_files": [str(path)],
+            "label_column": "t",
+            "task": "regression",
+            "feature_columns": ["img", "s"],
+            "input_shape": [5],
+        },
     )
     x, y = to_arrays(ds, info)
     assert x.shape == (8, 5) and x[3].tolist() == [3.0, 3.5, 1.0, 2.0, 3.0]
@@ -270,9 +276,9 @@ def test_dirichlet_partition_is_skewed_and_seeded(train, digits):
 
 def test_pathological_partition_has_k_classes_per_client(train, digits):
     stats = partition_stats(
-        partition_dataset(train, method="pathological", num_clients=6, classes_per_client=3, seed=0), digits[1]
+        partition_dataset(train, method="pathological", num_clients=10, classes_per_client=3, seed=0), digits[1]
     )
-    assert stats["classes_per_client"] == [3] * 6
+    assert stats["classes_per_client"] == [3] * 10
     assert stats["total"] == sum(stats["sizes"]) == sum(map(sum, stats["label_histograms"]))
 
 
@@ -293,6 +299,8 @@ def test_partition_errors(train):
     tiny = make_dataset(np.zeros((6, 1)), np.array([0, 0, 0, 1, 1, 1]))
     with pytest.raises(DataError, match="empty client"):
         partition_dataset(tiny, method="iid", num_clients=8)
+    with pytest.raises(DataError, match="empty client 1; .*partition.alpha"):  # Dirichlet gives client 1 no rows
+        partition_dataset(train, method="dirichlet", num_clients=10, alpha=0.001, seed=1)
     with pytest.raises(DataError, match="min_partition_size"):
         partition_dataset(train, method="dirichlet", num_clients=10, alpha=0.01, min_partition_size=100)
     with pytest.raises(DataError, match="unknown partition method"):
@@ -309,8 +317,10 @@ def test_regression_stats_and_plots(tmp_path, train, digits):
     assert stats["total"] == 100 and len(stats["target_mean"]) == 3 and "label_histograms" not in stats
     y0 = to_arrays(parts[0], info)[1]
     assert stats["target_mean"][0] == pytest.approx(float(y0.mean()), abs=1e-5)
-    for name, s in [("reg.png", stats), ("cls.png", partition_stats(
-            partition_dataset(train, method="dirichlet", num_clients=4, seed=0), digits[1]))]:
+    for name, s in [
+        ("reg.png", stats),
+        ("cls.png", partition_stats(partition_dataset(train, method="dirichlet", num_clients=4, seed=0), digits[1])),
+    ]:
         plot_partition_stats(s, tmp_path / name)
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (tmp_path / name).stat().st_size > 5000

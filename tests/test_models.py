@@ -52,8 +52,8 @@ def test_same_seed_identical_and_different_seed_different() -> None:
         a = _weights(build_model(arch, DIGITS_SHAPE, 10, seed=7))
         b = _weights(build_model(arch, DIGITS_SHAPE, 10, seed=7))
         c = _weights(build_model(arch, DIGITS_SHAPE, 10, seed=8))
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
-        assert not any(torch.equal(x, z) for x, z in zip(a, c))
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        assert not any(torch.equal(x, z) for x, z in zip(a, c, strict=True))
 
 
 def test_init_does_not_touch_global_rng() -> None:
@@ -71,7 +71,7 @@ def test_spec_round_trips_through_json() -> None:
     rebuilt = build_from_spec(loaded)
     original = build_model("mlp", (64,), 10, widths=(32, 16), activation="tanh", seed=5)
     assert str(rebuilt) == str(original)
-    assert all(torch.equal(x, y) for x, y in zip(_weights(rebuilt), _weights(original)))
+    assert all(torch.equal(x, y) for x, y in zip(_weights(rebuilt), _weights(original), strict=True))
 
 
 def test_spec_rejects_unknown_keys() -> None:

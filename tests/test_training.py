@@ -50,8 +50,8 @@ def test_same_seed_gives_bit_identical_weights() -> None:
     b, result_b = _train_mlp(seed=1)
     c, _ = _train_mlp(seed=2)
     assert result_a.losses == result_b.losses
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
-    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters(), strict=True))
 
 
 def test_concurrent_threads_are_bit_identical_to_serial() -> None:
@@ -68,7 +68,7 @@ def test_concurrent_threads_are_bit_identical_to_serial() -> None:
     for t in threads:
         t.join()
     for model in models.values():
-        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
 
 
 def test_regression_fits_linear_model() -> None:

@@ -92,18 +92,27 @@ def partition_dataset(
     Regression data allows only ``"iid"`` and ``"natural"``.
     """
     if method not in PARTITION_METHODS:
-        raise DataError(
-            f"unknown partition method {method!r}; choose one of {', '.join(PARTITION_METHODS)}"
-        )
+        raise DataError(f"unknown partition method {method!r}; choose one of {', '.join(PARTITION_METHODS)}")
     if num_clients < 1:
         raise DataError(f"partition.num_clients must be at least 1, got {num_clients}")
+    if num_clients > train.num_rows:
+        raise DataError(
+            f"partition.num_clients is {num_clients} but there are only {train.num_rows} training "
+            "rows: the partition would leave an empty client"
+        )
     if method not in REGRESSION_METHODS and _is_regression(train):
         raise DataError(
             f"partition method {method!r} needs class labels; regression data allows "
             f"only {', '.join(REGRESSION_METHODS)}"
         )
     partitioner, data = _partitioner(
-        train, method, num_clients, seed, alpha, classes_per_client, min_partition_size,
+        train,
+        method,
+        num_clients,
+        seed,
+        alpha,
+        classes_per_client,
+        min_partition_size,
         partition_by,
     )
     partitioner.dataset = data
@@ -123,8 +132,7 @@ def partition_dataset(
     for k, part in enumerate(parts):
         if part.num_rows == 0:
             raise DataError(
-                f"partition produced an empty client {k}; lower partition.num_clients "
-                "or raise partition.alpha"
+                f"partition produced an empty client {k}; lower partition.num_clients or raise partition.alpha"
             )
     return parts
 
@@ -169,8 +177,13 @@ def plot_partition_stats(stats: dict[str, Any], path: str | Path) -> None:
             ax.barh(clients, counts[:, c], left=left, label=str(names[c]), color=colors[c])
             left += counts[:, c]
         ax.set_title("Label distribution per client")
-        ax.legend(title="class", fontsize="small", ncol=max(1, -(-counts.shape[1] // 20)),
-                  loc="center left", bbox_to_anchor=(1.0, 0.5))
+        ax.legend(
+            title="class",
+            fontsize="small",
+            ncol=max(1, -(-counts.shape[1] // 20)),
+            loc="center left",
+            bbox_to_anchor=(1.0, 0.5),
+        )
     else:
         ax.barh(clients, stats["sizes"], label="rows")
         ax.set_title("Rows per client")

@@ -9,6 +9,7 @@ JSON-serialisable ``info`` dict describing the task.
 from __future__ import annotations
 
 import glob
+import hashlib
 import inspect
 from collections.abc import Callable
 from pathlib import Path
@@ -42,9 +43,18 @@ def _list_array(x: np.ndarray) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(x.ravel()))
 
 
-def make_dataset(
-    x: np.ndarray, y: np.ndarray, group: np.ndarray | list[str] | None = None
-) -> datasets.Dataset:
+def wrap_table(table: pa.Table) -> datasets.Dataset:
+    """In-memory dataset over ``table``, fingerprinted by a content hash.
+
+    ``datasets`` would otherwise fingerprint it by pickling the whole table, which is slow.
+    """
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return datasets.Dataset(table, fingerprint=hashlib.sha256(sink.getvalue()).hexdigest()[:32])
+
+
+def make_dataset(x: np.ndarray, y: np.ndarray, group: np.ndarray | list[str] | None = None) -> datasets.Dataset:
     """Build an in-memory dataset in the ``x`` / ``y`` / ``group`` layout.
 
     ``y`` keeps its dtype (int64 for classes, float32 for regression targets).
@@ -52,7 +62,7 @@ def make_dataset(
     columns: dict[str, pa.Array] = {"x": _list_array(x), "y": pa.array(np.asarray(y))}
     if group is not None:
         columns["group"] = pa.array([str(g) for g in group], type=pa.string())
-    return datasets.Dataset(pa.table(columns))
+    return wrap_table(pa.table(columns))
 
 
 def _bind(fn: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
@@ -79,8 +89,9 @@ def builtin_size(source: str, **options: Any) -> int:
     raise DataError(f"unknown built-in source {source!r}; choose one of {', '.join(BUILTIN_SOURCES)}")
 
 
-def _classification_info(source: str, num_classes: int, input_shape: list[int],
-                         class_names: list[str] | None) -> dict[str, Any]:
+def _classification_info(
+    source: str, num_classes: int, input_shape: list[int], class_names: list[str] | None
+) -> dict[str, Any]:
     return {
         "source": source,
         "task": "classification",
@@ -117,9 +128,7 @@ def make_pinwheel(
     """The 2-D pinwheel of Johnson et al. (2016); the class id is the cluster (arm)."""
     rng = np.random.default_rng(seed)
     rads = np.linspace(0, 2 * np.pi, clusters, endpoint=False)
-    features = rng.standard_normal((clusters * per_cluster, 2)) * np.array(
-        [radial_std, tangential_std]
-    )
+    features = rng.standard_normal((clusters * per_cluster, 2)) * np.array([radial_std, tangential_std])
     features[:, 0] += 1.0
     labels = np.repeat(np.arange(clusters, dtype=np.int64), per_cluster)
     angles = rads[labels] + rate * np.exp(features[:, 0])
@@ -178,27 +187,19 @@ def _check_local_files(data_files: str | list[str] | dict | None) -> None:
 
 
 def _missing_column(kind: str, column: str, present: list[str]) -> DataError:
-    return DataError(
-        f"{kind} column {column!r} not found in data; columns are: {', '.join(present)}"
-    )
+    return DataError(f"{kind} column {column!r} not found in data; columns are: {', '.join(present)}")
 
 
 def _feature_block(ds: datasets.Dataset, column: str) -> np.ndarray:
     """One feature column (numbers or fixed-length lists of numbers) as ``(N, k)`` float32."""
     arr = ds.data.column(column).combine_chunks()
-    while pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or (
-        pa.types.is_fixed_size_list(arr.type)
-    ):
+    while pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or pa.types.is_fixed_size_list(arr.type):
         lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False)
         if arr.null_count or (lengths != lengths[0]).any():
-            raise DataError(f"feature column {column!r} holds lists of different lengths")
+            raise DataError(f"feature column {column!r} holds missing lists or lists of different lengths")
         arr = arr.flatten()
-    if not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)
-            or pa.types.is_boolean(arr.type)):
-        raise DataError(
-            f"feature column {column!r} has type {arr.type}; features must be numbers "
-            "or lists of numbers"
-        )
+    if not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type)):
+        raise DataError(f"feature column {column!r} has type {arr.type}; features must be numbers or lists of numbers")
     if arr.null_count:
         raise DataError(f"feature column {column!r} has missing values")
     values = arr.to_numpy(zero_copy_only=False).astype(np.float32)
@@ -220,9 +221,7 @@ def _labels(ds: datasets.Dataset, column: str, task: str) -> tuple[np.ndarray, l
     if isinstance(feature, datasets.ClassLabel):
         return values.astype(np.int64), list(feature.names)
     uniques, codes = np.unique(values, return_inverse=True)
-    contiguous = np.issubdtype(uniques.dtype, np.integer) and np.array_equal(
-        uniques, np.arange(len(uniques))
-    )
+    contiguous = np.issubdtype(uniques.dtype, np.integer) and np.array_equal(uniques, np.arange(len(uniques)))
     if contiguous:
         return values.astype(np.int64), None
     return codes.astype(np.int64), [str(u) for u in uniques]
@@ -276,9 +275,7 @@ def load_hf_source(
     x = np.concatenate([_feature_block(raw, c) for c in feature_columns], axis=1)
     shape = list(input_shape) if input_shape is not None else [x.shape[1]]
     if int(np.prod(shape)) != x.shape[1]:
-        raise DataError(
-            f"input_shape {shape} does not match the {x.shape[1]} feature values per row"
-        )
+        raise DataError(f"input_shape {shape} does not match the {x.shape[1]} feature values per row")
     y, class_names = _labels(raw, label_column, task)
     group = raw.data.column(group_column).to_pylist() if group_column is not None else None
     info = {
@@ -317,6 +314,4 @@ def load_source(
         if not options.get("path"):
             raise DataError("source 'hf' needs options.path (e.g. 'csv' or a Hub name)")
         return load_hf_source(**_bind(load_hf_source, options))
-    raise DataError(
-        f"unknown data source {source!r}; choose one of {', '.join((*BUILTIN_SOURCES, 'hf'))}"
-    )
+    raise DataError(f"unknown data source {source!r}; choose one of {', '.join((*BUILTIN_SOURCES, 'hf'))}")

@@ -9,18 +9,16 @@ import datasets
 import numpy as np
 from sklearn.model_selection import train_test_split
 
-from mergeflow.data.sources import DataError, _list_array
+from mergeflow.data.sources import DataError, _list_array, wrap_table
 from mergeflow.data.storage import arrow_table, feature_matrix
 
 
 def _subset(ds: datasets.Dataset, indices: np.ndarray) -> datasets.Dataset:
     """Rows ``indices`` (sorted, so row order stays deterministic) as a new in-memory dataset."""
-    return datasets.Dataset(arrow_table(ds.select(np.sort(indices))))
+    return wrap_table(arrow_table(ds.select(np.sort(indices))))
 
 
-def _split_off(
-    indices: np.ndarray, labels: np.ndarray | None, size: int, seed: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _split_off(indices: np.ndarray, labels: np.ndarray | None, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Split ``size`` of ``indices`` off, stratified by ``labels`` when that is possible."""
     stratify = None
     if labels is not None:
@@ -28,9 +26,7 @@ def _split_off(
         n_classes = len(counts)
         if counts.min() >= 2 and size >= n_classes and len(indices) - size >= n_classes:
             stratify = labels[indices]
-    rest, taken = train_test_split(
-        indices, test_size=size, random_state=seed, shuffle=True, stratify=stratify
-    )
+    rest, taken = train_test_split(indices, test_size=size, random_state=seed, shuffle=True, stratify=stratify)
     return rest, taken
 
 
@@ -57,8 +53,7 @@ def split_dataset(
     n_server = math.ceil(server_fraction * n)
     if n - n_test - n_server < 1:
         raise DataError(
-            f"test_fraction {test_fraction} + server_fraction {server_fraction} leave no "
-            f"training rows out of {n}"
+            f"test_fraction {test_fraction} + server_fraction {server_fraction} leave no training rows out of {n}"
         )
     labels = None
     if info["task"] == "classification":
@@ -91,5 +86,5 @@ def standardize(
         table = arrow_table(ds)
         x = (feature_matrix(table) - mean) / std
         column = table.schema.get_field_index("x")
-        out[name] = datasets.Dataset(table.set_column(column, "x", _list_array(x)))
+        out[name] = wrap_table(table.set_column(column, "x", _list_array(x)))
     return out, {"mean": mean.tolist(), "std": std.tolist()}

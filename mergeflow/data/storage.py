@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mergeflow.data.sources import DataError
+from mergeflow.data.sources import DataError, wrap_table
 
 
 def arrow_table(ds: datasets.Dataset) -> pa.Table:
@@ -29,6 +29,15 @@ def feature_matrix(ds: datasets.Dataset | pa.Table) -> np.ndarray:
     return values.reshape(len(column), width)
 
 
+def _canonical(table: pa.Table) -> pa.Table:
+    """Name list items ``item`` whatever the table was read from (parquet says ``element``)."""
+    fields = [
+        pa.field(f.name, pa.list_(f.type.value_type), f.nullable) if pa.types.is_list(f.type) else f
+        for f in table.schema
+    ]
+    return table.cast(pa.schema(fields, metadata=table.schema.metadata))
+
+
 def save_dataset(ds: datasets.Dataset, path: str | Path) -> None:
     """Write ``ds`` to a parquet file atomically; identical data gives identical bytes."""
     path = Path(path)
@@ -36,7 +45,7 @@ def save_dataset(ds: datasets.Dataset, path: str | Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        pq.write_table(arrow_table(ds), tmp)
+        pq.write_table(_canonical(arrow_table(ds)), tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -48,7 +57,7 @@ def load_dataset_file(path: str | Path) -> datasets.Dataset:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"dataset file {str(path)!r} does not exist")
-    return datasets.Dataset(pq.read_table(path))
+    return wrap_table(pq.read_table(path))
 
 
 def to_arrays(ds: datasets.Dataset, info: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,70 @@
+"""DVC: dvc.yaml matches the stage registry, and `dvc repro` runs, skips and re-runs as it should."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import BIN, ROOT, fast_params
+
+from mergeflow.dvcfile import render
+from mergeflow.stages import STAGES
+
+
+def test_committed_dvc_yaml_is_generated_from_the_registry():
+    assert (ROOT / "dvc.yaml").read_text() == render(), "run `mergeflow dvc-yaml --write`"
+
+
+def test_dvc_yaml_lists_every_stage_with_its_params_and_paths():
+    stages = yaml.safe_load(render())["stages"]
+    assert list(stages) == [stage.name for stage in STAGES]
+    for stage in STAGES:
+        entry = stages[stage.name]
+        assert entry["cmd"] == f"mergeflow stage {stage.name}"
+        assert set(stage.deps) <= set(entry["deps"]) and set(stage.code) <= set(entry["deps"])
+        assert entry["params"] == list(stage.params)
+        for out in stage.deps:
+            assert any(out in s.outs for s in STAGES), f"{stage.name} depends on {out}, which no stage makes"
+
+
+def _copy_project(target: Path) -> Path:
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in files:
+        if (ROOT / name).is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, target / name)
+    subprocess.run(["git", "init", "-q"], cwd=target, check=True)
+    return target
+
+
+def _repro(path: Path, env: dict[str, str]) -> str:
+    done = subprocess.run(
+        [str(BIN / "dvc"), "repro"], cwd=path, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_dvc_repro_runs_skips_and_reruns_only_changed_stages(tmp_path, cli_env):
+    project = _copy_project(tmp_path / "project")
+    (project / "params.yaml").write_text(yaml.safe_dump(fast_params(), sort_keys=False))
+
+    first = _repro(project, cli_env)
+    for stage in STAGES:
+        assert f"Running stage '{stage.name}'" in first
+    assert (project / "metrics/evaluate.json").is_file()
+
+    second = _repro(project, cli_env)
+    assert "Running stage" not in second
+
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["merge"]["options"]["task_arithmetic"]["scaling"] = 0.45
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    third = _repro(project, cli_env)
+    ran = {stage.name for stage in STAGES if f"Running stage '{stage.name}'" in third}
+    assert ran == {"merge", "evaluate"}
+    assert "ran: merge/task_arithmetic\n" in third  # the other merge methods were Prefect cache hits

@@ -1,0 +1,155 @@
+"""The pipeline end to end through the CLI: outputs, caching across processes, MLflow."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import fast_params, make_workspace, ran_steps, run_cli
+
+pytestmark = pytest.mark.slow
+
+ALL_STEPS = {
+    "prepare",
+    "partition",
+    "pretrain",
+    "finetune/client_000",
+    "finetune/client_001",
+    "finetune/client_002",
+    "centralized",
+    "merge/average",
+    "merge/weighted",
+    "merge/task_arithmetic",
+    "evaluate",
+    "track",
+}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, cli_env):
+    """A workspace after one cold run of the fast pipeline."""
+    path = make_workspace(tmp_path_factory.mktemp("pipeline"), fast_params())
+    done = run_cli(["run"], path, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return path
+
+
+def test_cold_run_executes_every_step_and_writes_outputs(workspace):
+    assert ran_steps(workspace) == ALL_STEPS
+    metrics = json.loads((workspace / "metrics/evaluate.json").read_text())
+    expected = {"base", "centralized", "ensemble", "best_client", "client_000", "client_001", "client_002"}
+    expected |= {f"merged/{m}" for m in ("average", "weighted", "task_arithmetic")}
+    assert set(metrics) == expected
+    for values in metrics.values():
+        assert 0 <= values["accuracy"] <= 1 and values["nll"] > 0 and 0 <= values["ece"] <= 1
+    gain = metrics["merged/average"]["accuracy_gain"]
+    assert gain == pytest.approx(metrics["merged/average"]["accuracy"] - metrics["centralized"]["accuracy"])
+    assert metrics["centralized"]["accuracy"] > 0.5
+    for name in ("plots/comparison.png", "plots/partition.png"):
+        assert (workspace / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    stats = json.loads((workspace / "metrics/partition.json").read_text())
+    assert sum(stats["sizes"]) == stats["total"] and len(stats["sizes"]) == 3
+
+
+def test_second_run_is_fully_cached(workspace, cli_env):
+    before = (workspace / "models/merged/average.safetensors").read_bytes()
+    done = run_cli(["run"], workspace, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ran_steps(workspace) == set()
+    assert (workspace / "models/merged/average.safetensors").read_bytes() == before
+
+
+def test_changing_a_merge_option_reruns_only_that_merge(workspace, cli_env):
+    done = run_cli(["run", "-S", "merge.options.task_arithmetic.scaling=0.5"], workspace, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ran_steps(workspace) == {"merge/task_arithmetic", "evaluate", "track"}
+
+
+def test_changing_one_client_lr_retrains_only_that_client(workspace, cli_env):
+    done = run_cli(["run", "-S", "finetune.clients.1.lr=0.2"], workspace, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    merges = {"merge/average", "merge/weighted", "merge/task_arithmetic"}
+    assert ran_steps(workspace) == {"finetune/client_001", *merges, "evaluate", "track"}
+
+
+def test_deleted_outputs_are_restored_from_the_store(workspace, cli_env):
+    target = workspace / "models/clients/client_000.safetensors"
+    original = target.read_bytes()
+    target.unlink()
+    done = run_cli(["run"], workspace, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ran_steps(workspace) == set()
+    assert target.read_bytes() == original
+
+
+def test_mlflow_holds_runs_tags_metrics_and_a_reloadable_model(workspace):
+    import mlflow
+    import numpy as np
+
+    mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["mergeflow"])
+    kinds = runs["tags.mergeflow.kind"]
+    parents = runs[kinds == "pipeline"]
+    assert len(parents) >= 1
+    parent = parents.iloc[-1]  # the first run's parent
+    assert parent["params.partition.num_clients"] == "3"
+    assert len(parent["tags.mergeflow.data_hash"]) == 16
+    assert parent["tags.mergeflow.git_commit"]
+    children = runs[runs["tags.mlflow.parentRunId"] == parent.run_id]
+    assert sorted(children["tags.mergeflow.kind"]) == ["client"] * 3 + ["merge"] * 3
+    merges = children[children["tags.mergeflow.kind"] == "merge"]
+    assert set(merges["tags.mergeflow.method"]) == {"average", "weighted", "task_arithmetic"}
+    assert merges["metrics.test_accuracy"].between(0, 1).all()
+    assert merges["metrics.test_nll"].gt(0).all() and merges["metrics.test_ece"].notna().all()
+    client_run = children[children["tags.mergeflow.kind"] == "client"].iloc[0]
+    history = mlflow.tracking.MlflowClient().get_metric_history(client_run.run_id, "train_loss")
+    assert len(history) > 1 and [m.step for m in history] == sorted(m.step for m in history)
+
+    logged = mlflow.search_logged_models(experiment_ids=[parent.experiment_id], output_format="list")
+    model = mlflow.pytorch.load_model(logged[0].model_uri)
+    import torch
+
+    out = model(torch.rand(5, 1, 8, 8))
+    assert out.shape == (5, 10) and np.isfinite(out.detach().numpy()).all()
+
+
+def test_bad_params_exit_2_and_write_nothing(tmp_path, cli_env):
+    path = make_workspace(tmp_path / "bad", fast_params())
+    done = run_cli(["run", "-S", "partition.alpha=0", "-S", "merge.methods=[average, nope]"], path, cli_env)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert any("partition.alpha" in line for line in lines)
+    assert any("merge.methods[1]" in line and "nope" in line for line in lines)
+    assert sorted(p.name for p in path.iterdir()) == ["params.yaml"]
+
+
+def test_local_csv_source_runs_through_the_pipeline(tmp_path, cli_env):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    rows = ["f1,f2,f3,species"]
+    for label, centre in enumerate(([0, 0, 0], [3, 3, 0], [0, 3, 3])):
+        for point in rng.normal(centre, 0.7, size=(80, 3)):
+            rows.append(",".join(f"{v:.4f}" for v in point) + f",kind_{label}")
+    path = make_workspace(tmp_path / "csv", {})
+    (path / "points.csv").write_text("\n".join(rows) + "\n")
+    hf = {"path": "csv", "data_files": str(path / "points.csv"), "label_column": "species"}
+    params = fast_params(data={"source": "hf", "hf": hf, "standardize": True}, merge={"methods": ["average"]})
+    make_workspace(path, params)
+    done = run_cli(["run"], path, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((path / "metrics/evaluate.json").read_text())
+    assert metrics["merged/average"]["accuracy"] > 0.8
+    info = json.loads((path / "data/prepared/info.json").read_text())
+    assert info["class_names"] == ["kind_0", "kind_1", "kind_2"]
+
+
+def test_missing_label_column_is_one_clear_error(tmp_path, cli_env):
+    path = make_workspace(tmp_path / "nolabel", {})
+    (path / "t.csv").write_text("a,b\n1,2\n3,4\n")
+    params = fast_params(data={"source": "hf", "hf": {"path": "csv", "data_files": str(path / "t.csv")}})
+    make_workspace(path, params)
+    done = run_cli(["run"], path, cli_env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "mergeflow: error:" in done.stderr and "'label'" in done.stderr
+    assert not (path / "data").exists()
