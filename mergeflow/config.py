@@ -187,6 +187,11 @@ class Params(_Section):
                 raise ValueError(
                     f"finetune.clients.{cid}: no such client (partition.num_clients is {self.partition.num_clients})"
                 )
+        if self.pretrain.enabled and self.data.server_fraction == 0:
+            raise ValueError(
+                "pretrain.enabled: pre-training needs a server split; set data.server_fraction > 0 "
+                "or pretrain.enabled: false for a shared random init"
+            )
         if self.model.arch == "cnn" and self.data.source not in ("digits", "hf"):
             raise ValueError(f"model.arch: 'cnn' needs image-shaped data, and data.source {self.data.source!r} is not")
         rows = _known_training_rows(self.data)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 from matplotlib.figure import Figure
+
+from mergeflow.checkpoints import atomic_path
 
 
 def plot_comparison(
@@ -19,8 +19,7 @@ def plot_comparison(
     """Write a PNG with two bar-chart panels: accuracy (classification) or mse
     (regression) on the left, NLL on the right, one bar per model name.
 
-    The file is written to a temporary file in the same folder and then moved
-    into place with :func:`os.replace`, so readers never see a partial PNG.
+    The file is written atomically, so readers never see a partial PNG.
     """
     primary = {"classification": "accuracy", "regression": "mse"}.get(task)
     if primary is None:
@@ -40,14 +39,10 @@ def plot_comparison(
     fig.suptitle(title)
     fig.tight_layout()
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".png", prefix=f".{path.stem}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            fig.savefig(handle, format="png", dpi=120)
-        os.chmod(tmp, 0o644)  # mkstemp creates the file private (0600)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    save_figure(fig, path)
+
+
+def save_figure(fig: Figure, path: str | Path, *, dpi: int = 120) -> None:
+    """Write a figure as PNG atomically (temp file + rename), creating the folder."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight")

@@ -90,6 +90,5 @@ def partition(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     write_json(out / PARTITIONS / "info.json", info)
     stats = partition_stats(parts, info)
     write_json(out / "metrics/partition.json", stats)
-    (out / "plots").mkdir(parents=True, exist_ok=True)
     plot_partition_stats(stats, out / "plots/partition.png")
     return {"sizes": stats["sizes"]}

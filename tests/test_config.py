@@ -45,6 +45,7 @@ def test_client_override_keys_become_ints():
         ("surprise=1", "surprise"),
         ("model.arch=cnn", "model.arch"),
         ("data.test_fraction=1.5", "data.test_fraction"),
+        ("data.server_fraction=0", "pretrain.enabled"),
     ],
 )
 def test_bad_values_name_their_key(override, key):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -25,13 +26,23 @@ ALL_STEPS = {
 }
 
 
+def _result_hashes(path) -> dict[str, str]:
+    files = [*path.glob("models/**/*.safetensors"), path / "metrics/evaluate.json"]
+    return {f.relative_to(path).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+
+
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory, cli_env):
-    """A workspace after one cold run of the fast pipeline."""
+def cold_run(tmp_path_factory, cli_env):
+    """A workspace after one cold run of the fast pipeline, and its result hashes then."""
     path = make_workspace(tmp_path_factory.mktemp("pipeline"), fast_params())
     done = run_cli(["run"], path, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
-    return path
+    return path, _result_hashes(path)
+
+
+@pytest.fixture(scope="module")
+def workspace(cold_run):
+    return cold_run[0]
 
 
 def test_cold_run_executes_every_step_and_writes_outputs(workspace):
@@ -49,6 +60,16 @@ def test_cold_run_executes_every_step_and_writes_outputs(workspace):
         assert (workspace / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     stats = json.loads((workspace / "metrics/partition.json").read_text())
     assert sum(stats["sizes"]) == stats["total"] and len(stats["sizes"]) == 3
+
+
+def test_same_params_and_seed_give_bit_identical_weights_and_metrics(cold_run, tmp_path, cli_env):
+    path = make_workspace(tmp_path / "again", fast_params())
+    done = run_cli(["run"], path, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ran_steps(path) == ALL_STEPS  # its own store: nothing came from the first run's cache
+    hashes = _result_hashes(path)
+    assert len(hashes) == 1 + 1 + 3 + 1 + 3  # base, centralized, clients, metrics, merges
+    assert hashes == cold_run[1]
 
 
 def test_second_run_is_fully_cached(workspace, cli_env):

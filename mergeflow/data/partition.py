@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 
 from mergeflow.data.sources import DataError
 from mergeflow.data.storage import arrow_table
+from mergeflow.plots import save_figure
 
 PARTITION_METHODS = ("iid", "dirichlet", "pathological", "natural")
 REGRESSION_METHODS = ("iid", "natural")
@@ -192,4 +193,4 @@ def plot_partition_stats(stats: dict[str, Any], path: str | Path) -> None:
     ax.set_ylabel("client")
     ax.set_yticks(clients)
     ax.invert_yaxis()
-    fig.savefig(Path(path), format="png", dpi=100, bbox_inches="tight")
+    save_figure(fig, path, dpi=100)
