@@ -52,13 +52,18 @@ def save_checkpoint(path: str | Path, state: Mapping[str, torch.Tensor], meta: M
 
 
 def _refuse_non_safetensors(path: Path) -> None:
+    """Safetensors files start with a little-endian u64 header length and then ``{``."""
     with path.open("rb") as f:
-        head = f.read(2)
-    if head[:1] == b"\x80" or head == b"PK":
+        head = f.read(9)
+    size = path.stat().st_size
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8:
+        return
+    if head[:1] == b"\x80" or head[:2] == b"PK":
         raise MergeflowError(
             f"{path}: looks like a pickle/torch.save checkpoint; mergeflow never unpickles models. "
             "Convert it to safetensors (safetensors.torch.save_file) first"
         )
+    raise MergeflowError(f"{path}: not a safetensors file (corrupt or truncated)")
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

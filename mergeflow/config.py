@@ -128,6 +128,17 @@ class FinetuneConfig(TrainConfig):
     clients: dict[int, TrainOverride] = {}
 
 
+class FisherConfig(_Section):
+    """Per-client Fisher estimation: diagonal always, per-example factors when ``low_rank``."""
+
+    kind: Literal["empirical", "sampled", "exact"] = "exact"
+    n_examples: int = Field(1024, ge=1)
+    batch_size: int = Field(256, ge=1)
+    low_rank: bool = False
+    rank_examples: int = Field(64, ge=1)
+    backend: Literal["auto", "backpack", "functorch"] = "auto"
+
+
 class MergeConfig(_Section):
     methods: list[str] = ["average", "weighted", "task_arithmetic"]
     options: dict[str, dict[str, Any]] = {}
@@ -175,6 +186,7 @@ class Params(_Section):
     model: ModelConfig = ModelConfig()
     pretrain: PretrainConfig = PretrainConfig()
     finetune: FinetuneConfig = FinetuneConfig()
+    fisher: FisherConfig = FisherConfig()
     merge: MergeConfig = MergeConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     orchestration: OrchestrationConfig = OrchestrationConfig()
@@ -194,6 +206,11 @@ class Params(_Section):
             )
         if self.model.arch == "cnn" and self.data.source not in ("digits", "hf"):
             raise ValueError(f"model.arch: 'cnn' needs image-shaped data, and data.source {self.data.source!r} is not")
+        from mergeflow.merge import METHODS
+
+        for name in self.merge.methods:
+            if "factors" in METHODS[name].needs and not self.fisher.low_rank:
+                raise ValueError(f"fisher.low_rank: merge method {name!r} needs Fisher factors; set it to true")
         rows = _known_training_rows(self.data)
         if rows is not None and self.partition.num_clients > rows:
             raise ValueError(

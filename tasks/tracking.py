@@ -87,16 +87,21 @@ def _test_metrics(values: dict[str, Any]) -> dict[str, float]:
     return {f"test_{k}": float(v) for k, v in values.items() if k != "client"}
 
 
-def _log_client(mlflow, root: Path, client: int, metrics: dict[str, Any]) -> None:
+def _log_curves(mlflow, curves: dict[str, list[float]]) -> None:
+    """Step-wise metrics (a loss curve, a solver's residuals) in one batch."""
     from mlflow.entities import Metric
 
+    history = [Metric(name, float(v), 0, step) for name, values in curves.items() for step, v in enumerate(values)]
+    if history:
+        mlflow.tracking.MlflowClient().log_batch(mlflow.active_run().info.run_id, metrics=history)
+
+
+def _log_client(mlflow, root: Path, client: int, metrics: dict[str, Any]) -> None:
     _, meta = load_checkpoint(root / client_checkpoint(client))
     with mlflow.start_run(run_name=f"client_{client:03d}", nested=True, tags={"mergeflow.kind": "client"}):
         mlflow.set_tag("mergeflow.client", str(client))
         _log_params(mlflow, {**flatten(meta["train"]), "num_examples": str(meta["num_examples"])})
-        history = [Metric("train_loss", float(v), 0, step) for step, v in enumerate(meta["step_losses"])]
-        client_run = mlflow.active_run().info.run_id
-        mlflow.tracking.MlflowClient().log_batch(client_run, metrics=history)
+        _log_curves(mlflow, {"train_loss": meta["step_losses"]})
         mlflow.log_metrics(_test_metrics(metrics[f"client_{client:03d}"]))
 
 
@@ -109,7 +114,8 @@ def _log_merge(mlflow, root: Path, method: str, metrics: dict[str, Any], example
     tags = {"mergeflow.kind": "merge", "mergeflow.method": method}
     with mlflow.start_run(run_name=f"merge_{method}", nested=True, tags=tags):
         _log_params(mlflow, {"method": method, **flatten(meta["options"], "option.")})
-        mlflow.log_metrics(_test_metrics(metrics[f"merged/{method}"]))
+        mlflow.log_metrics({**_test_metrics(metrics[f"merged/{method}"]), **meta.get("summary", {})})
+        _log_curves(mlflow, meta.get("curves", {}))
         mlflow.log_artifact(str(path), "checkpoint")
         if log_models:
             mlflow.pytorch.log_model(

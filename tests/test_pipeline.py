@@ -10,17 +10,17 @@ from conftest import fast_params, make_workspace, ran_steps, run_cli
 
 pytestmark = pytest.mark.slow
 
+METHODS = fast_params()["merge"]["methods"]
+MERGES = {f"merge/{method}" for method in METHODS}
+CLIENTS = ("client_000", "client_001", "client_002")
 ALL_STEPS = {
     "prepare",
     "partition",
     "pretrain",
-    "finetune/client_000",
-    "finetune/client_001",
-    "finetune/client_002",
+    *(f"finetune/{c}" for c in CLIENTS),
+    *(f"fisher/{c}" for c in CLIENTS),
     "centralized",
-    "merge/average",
-    "merge/weighted",
-    "merge/task_arithmetic",
+    *MERGES,
     "evaluate",
     "track",
 }
@@ -49,7 +49,7 @@ def test_cold_run_executes_every_step_and_writes_outputs(workspace):
     assert ran_steps(workspace) == ALL_STEPS
     metrics = json.loads((workspace / "metrics/evaluate.json").read_text())
     expected = {"base", "centralized", "ensemble", "best_client", "client_000", "client_001", "client_002"}
-    expected |= {f"merged/{m}" for m in ("average", "weighted", "task_arithmetic")}
+    expected |= {f"merged/{m}" for m in METHODS}
     assert set(metrics) == expected
     for values in metrics.values():
         assert 0 <= values["accuracy"] <= 1 and values["nll"] > 0 and 0 <= values["ece"] <= 1
@@ -68,7 +68,8 @@ def test_same_params_and_seed_give_bit_identical_weights_and_metrics(cold_run, t
     assert done.returncode == 0, done.stderr[-3000:]
     assert ran_steps(path) == ALL_STEPS  # its own store: nothing came from the first run's cache
     hashes = _result_hashes(path)
-    assert len(hashes) == 1 + 1 + 3 + 1 + 3  # base, centralized, clients, metrics, merges
+    # base, centralized, clients, diagonal Fishers and factors, merges, metrics
+    assert len(hashes) == 1 + 1 + 3 + 3 + 3 + len(METHODS) + 1
     assert hashes == cold_run[1]
 
 
@@ -89,8 +90,8 @@ def test_changing_a_merge_option_reruns_only_that_merge(workspace, cli_env):
 def test_changing_one_client_lr_retrains_only_that_client(workspace, cli_env):
     done = run_cli(["run", "-S", "finetune.clients.1.lr=0.2"], workspace, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
-    merges = {"merge/average", "merge/weighted", "merge/task_arithmetic"}
-    assert ran_steps(workspace) == {"finetune/client_001", *merges, "evaluate", "track"}
+    expected = {"finetune/client_001", "fisher/client_001", *MERGES, "evaluate", "track"}
+    assert ran_steps(workspace) == expected
 
 
 def test_deleted_outputs_are_restored_from_the_store(workspace, cli_env):
@@ -117,9 +118,13 @@ def test_mlflow_holds_runs_tags_metrics_and_a_reloadable_model(workspace):
     assert len(parent["tags.mergeflow.data_hash"]) == 16
     assert parent["tags.mergeflow.git_commit"]
     children = runs[runs["tags.mlflow.parentRunId"] == parent.run_id]
-    assert sorted(children["tags.mergeflow.kind"]) == ["client"] * 3 + ["merge"] * 3
+    assert sorted(children["tags.mergeflow.kind"]) == ["client"] * 3 + ["merge"] * len(METHODS)
     merges = children[children["tags.mergeflow.kind"] == "merge"]
-    assert set(merges["tags.mergeflow.method"]) == {"average", "weighted", "task_arithmetic"}
+    assert set(merges["tags.mergeflow.method"]) == set(METHODS)
+    exact_run = merges[merges["tags.mergeflow.method"] == "exact"].iloc[0]
+    assert exact_run["metrics.cg_relative_residual"] < 1e-6
+    residuals = mlflow.tracking.MlflowClient().get_metric_history(exact_run.run_id, "cg_relative_residual")
+    assert len(residuals) >= 2
     assert merges["metrics.test_accuracy"].between(0, 1).all()
     assert merges["metrics.test_nll"].gt(0).all() and merges["metrics.test_ece"].notna().all()
     client_run = children[children["tags.mergeflow.kind"] == "client"].iloc[0]

@@ -4,7 +4,7 @@ Importing this package registers the built-in methods; a new method is one modul
 with an ``@merge_method`` function, imported below.
 """
 
-from mergeflow.merge import average, task_arithmetic, weighted  # noqa: F401  (registration)
-from mergeflow.merge.registry import METHODS, MergeMethod, merge, merge_method, validate_options
+from mergeflow.merge import average, exact, fisher, task_arithmetic, weighted  # noqa: F401  (registration)
+from mergeflow.merge.registry import METHODS, MergeMethod, MergeResult, merge, merge_method, run_merge, validate_options
 
-__all__ = ["METHODS", "MergeMethod", "merge", "merge_method", "validate_options"]
+__all__ = ["METHODS", "MergeMethod", "MergeResult", "merge", "merge_method", "run_merge", "validate_options"]

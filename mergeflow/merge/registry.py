@@ -1,21 +1,31 @@
 """The merge-method registry: a new method is one small module with one decorated function.
 
-A method is a function over the K clients' copies of one tensor (plus the base model's
-copy and the clients' data weights), so the same code merges in-memory state dicts or
-tensors streamed one by one from safetensors files.
+Two scopes:
+
+- ``scope="tensor"`` (default): a function over the K clients' copies of one tensor
+  (``TensorInputs``). The same code then merges in-memory state dicts or tensors streamed
+  one by one from safetensors files.
+- ``scope="model"``: a function over whole models (``ModelInputs``), for methods that couple
+  all parameters, such as the exact Gaussian merge (one CG solve over the flattened model).
+
+Methods declare what they need besides the weights: ``"base"`` (the shared base model),
+``"sizes"`` (client data sizes), ``"fishers"`` (diagonal Fishers, one dict per client) and
+``"factors"`` (per-client Fisher factors U with F ≈ UᵀU over the flattened parameters).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mergeflow.errors import ConfigError, MergeflowError
 
-TensorMerge = Callable[..., torch.Tensor]
+State = Mapping[str, torch.Tensor]
+NEEDS = ("base", "sizes", "fishers", "factors")
 
 
 class NoOptions(BaseModel):
@@ -25,11 +35,60 @@ class NoOptions(BaseModel):
 
 
 @dataclass(frozen=True)
-class MergeMethod:
-    """A registered method: its per-tensor function, its options model and the inputs it needs."""
+class TensorInputs:
+    """One tensor across clients, in float64. ``weights`` are n_k/N (uniform without sizes)."""
 
     name: str
-    merge_tensor: TensorMerge
+    tensors: list[torch.Tensor]
+    weights: torch.Tensor
+    base: torch.Tensor | None = None
+    fishers: list[torch.Tensor] | None = None
+    fisher_norms: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """Whole client models. ``names`` fixes the flattening order of ``factors`` columns."""
+
+    states: list[dict[str, torch.Tensor]]
+    weights: torch.Tensor
+    sizes: list[float] | None = None
+    base: dict[str, torch.Tensor] | None = None
+    fishers: list[dict[str, torch.Tensor]] | None = None
+    factors: list[torch.Tensor] | None = None
+    names: list[str] = field(default_factory=list)
+
+    def flatten(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The ``names`` tensors concatenated into one float64 vector."""
+        return torch.cat([tensors[n].reshape(-1).to(torch.float64) for n in self.names])
+
+    def unflatten(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Split a flat vector back into tensors shaped like the first client's."""
+        out, start = {}, 0
+        for name in self.names:
+            shape = self.states[0][name].shape
+            size = self.states[0][name].numel()
+            out[name] = vector[start : start + size].reshape(shape)
+            start += size
+        return out
+
+
+@dataclass
+class MergeResult:
+    """A merged state dict plus what the method reports: step curves and scalars."""
+
+    state: dict[str, torch.Tensor]
+    curves: dict[str, list[float]] = field(default_factory=dict)
+    summary: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MergeMethod:
+    """A registered method: its function, scope, options model and the inputs it needs."""
+
+    name: str
+    fn: Callable[..., Any]
+    scope: Literal["tensor", "model"]
     options: type[BaseModel]
     needs: frozenset[str]
     summary: str
@@ -39,19 +98,26 @@ METHODS: dict[str, MergeMethod] = {}
 
 
 def merge_method(
-    name: str, *, options: type[BaseModel] = NoOptions, needs: Sequence[str] = ()
-) -> Callable[[TensorMerge], TensorMerge]:
-    """Register ``fn(tensors, *, base, weights, options) -> tensor`` under ``name``.
+    name: str,
+    *,
+    options: type[BaseModel] = NoOptions,
+    needs: Sequence[str] = (),
+    scope: Literal["tensor", "model"] = "tensor",
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a merge method under ``name``.
 
-    ``needs`` names extra inputs the pipeline must supply: ``"base"`` (the shared base
-    model) and/or ``"weights"`` (client data sizes).
+    Tensor scope: ``fn(x: TensorInputs, options) -> tensor``. Model scope:
+    ``fn(x: ModelInputs, options) -> MergeResult | dict``.
     """
+    unknown = set(needs) - set(NEEDS)
+    if unknown:
+        raise ValueError(f"merge method {name!r} needs unknown inputs {sorted(unknown)}; known: {NEEDS}")
 
-    def register(fn: TensorMerge) -> TensorMerge:
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         if name in METHODS:
             raise ValueError(f"merge method {name!r} is registered twice")
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-        METHODS[name] = MergeMethod(name, fn, options, frozenset(needs), summary)
+        METHODS[name] = MergeMethod(name, fn, scope, options, frozenset(needs), summary)
         return fn
 
     return register
@@ -69,7 +135,7 @@ def validate_options(method: str, options: Mapping[str, object]) -> BaseModel:
         raise ConfigError([f"merge.options.{method}.{key}: {first['msg']}"]) from None
 
 
-def _check_compatible(states: Sequence[Mapping[str, torch.Tensor]]) -> None:
+def _check_compatible(states: Sequence[State]) -> None:
     reference = states[0]
     for k, state in enumerate(states[1:], start=1):
         if state.keys() != reference.keys():
@@ -95,37 +161,86 @@ def normalized_weights(sizes: Sequence[float] | None, count: int) -> torch.Tenso
     return w / w.sum()
 
 
-def merge(
-    method: str,
-    states: Sequence[Mapping[str, torch.Tensor]],
-    *,
-    base: Mapping[str, torch.Tensor] | None = None,
-    weights: Sequence[float] | None = None,
-    **options: object,
-) -> dict[str, torch.Tensor]:
-    """Merge client state dicts with a registered method.
+def _require(spec: MergeMethod, given: dict[str, object]) -> None:
+    for need in spec.needs:
+        if given.get(need) is None:
+            argument = "weights" if need == "sizes" else need
+            raise MergeflowError(f"merge method {spec.name!r} needs {need} ({argument}=...)")
 
-    Example: ``merge("task_arithmetic", [sd1, sd2], base=sd0, scaling=0.5)``.
-    Tensors are combined in float64 and cast back to each tensor's dtype; non-float
-    tensors (e.g. counters) are taken from the first model.
-    """
+
+def _merge_tensorwise(spec: MergeMethod, states, base, weights, fishers, options) -> MergeResult:
+    norms = None
+    if fishers is not None:
+        norms = torch.stack([torch.sqrt(sum((f.double() ** 2).sum() for f in fd.values())) for fd in fishers])
+    merged = {}
+    for key, first in states[0].items():
+        if not first.is_floating_point() or (fishers is not None and key not in fishers[0]):
+            merged[key] = first.clone() if not first.is_floating_point() else _mean(states, key, first)
+            continue
+        inputs = TensorInputs(
+            name=key,
+            tensors=[s[key].to(torch.float64) for s in states],
+            weights=weights,
+            base=base[key].to(torch.float64) if base is not None else None,
+            fishers=[f[key].to(torch.float64) for f in fishers] if fishers is not None else None,
+            fisher_norms=norms,
+        )
+        merged[key] = spec.fn(inputs, options).to(first.dtype).contiguous()
+    return MergeResult(merged)
+
+
+def _mean(states, key: str, like: torch.Tensor) -> torch.Tensor:
+    return torch.stack([s[key].to(torch.float64) for s in states]).mean(0).to(like.dtype)
+
+
+def run_merge(
+    method: str,
+    states: Sequence[State],
+    *,
+    base: State | None = None,
+    weights: Sequence[float] | None = None,
+    fishers: Sequence[State] | None = None,
+    factors: Sequence[torch.Tensor] | None = None,
+    **options: object,
+) -> MergeResult:
+    """Merge client state dicts with a registered method, returning its report too."""
     if not states:
         raise MergeflowError("merge needs at least one model")
     spec = METHODS.get(method)
     if spec is None:
         raise MergeflowError(f"unknown merge method {method!r}; known: {', '.join(METHODS)}")
-    if "base" in spec.needs and base is None:
-        raise MergeflowError(f"merge method {method!r} needs the base model (base=...)")
+    _require(spec, {"base": base, "sizes": weights, "fishers": fishers, "factors": factors})
     parsed = validate_options(method, options)
     _check_compatible([*states, base] if base is not None else states)
     w = normalized_weights(weights, len(states))
-    merged = {}
-    for key, first in states[0].items():
-        if not first.is_floating_point():
-            merged[key] = first.clone()
-            continue
-        tensors = [s[key].to(torch.float64) for s in states]
-        base_tensor = base[key].to(torch.float64) if base is not None else None
-        out = spec.merge_tensor(tensors, base=base_tensor, weights=w, options=parsed)
-        merged[key] = out.to(first.dtype).contiguous()
-    return merged
+    fisher_list = [dict(f) for f in fishers] if fishers is not None else None
+    if spec.scope == "tensor":
+        return _merge_tensorwise(spec, states, base, w, fisher_list, parsed)
+    names = list(fisher_list[0]) if fisher_list else [k for k, v in states[0].items() if v.is_floating_point()]
+    inputs = ModelInputs(
+        states=[dict(s) for s in states],
+        weights=w,
+        sizes=list(weights) if weights is not None else None,
+        base=dict(base) if base is not None else None,
+        fishers=fisher_list,
+        factors=[torch.as_tensor(u, dtype=torch.float64) for u in factors] if factors is not None else None,
+        names=names,
+    )
+    result = spec.fn(inputs, parsed)
+    if not isinstance(result, MergeResult):
+        result = MergeResult(result)
+    for key, first in states[0].items():  # untouched tensors (buffers, counters) follow the tensor rules
+        if key not in result.state:
+            result.state[key] = first.clone() if not first.is_floating_point() else _mean(states, key, first)
+        result.state[key] = result.state[key].to(first.dtype).contiguous()
+    return result
+
+
+def merge(method: str, states: Sequence[State], **inputs: Any) -> dict[str, torch.Tensor]:
+    """Merge client state dicts with a registered method; see ``run_merge`` for the inputs.
+
+    Example: ``merge("task_arithmetic", [sd1, sd2], base=sd0, scaling=0.5)``.
+    Tensors are combined in float64 and cast back to each tensor's dtype; non-float
+    tensors (e.g. counters) are taken from the first model.
+    """
+    return run_merge(method, states, **inputs).state

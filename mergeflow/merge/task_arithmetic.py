@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from mergeflow.merge.registry import merge_method
+from mergeflow.merge.registry import TensorInputs, merge_method
 
 
 class TaskArithmeticOptions(BaseModel):
@@ -16,10 +16,7 @@ class TaskArithmeticOptions(BaseModel):
 
 
 @merge_method("task_arithmetic", options=TaskArithmeticOptions, needs=("base",))
-def task_arithmetic(
-    tensors: list[torch.Tensor], *, base: torch.Tensor | None, weights: torch.Tensor, options: TaskArithmeticOptions
-) -> torch.Tensor:
+def task_arithmetic(x: TensorInputs, options: TaskArithmeticOptions) -> torch.Tensor:
     """base + λ·Σ_k (θ_k − base)."""
-    assert base is not None  # guaranteed by needs=("base",)
-    task_vectors = torch.stack(tensors) - base
-    return base + options.scaling * task_vectors.sum(dim=0)
+    assert x.base is not None  # guaranteed by needs=("base",)
+    return x.base + options.scaling * (torch.stack(x.tensors) - x.base).sum(dim=0)

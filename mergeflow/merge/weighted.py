@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from mergeflow.merge.registry import merge_method
+from mergeflow.merge.registry import TensorInputs, merge_method
 
 
-@merge_method("weighted", needs=("weights",))
-def weighted(
-    tensors: list[torch.Tensor], *, base: torch.Tensor | None, weights: torch.Tensor, options: object
-) -> torch.Tensor:
+@merge_method("weighted", needs=("sizes",))
+def weighted(x: TensorInputs, options: object) -> torch.Tensor:
     """Weighted average Σ (n_k/N) θ_k."""
-    stacked = torch.stack(tensors)
-    return torch.tensordot(weights, stacked, dims=1)
+    return torch.tensordot(x.weights, torch.stack(x.tensors), dims=1)

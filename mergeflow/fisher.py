@@ -1,0 +1,265 @@
+"""Fisher information of a model's parameters, computed per example.
+
+Three kinds, all averaged over examples (so ``n_k * F`` is a client's data precision):
+
+- ``empirical``: E_n[(∇ log p(y_n|x_n))²] with the data labels;
+- ``sampled``:   the same with labels drawn from the model (a seeded generator);
+- ``exact``:     E_n Σ_c p_c (∇ log p_c)², i.e. the GGN, as Matena & Raffel compute it.
+
+Never the square of a batch gradient (FusionBench's shortcut, wrong for batch size > 1).
+BackPACK gives per-example quantities in one backward pass (SumGradSquared, DiagGGNExact,
+BatchGrad, SqrtGGNExact); modules it cannot handle fall back to ``torch.func`` (vmap of
+per-example gradients). Regression models are Gaussian with noise ``noise_std``.
+
+``fisher_factors`` returns U (rows × D, over the flattened parameters) with F ≈ UᵀU, so a
+low-rank-plus-diagonal precision can be used without ever forming D × D.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+FISHER_KINDS = ("empirical", "sampled", "exact")
+BACKENDS = ("auto", "backpack", "functorch")
+_BACKPACK_LOCK = threading.Lock()
+
+
+def _as_tensors(model: nn.Module, X, y, task: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs in the model's dtype (float64 models give float64 Fishers)."""
+    dtype = next(model.parameters()).dtype
+    X = torch.as_tensor(X).to(dtype)
+    y = torch.as_tensor(y).to(torch.long if task == "classification" else dtype)
+    return X, y
+
+
+def _batches(n: int, batch_size: int) -> Iterator[slice]:
+    for start in range(0, n, batch_size):
+        yield slice(start, min(start + batch_size, n))
+
+
+def _loss_module(task: str) -> nn.Module:
+    return nn.CrossEntropyLoss(reduction="sum") if task == "classification" else nn.MSELoss(reduction="sum")
+
+
+def _targets(
+    model: nn.Module,
+    X: torch.Tensor,
+    y: torch.Tensor,
+    kind: str,
+    task: str,
+    noise_std: float,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """Labels for the empirical (data) and sampled (model) kinds; shaped for the loss module."""
+    if kind == "sampled":
+        with torch.no_grad():
+            out = model(X)
+        if task == "classification":
+            y = torch.multinomial(torch.softmax(out, dim=1), 1, generator=generator)[:, 0]
+        else:
+            y = out[:, 0] + noise_std * torch.randn(out.shape[0], generator=generator, dtype=out.dtype)
+    return y if task == "classification" else y[:, None]
+
+
+def _score_scale(task: str, noise_std: float) -> float:
+    """Factor turning a per-example loss gradient into the score ∇ log p (up to sign).
+
+    Classification: CE = −log p. Regression: MSE-sum (f−y)² has gradient 2(f−y)∇f, the
+    score is (y−f)∇f/σ², so divide by 2σ².
+    """
+    return 1.0 if task == "classification" else 1.0 / (2 * noise_std**2)
+
+
+def _ggn_scale(task: str, noise_std: float) -> float:
+    """Factor turning BackPACK's GGN of the summed loss into the Fisher: MSE-sum has Hessian 2, Fisher 1/σ²."""
+    return 1.0 if task == "classification" else 1.0 / (2 * noise_std**2)
+
+
+# Modules every BackPACK extension used here supports (first- and second-order).
+_BACKPACK_MODULES = (
+    nn.Sequential,
+    nn.Linear,
+    nn.Conv2d,
+    nn.Flatten,
+    nn.ReLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.MaxPool2d,
+    nn.AvgPool2d,
+    nn.Identity,
+)
+
+
+def _backpack_supported(model: nn.Module) -> bool:
+    return all(type(m) in _BACKPACK_MODULES for m in model.modules())
+
+
+def _use_backpack(model: nn.Module, backend: str) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"fisher backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "functorch":
+        return False
+    supported = _backpack_supported(model)
+    if backend == "backpack" and not supported:
+        raise ValueError("BackPACK does not support every module of this model; use backend='functorch'")
+    return supported
+
+
+def _backpack_quantity(
+    model: nn.Module, X: torch.Tensor, target: torch.Tensor, task: str, extension, field: str
+) -> dict[str, torch.Tensor]:
+    from backpack import backpack, extend
+
+    extended = extend(copy.deepcopy(model).eval())
+    # BackPACK keeps its active extensions in global state: one pass at a time per process.
+    with _BACKPACK_LOCK, backpack(extension), warnings.catch_warnings():
+        loss = extend(_loss_module(task))(extended(X), target)
+        # Inputs never require grad here, which makes torch warn about BackPACK's module hooks.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        loss.backward()
+    return {name: getattr(p, field).detach() for name, p in extended.named_parameters()}
+
+
+def _functorch_grads(model: nn.Module, X: torch.Tensor, target: torch.Tensor, task: str) -> dict[str, torch.Tensor]:
+    """Per-example gradients of the summed loss, {name: (N, *shape)}."""
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+    loss_fn = _loss_module(task)
+
+    def single(p, x, t):
+        out = functional_call(model, (p, buffers), (x[None],))
+        return loss_fn(out, t[None])
+
+    return vmap(grad(single), in_dims=(None, 0, 0))(params, X, target)
+
+
+def _exact_targets(model: nn.Module, X: torch.Tensor, task: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(target, weight per example) pairs whose weighted squared scores sum to the exact Fisher."""
+    with torch.no_grad():
+        out = model(X)
+    if task == "classification":
+        probs = torch.softmax(out, dim=1)
+        return [(torch.full((len(X),), c, dtype=torch.long), probs[:, c]) for c in range(out.shape[1])]
+    # Gaussian: E[(y−f)²] = σ²; a target one σ away from f gives the same squared score.
+    return [(out.detach(), torch.ones(len(X), dtype=out.dtype))]
+
+
+def diagonal_fisher(
+    model: nn.Module,
+    X,
+    y,
+    *,
+    kind: str = "exact",
+    task: str = "classification",
+    batch_size: int = 256,
+    noise_std: float = 1.0,
+    seed: int = 0,
+    backend: str = "auto",
+) -> dict[str, torch.Tensor]:
+    """The diagonal Fisher, averaged over examples, as {parameter name: tensor}."""
+    if kind not in FISHER_KINDS:
+        raise ValueError(f"fisher kind must be one of {FISHER_KINDS}, got {kind!r}")
+    X, y = _as_tensors(model, X, y, task)
+    generator = torch.Generator().manual_seed(seed)
+    use_backpack = _use_backpack(model, backend)
+    totals = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    for rows in _batches(len(X), batch_size):
+        xb, yb = X[rows], y[rows]
+        if kind == "exact" and use_backpack:
+            from backpack.extensions import DiagGGNExact
+
+            target = yb if task == "classification" else yb[:, None]
+            batch = _backpack_quantity(model, xb, target, task, DiagGGNExact(), "diag_ggn_exact")
+            batch = {k: v * _ggn_scale(task, noise_std) for k, v in batch.items()}
+        elif kind == "exact":
+            batch = _functorch_exact_diag(model, xb, task, noise_std)
+        else:
+            target = _targets(model, xb, yb, kind, task, noise_std, generator)
+            if use_backpack:
+                from backpack.extensions import SumGradSquared
+
+                batch = _backpack_quantity(model, xb, target, task, SumGradSquared(), "sum_grad_squared")
+            else:
+                batch = {k: (g**2).sum(0) for k, g in _functorch_grads(model, xb, target, task).items()}
+            batch = {k: v * _score_scale(task, noise_std) ** 2 for k, v in batch.items()}
+        for name, value in batch.items():
+            totals[name] += value
+    return {name: total / len(X) for name, total in totals.items()}
+
+
+def _functorch_exact_diag(model: nn.Module, X: torch.Tensor, task: str, noise_std: float) -> dict[str, torch.Tensor]:
+    totals: dict[str, torch.Tensor] = {}
+    for target, weight in _exact_targets(model, X, task):
+        if task == "regression":
+            target = target + noise_std  # one σ from the mean: squared score (∇f)²/σ²
+        grads = _functorch_grads(model, X, target, task)
+        for name, g in grads.items():
+            w = weight.reshape(-1, *([1] * (g.dim() - 1)))
+            term = (w * g**2).sum(0) * _score_scale(task, noise_std) ** 2
+            totals[name] = totals.get(name, 0) + term
+    return totals
+
+
+def flatten_parameters(values: dict[str, torch.Tensor], model: nn.Module) -> torch.Tensor:
+    """Concatenate per-parameter tensors (or (rows, *shape) factors) in the model's parameter order."""
+    names = [name for name, _ in model.named_parameters()]
+    first = values[names[0]]
+    lead = first.shape[: first.dim() - dict(model.named_parameters())[names[0]].dim()]
+    return torch.cat([values[n].reshape(*lead, -1) for n in names], dim=-1)
+
+
+def fisher_factors(
+    model: nn.Module,
+    X,
+    y,
+    *,
+    kind: str = "exact",
+    task: str = "classification",
+    batch_size: int = 256,
+    noise_std: float = 1.0,
+    seed: int = 0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """U (rows × D) over the flattened parameters with the averaged Fisher F ≈ UᵀU.
+
+    Empirical and sampled kinds give one row per example; the exact kind gives C rows per
+    example for C classes (BackPACK's SqrtGGNExact, or √p_c-weighted scores).
+    """
+    if kind not in FISHER_KINDS:
+        raise ValueError(f"fisher kind must be one of {FISHER_KINDS}, got {kind!r}")
+    X, y = _as_tensors(model, X, y, task)
+    generator = torch.Generator().manual_seed(seed)
+    use_backpack = _use_backpack(model, backend)
+    blocks = []
+    for rows in _batches(len(X), batch_size):
+        xb, yb = X[rows], y[rows]
+        if kind == "exact" and use_backpack:
+            from backpack.extensions import SqrtGGNExact
+
+            target = yb if task == "classification" else yb[:, None]
+            sqrt = _backpack_quantity(model, xb, target, task, SqrtGGNExact(), "sqrt_ggn_exact")
+            flat = flatten_parameters(sqrt, model)  # (C, N, D)
+            blocks.append(flat.reshape(-1, flat.shape[-1]) * _ggn_scale(task, noise_std) ** 0.5)
+        elif kind == "exact":
+            for target, weight in _exact_targets(model, xb, task):
+                if task == "regression":
+                    target = target + noise_std
+                grads = flatten_parameters(_functorch_grads(model, xb, target, task), model)
+                blocks.append(grads * weight.sqrt()[:, None] * _score_scale(task, noise_std))
+        else:
+            target = _targets(model, xb, yb, kind, task, noise_std, generator)
+            if use_backpack:
+                from backpack.extensions import BatchGrad
+
+                grads = _backpack_quantity(model, xb, target, task, BatchGrad(), "grad_batch")
+            else:
+                grads = _functorch_grads(model, xb, target, task)
+            blocks.append(flatten_parameters(grads, model) * _score_scale(task, noise_std))
+    return torch.cat(blocks) / len(X) ** 0.5

@@ -1,0 +1,45 @@
+"""Client precisions Λ_k = s_k (U_kᵀU_k + D_k) + δI over the flattened model, never formed.
+
+U_k are per-client Fisher factors (F ≈ UᵀU, averaged over examples), D_k the rest of the
+diagonal Fisher not explained by U_k, s_k the client's data size and δ the prior
+precision (counted once in a product of posteriors). Shared by the exact and SSF merges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mergeflow.errors import MergeflowError
+from mergeflow.merge.registry import ModelInputs
+
+
+@dataclass(frozen=True)
+class ClientPrecision:
+    """The data part s(UᵀU + D) of one client's precision, plus its mean θ_k."""
+
+    theta: torch.Tensor
+    factors: torch.Tensor  # (rows, D), already scaled by √s
+    diagonal: torch.Tensor  # (D,), already scaled by s
+
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """(s(UᵀU + D)) v without forming a D × D matrix."""
+        return self.factors.T @ (self.factors @ v) + self.diagonal * v
+
+
+def client_precisions(x: ModelInputs, *, by_size: bool) -> list[ClientPrecision]:
+    """Each client's data precision from its diagonal Fisher and optional factors."""
+    if by_size and x.sizes is None:
+        raise MergeflowError("by_size needs the clients' data sizes (weights=...)")
+    dim = sum(x.states[0][n].numel() for n in x.names)
+    out = []
+    for k, state in enumerate(x.states):
+        scale = float(x.sizes[k]) if by_size else 1.0
+        diagonal = x.flatten(x.fishers[k]) if x.fishers is not None else torch.zeros(dim, dtype=torch.float64)
+        factors = x.factors[k] if x.factors is not None else torch.zeros((0, dim), dtype=torch.float64)
+        if factors.shape[-1] != dim:
+            raise MergeflowError(f"client {k} factors have {factors.shape[-1]} columns, the model has {dim} parameters")
+        residual = (diagonal - (factors**2).sum(0)).clamp_min(0)
+        out.append(ClientPrecision(x.flatten(state), factors * scale**0.5, residual * scale))
+    return out

@@ -1,0 +1,81 @@
+"""Steps of the ``fisher`` stage: one cached step per client."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.torch import save_file
+
+from mergeflow.checkpoints import atomic_path, load_model
+from mergeflow.config import Params
+from mergeflow.data import load_dataset_file, to_arrays
+from mergeflow.fisher import diagonal_fisher, fisher_factors
+from mergeflow.seeding import derive_seed
+from tasks.data import PARTITIONS, client_file, read_info
+from tasks.steps import Step
+from tasks.training import client_checkpoint
+
+FISHERS = "models/fishers"
+_CODE = ("mergeflow/fisher.py", "mergeflow/checkpoints.py", "tasks/fisher.py")
+
+
+def fisher_file(client: int) -> str:
+    """Relative path of one client's diagonal Fisher (safetensors, parameter names as keys)."""
+    return f"{FISHERS}/client_{client:03d}.safetensors"
+
+
+def factors_file(client: int) -> str:
+    """Relative path of one client's Fisher factors U (key ``U``, F ≈ UᵀU)."""
+    return f"{FISHERS}/client_{client:03d}.factors.safetensors"
+
+
+def plan_fisher(params: Params) -> list[Step]:
+    """One step per client, keyed by its fine-tuned model and partition."""
+    settings = {"fisher": params.section("fisher"), "noise_std": params.evaluate.noise_std, "seed": params.seed}
+    return [
+        Step(
+            f"fisher/client_{client:03d}",
+            "tasks.fisher:client_fisher",
+            {**settings, "client": client},
+            inputs=(client_checkpoint(client), client_file(client), f"{PARTITIONS}/info.json"),
+            code=_CODE,
+        )
+        for client in range(params.partition.num_clients)
+    ]
+
+
+def _subset(n: int, size: int, seed: int) -> np.ndarray:
+    if size >= n:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False))
+
+
+def client_fisher(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """Diagonal Fisher on up to n_examples of the client's data; factors on rank_examples if low_rank."""
+    settings, client = params["fisher"], params["client"]
+    info = read_info(root, PARTITIONS)
+    X, y = to_arrays(load_dataset_file(root / client_file(client)), info)
+    model = load_model(root / client_checkpoint(client))
+    seed = derive_seed(params["seed"], "fisher", client)
+    common = {
+        "kind": settings["kind"],
+        "task": info["task"],
+        "batch_size": settings["batch_size"],
+        "noise_std": info.get("noise_std") or params["noise_std"],
+        "seed": seed,
+        "backend": settings["backend"],
+    }
+    rows = _subset(len(y), settings["n_examples"], seed)
+    diagonal = diagonal_fisher(model, X[rows], y[rows], **common)
+    with atomic_path(out / fisher_file(client)) as tmp:
+        save_file({k: v.contiguous() for k, v in diagonal.items()}, str(tmp))
+    summary = {"examples": len(rows)}
+    if settings["low_rank"]:
+        rows = _subset(len(y), settings["rank_examples"], seed + 1)
+        factors = fisher_factors(model, X[rows], y[rows], **common)
+        with atomic_path(out / factors_file(client)) as tmp:
+            save_file({"U": factors.contiguous()}, str(tmp))
+        summary["factor_rows"] = int(factors.shape[0])
+    return summary
