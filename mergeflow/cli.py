@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     ui = commands.add_parser("ui", help="open the MLflow UI on 127.0.0.1")
     ui.add_argument("--port", type=int, default=5000)
     commands.add_parser("methods", help="list the registered merge methods")
+    reproduce = commands.add_parser("reproduce", help="run a paper reproduction (results/NAME.md)")
+    reproduce.add_argument("name", choices=("linear-gaussian", "pinwheel"))
+    reproduce.add_argument("--preset", help="experiment preset (default: experiments/<name>.yaml)")
     return parser
 
 
@@ -103,6 +106,16 @@ def _dispatch(args: argparse.Namespace) -> int:
             Path("dvc.yaml").write_text(text)
         else:
             sys.stdout.write(text)
+        return 0
+    if args.command == "reproduce":
+        from flows.environment import configure
+
+        configure()
+        from flows.reproduce import reproduce
+
+        table = reproduce(args.name, Path.cwd(), args.preset)
+        print(table.read_text(), end="")
+        print(f"mergeflow: wrote {table} and {table.with_suffix('.json')}")
         return 0
     if args.command == "methods":
         from mergeflow.merge import METHODS

@@ -140,25 +140,41 @@ class FisherConfig(_Section):
 
 
 class MergeConfig(_Section):
+    """The merges to run. Each name in ``methods`` is a registered method, or a variant
+    declared in ``options`` with a ``method`` key (e.g. ``ssf_20: {method: ssf, mask_rate: 0.2}``),
+    so one method can run with several settings side by side.
+    """
+
     methods: list[str] = ["average", "weighted", "task_arithmetic"]
     options: dict[str, dict[str, Any]] = {}
+
+    def resolve(self, name: str) -> tuple[str, dict[str, Any]]:
+        """The registered method and its options for one entry of ``methods``."""
+        options = dict(self.options.get(name, {}))
+        return str(options.pop("method", name)), options
 
     @model_validator(mode="after")
     def _known_methods_and_options(self) -> MergeConfig:
         from mergeflow.merge import METHODS, validate_options
 
+        for name, options in self.options.items():
+            method = options.get("method", name)
+            if method not in METHODS:
+                key = f"options.{name}.method" if "method" in options else f"options.{name}"
+                raise ValueError(f"{key}: unknown merge method {method!r}; known: {', '.join(METHODS)}")
+            try:
+                validate_options(method, self.resolve(name)[1])
+            except ConfigError as error:
+                detail = error.lines[0].removeprefix(f"merge.options.{method}.")
+                raise ValueError(f"options.{name}.{detail}") from None
         for i, name in enumerate(self.methods):
-            if name not in METHODS:
-                raise ValueError(f"methods[{i}]: unknown merge method {name!r}; known: {', '.join(METHODS)}")
+            if name not in METHODS and name not in self.options:
+                raise ValueError(
+                    f"methods[{i}]: unknown merge method {name!r}; known: {', '.join(METHODS)} "
+                    "(or declare a variant under merge.options with a 'method' key)"
+                )
         if len(set(self.methods)) != len(self.methods):
             raise ValueError("methods: a method is listed twice")
-        for name, options in self.options.items():
-            if name not in METHODS:
-                raise ValueError(f"options.{name}: unknown merge method {name!r}; known: {', '.join(METHODS)}")
-            try:
-                validate_options(name, options)
-            except ConfigError as error:
-                raise ValueError(error.lines[0].removeprefix("merge.")) from None
         return self
 
 
@@ -209,7 +225,7 @@ class Params(_Section):
         from mergeflow.merge import METHODS
 
         for name in self.merge.methods:
-            if "factors" in METHODS[name].needs and not self.fisher.low_rank:
+            if "factors" in METHODS[self.merge.resolve(name)[0]].needs and not self.fisher.low_rank:
                 raise ValueError(f"fisher.low_rank: merge method {name!r} needs Fisher factors; set it to true")
         rows = _known_training_rows(self.data)
         if rows is not None and self.partition.num_clients > rows:

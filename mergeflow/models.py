@@ -80,13 +80,9 @@ def _linear(n_in: int, n_out: int) -> nn.Linear:
     return nn.Linear(n_in, n_out, device="meta")
 
 
-def _mlp_layers(
-    n_in: int, output_dim: int, widths: list[int] | tuple[int, ...], activation: str
-) -> list[nn.Module]:
+def _mlp_layers(n_in: int, output_dim: int, widths: list[int] | tuple[int, ...], activation: str) -> list[nn.Module]:
     if activation not in ACTIVATIONS:
-        raise ValueError(
-            f"unknown model.activation {activation!r}; expected one of {tuple(ACTIVATIONS)}"
-        )
+        raise ValueError(f"unknown model.activation {activation!r}; expected one of {tuple(ACTIVATIONS)}")
     layers: list[nn.Module] = [nn.Flatten()]
     for width in widths:
         layers += [_linear(n_in, int(width)), ACTIVATIONS[activation]()]
@@ -99,9 +95,7 @@ def _cnn_layers(
     shape: list[int], output_dim: int, channels: list[int] | tuple[int, ...], hidden: int
 ) -> list[nn.Module]:
     if len(shape) != 3:
-        raise ValueError(
-            f"model.arch 'cnn' needs input_shape (C, H, W), got {shape}"
-        )
+        raise ValueError(f"model.arch 'cnn' needs input_shape (C, H, W), got {shape}")
     n_in, height, width = shape
     layers: list[nn.Module] = []
     for n_out in channels:

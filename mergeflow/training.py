@@ -37,13 +37,11 @@ class TrainResult:
     epoch_losses: list[float] = field(default_factory=list)
 
 
-def _sgd(params: Iterable[nn.Parameter], *, lr: float, momentum: float,
-         weight_decay: float) -> torch.optim.Optimizer:
+def _sgd(params: Iterable[nn.Parameter], *, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
-def _adam(params: Iterable[nn.Parameter], *, lr: float, momentum: float,
-          weight_decay: float) -> torch.optim.Optimizer:
+def _adam(params: Iterable[nn.Parameter], *, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
     # Adam has its own moment estimates (default betas); ``momentum`` is unused.
     return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
 
@@ -78,6 +76,7 @@ def _loss_fn(task: str, targets: torch.Tensor) -> tuple[torch.Tensor, Callable]:
     if task == "classification":
         return targets.to(torch.long).reshape(-1), F.cross_entropy
     if task == "regression":
+
         def half_mse(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             return 0.5 * torch.mean((out[:, 0] - t) ** 2)
 
@@ -128,9 +127,7 @@ def train(
     """
     inputs = _as_inputs(X)
     targets, loss_fn = _loss_fn(task, torch.as_tensor(y))
-    opt = make_optimizer(
-        optimizer, model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
-    )
+    opt = make_optimizer(optimizer, model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     gen = torch.Generator().manual_seed(int(seed))
     n = inputs.shape[0]
     result = TrainResult()
@@ -140,13 +137,11 @@ def train(
         order = torch.randperm(n, generator=gen)
         total = 0.0
         for step, start in enumerate(range(0, n, batch_size)):
-            idx = order[start:start + batch_size]
+            idx = order[start : start + batch_size]
             loss = loss_fn(model(inputs[idx]), targets[idx])
             value = loss.item()
             if not math.isfinite(value):
-                raise DivergenceError(
-                    f"non-finite training loss {value} at epoch {epoch}, step {step}"
-                )
+                raise DivergenceError(f"non-finite training loss {value} at epoch {epoch}, step {step}")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -159,9 +154,7 @@ def train(
 
 
 @torch.no_grad()
-def predict(
-    model: nn.Module, X: np.ndarray | torch.Tensor, *, batch_size: int = 1024
-) -> np.ndarray:
+def predict(model: nn.Module, X: np.ndarray | torch.Tensor, *, batch_size: int = 1024) -> np.ndarray:
     """Raw model outputs (logits or regression outputs) as float64 numpy.
 
     Runs in eval mode without gradients; the model's previous train/eval mode
@@ -171,7 +164,7 @@ def predict(
     was_training = model.training
     model.eval()
     try:
-        outputs = [model(inputs[i:i + batch_size]) for i in range(0, inputs.shape[0], batch_size)]
+        outputs = [model(inputs[i : i + batch_size]) for i in range(0, inputs.shape[0], batch_size)]
     finally:
         model.train(was_training)
     return torch.cat(outputs).to(torch.float64).numpy()

@@ -18,59 +18,66 @@ MERGED = "models/merged"
 _CODE = ("mergeflow/merge", "mergeflow/checkpoints.py", "tasks/merging.py")
 
 
-def merged_checkpoint(method: str) -> str:
-    """Relative path of one method's merged model."""
-    return f"{MERGED}/{method}.safetensors"
+def merged_checkpoint(name: str) -> str:
+    """Relative path of one merge's model (``name`` is an entry of ``merge.methods``)."""
+    return f"{MERGED}/{name}.safetensors"
 
 
-def _inputs(method: str, clients: range) -> tuple[str, ...]:
-    needs = METHODS[method].needs
+def _uses_factors(method: str, params: Params) -> bool:
+    return "factors" in METHODS[method].uses and params.fisher.low_rank
+
+
+def _inputs(method: str, clients: range, with_factors: bool) -> tuple[str, ...]:
     paths = [BASE, *(client_checkpoint(c) for c in clients)]
-    if "fishers" in needs:
+    if "fishers" in METHODS[method].uses:
         paths += [fisher_file(c) for c in clients]
-    if "factors" in needs:
+    if with_factors:
         paths += [factors_file(c) for c in clients]
     return tuple(paths)
 
 
-def plan_merge(params: Params) -> list[Step]:
-    """One step per method, keyed by its options and only the inputs it needs."""
+def _merge_step(params: Params, name: str) -> Step:
+    method, options = params.merge.resolve(name)
     clients = range(params.partition.num_clients)
-    return [
-        Step(
-            f"merge/{method}",
-            "tasks.merging:merge_clients",
-            {"method": method, "options": params.merge.options.get(method, {}), "num_clients": len(clients)},
-            inputs=_inputs(method, clients),
-            code=_CODE,
-        )
-        for method in params.merge.methods
-    ]
+    factors = _uses_factors(method, params)
+    return Step(
+        f"merge/{name}",
+        "tasks.merging:merge_clients",
+        {"name": name, "method": method, "options": options, "num_clients": len(clients), "factors": factors},
+        inputs=_inputs(method, clients, factors),
+        code=_CODE,
+    )
+
+
+def plan_merge(params: Params) -> list[Step]:
+    """One step per entry of ``merge.methods``, keyed by its options and only the inputs it needs."""
+    return [_merge_step(params, name) for name in params.merge.methods]
 
 
 def merge_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     """Merge the client checkpoints with one registered method; keep its curves in the metadata."""
-    method = params["method"]
+    name, method = params["name"], params["method"]
     clients = range(params["num_clients"])
-    needs = METHODS[method].needs
+    uses = METHODS[method].uses
     loaded = [load_checkpoint(root / client_checkpoint(c)) for c in clients]
     base_state, base_meta = load_checkpoint(root / BASE)
     result = run_merge(
         method,
         [state for state, _ in loaded],
-        base=base_state if "base" in needs else None,
+        base=base_state if "base" in uses else None,
         weights=[meta["num_examples"] for _, meta in loaded],
-        fishers=[load_file(root / fisher_file(c)) for c in clients] if "fishers" in needs else None,
-        factors=[load_file(root / factors_file(c))["U"] for c in clients] if "factors" in needs else None,
+        fishers=[load_file(root / fisher_file(c)) for c in clients] if "fishers" in uses else None,
+        factors=[load_file(root / factors_file(c))["U"] for c in clients] if params["factors"] else None,
         **params["options"],
     )
     meta = {
         "spec": base_meta["spec"],
         "role": "merged",
+        "name": name,
         "method": method,
         "options": params["options"],
         "curves": result.curves,
         "summary": result.summary,
     }
-    save_checkpoint(out / merged_checkpoint(method), result.state, meta)
+    save_checkpoint(out / merged_checkpoint(name), result.state, meta)
     return {"method": method, **result.summary}

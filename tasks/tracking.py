@@ -105,16 +105,16 @@ def _log_client(mlflow, root: Path, client: int, metrics: dict[str, Any]) -> Non
         mlflow.log_metrics(_test_metrics(metrics[f"client_{client:03d}"]))
 
 
-def _log_merge(mlflow, root: Path, method: str, metrics: dict[str, Any], example, log_models: bool) -> None:
+def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, log_models: bool) -> None:
     import mlflow.pytorch
     import torch
 
-    path = root / merged_checkpoint(method)
+    path = root / merged_checkpoint(name)
     _, meta = load_checkpoint(path)
-    tags = {"mergeflow.kind": "merge", "mergeflow.method": method}
-    with mlflow.start_run(run_name=f"merge_{method}", nested=True, tags=tags):
-        _log_params(mlflow, {"method": method, **flatten(meta["options"], "option.")})
-        mlflow.log_metrics({**_test_metrics(metrics[f"merged/{method}"]), **meta.get("summary", {})})
+    tags = {"mergeflow.kind": "merge", "mergeflow.method": meta["method"], "mergeflow.merge": name}
+    with mlflow.start_run(run_name=f"merge_{name}", nested=True, tags=tags):
+        _log_params(mlflow, {"method": meta["method"], **flatten(meta["options"], "option.")})
+        mlflow.log_metrics({**_test_metrics(metrics[f"merged/{name}"]), **meta.get("summary", {})})
         _log_curves(mlflow, meta.get("curves", {}))
         mlflow.log_artifact(str(path), "checkpoint")
         if log_models:
@@ -156,6 +156,29 @@ def track(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
             mlflow.log_artifact(str(root / artifact), Path(artifact).parent.name)
         for client in range(config["partition"]["num_clients"]):
             _log_client(mlflow, root, client, metrics)
-        for method in config["merge"]["methods"]:
-            _log_merge(mlflow, root, method, metrics, example, config["tracking"]["log_models"])
+        for name in config["merge"]["methods"]:
+            _log_merge(mlflow, root, name, metrics, example, config["tracking"]["log_models"])
     return {"run_id": parent.info.run_id, "experiment_id": experiment_id}
+
+
+def log_reproduction(
+    root: Path, name: str, settings: dict[str, Any], table: dict[str, dict], curves: dict[str, list[float]]
+) -> str:
+    """One MLflow run (tag ``mergeflow.kind=reproduction``) with a results table and step curves."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri(root))
+    experiment_id = _experiment_id(mlflow, "reproductions", root)
+    tags = {"mergeflow.kind": "reproduction", "mergeflow.reproduction": name}
+    with mlflow.start_run(experiment_id=experiment_id, run_name=name, tags=tags) as run:
+        _log_params(mlflow, flatten(settings))
+        scalars = {
+            f"{row}.{metric}".replace(" ", "_").replace("%", "pct").replace("(", "").replace(")", ""): float(value)
+            for row, values in table.items()
+            for metric, value in values.items()
+        }
+        mlflow.log_metrics(scalars)
+        safe = {key.replace(" ", "_").replace("%", "pct"): values for key, values in curves.items()}
+        _log_curves(mlflow, safe)
+        mlflow.log_dict(table, "results.json")
+    return run.info.run_id

@@ -71,3 +71,30 @@ def test_missing_params_file(tmp_path):
 def test_malformed_override():
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         load_params(ROOT / "params.yaml", ["novalue"])
+
+
+def test_merge_variants_run_one_method_with_several_settings():
+    raw = {
+        "merge": {
+            "methods": ["ssf", "ssf_20", "avg"],
+            "options": {"ssf_20": {"method": "ssf", "mask_rate": 0.2}, "avg": {"method": "average"}},
+        }
+    }
+    merge = validate_params(raw).merge
+    assert merge.resolve("ssf_20") == ("ssf", {"mask_rate": 0.2})
+    assert merge.resolve("ssf") == ("ssf", {})
+    assert merge.resolve("avg") == ("average", {})
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"v": {"method": "nope"}}, "merge.options.v.method"),
+        ({"v": {"method": "ssf", "mask_rate": 2}}, "merge.options.v.mask_rate"),
+        ({"v": {"method": "average", "scaling": 1}}, "merge.options.v.scaling"),
+    ],
+)
+def test_bad_merge_variants_name_their_key(options, key):
+    with pytest.raises(ConfigError) as error:
+        validate_params({"merge": {"methods": ["v"], "options": options}})
+    assert key in str(error.value)

@@ -10,7 +10,13 @@ from conftest import fast_params, make_workspace, ran_steps, run_cli
 
 pytestmark = pytest.mark.slow
 
-METHODS = fast_params()["merge"]["methods"]
+# The committed methods plus a variant: one method run a second time with other settings.
+MERGE = fast_params()["merge"]
+MERGE = {
+    "methods": [*MERGE["methods"], "ssf_50"],
+    "options": {**MERGE["options"], "ssf_50": {"method": "ssf", "mask_rate": 0.5, "steps": 50}},
+}
+METHODS = MERGE["methods"]
 MERGES = {f"merge/{method}" for method in METHODS}
 CLIENTS = ("client_000", "client_001", "client_002")
 ALL_STEPS = {
@@ -34,7 +40,7 @@ def _result_hashes(path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def cold_run(tmp_path_factory, cli_env):
     """A workspace after one cold run of the fast pipeline, and its result hashes then."""
-    path = make_workspace(tmp_path_factory.mktemp("pipeline"), fast_params())
+    path = make_workspace(tmp_path_factory.mktemp("pipeline"), fast_params(merge=MERGE))
     done = run_cli(["run"], path, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
     return path, _result_hashes(path)
@@ -63,7 +69,7 @@ def test_cold_run_executes_every_step_and_writes_outputs(workspace):
 
 
 def test_same_params_and_seed_give_bit_identical_weights_and_metrics(cold_run, tmp_path, cli_env):
-    path = make_workspace(tmp_path / "again", fast_params())
+    path = make_workspace(tmp_path / "again", fast_params(merge=MERGE))
     done = run_cli(["run"], path, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert ran_steps(path) == ALL_STEPS  # its own store: nothing came from the first run's cache
@@ -120,7 +126,12 @@ def test_mlflow_holds_runs_tags_metrics_and_a_reloadable_model(workspace):
     children = runs[runs["tags.mlflow.parentRunId"] == parent.run_id]
     assert sorted(children["tags.mergeflow.kind"]) == ["client"] * 3 + ["merge"] * len(METHODS)
     merges = children[children["tags.mergeflow.kind"] == "merge"]
-    assert set(merges["tags.mergeflow.method"]) == set(METHODS)
+    assert set(merges["tags.mergeflow.merge"]) == set(METHODS)
+    assert set(merges["tags.mergeflow.method"]) == set(METHODS) - {"ssf_50"}
+    ssf_run = merges[merges["tags.mergeflow.merge"] == "ssf_50"].iloc[0]
+    assert ssf_run["params.option.mask_rate"] == "0.5"
+    ssf_curve = mlflow.tracking.MlflowClient().get_metric_history(ssf_run.run_id, "ssf_loss")
+    assert len(ssf_curve) == 50
     exact_run = merges[merges["tags.mergeflow.method"] == "exact"].iloc[0]
     assert exact_run["metrics.cg_relative_residual"] < 1e-6
     residuals = mlflow.tracking.MlflowClient().get_metric_history(exact_run.run_id, "cg_relative_residual")
@@ -140,7 +151,7 @@ def test_mlflow_holds_runs_tags_metrics_and_a_reloadable_model(workspace):
 
 
 def test_bad_params_exit_2_and_write_nothing(tmp_path, cli_env):
-    path = make_workspace(tmp_path / "bad", fast_params())
+    path = make_workspace(tmp_path / "bad", fast_params(merge=MERGE))
     done = run_cli(["run", "-S", "partition.alpha=0", "-S", "merge.methods=[average, nope]"], path, cli_env)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()

@@ -20,12 +20,25 @@ class ClientPrecision:
     """The data part s(UᵀU + D) of one client's precision, plus its mean θ_k."""
 
     theta: torch.Tensor
-    factors: torch.Tensor  # (rows, D), already scaled by √s
+    factors: torch.Tensor  # (rows, D), already scaled by √s; float32 or float64
     diagonal: torch.Tensor  # (D,), already scaled by s
 
     def matvec(self, v: torch.Tensor) -> torch.Tensor:
-        """(s(UᵀU + D)) v without forming a D × D matrix."""
-        return self.factors.T @ (self.factors @ v) + self.diagonal * v
+        """(s(UᵀU + D)) v without forming a D × D matrix (low-rank part in the factors' dtype)."""
+        low_rank = self.factors.T @ (self.factors @ v.to(self.factors.dtype))
+        return low_rank.to(v.dtype) + self.diagonal * v
+
+    def precision_diagonal(self) -> torch.Tensor:
+        """diag(s(UᵀU + D)), in float64."""
+        return _squared_column_sums(self.factors) + self.diagonal
+
+
+def _squared_column_sums(factors: torch.Tensor) -> torch.Tensor:
+    """diag(UᵀU) in float64, with bounded temporaries for large models."""
+    total = torch.zeros(factors.shape[-1], dtype=torch.float64)
+    for rows in torch.split(factors, 64):
+        total += (rows.to(torch.float64) ** 2).sum(0)
+    return total
 
 
 def client_precisions(x: ModelInputs, *, by_size: bool) -> list[ClientPrecision]:
@@ -40,6 +53,6 @@ def client_precisions(x: ModelInputs, *, by_size: bool) -> list[ClientPrecision]
         factors = x.factors[k] if x.factors is not None else torch.zeros((0, dim), dtype=torch.float64)
         if factors.shape[-1] != dim:
             raise MergeflowError(f"client {k} factors have {factors.shape[-1]} columns, the model has {dim} parameters")
-        residual = (diagonal - (factors**2).sum(0)).clamp_min(0)
+        residual = (diagonal - _squared_column_sums(factors)).clamp_min(0)
         out.append(ClientPrecision(x.flatten(state), factors * scale**0.5, residual * scale))
     return out

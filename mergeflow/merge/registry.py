@@ -91,6 +91,7 @@ class MergeMethod:
     scope: Literal["tensor", "model"]
     options: type[BaseModel]
     needs: frozenset[str]
+    uses: frozenset[str]
     summary: str
 
 
@@ -102,14 +103,16 @@ def merge_method(
     *,
     options: type[BaseModel] = NoOptions,
     needs: Sequence[str] = (),
+    uses: Sequence[str] = (),
     scope: Literal["tensor", "model"] = "tensor",
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a merge method under ``name``.
 
     Tensor scope: ``fn(x: TensorInputs, options) -> tensor``. Model scope:
-    ``fn(x: ModelInputs, options) -> MergeResult | dict``.
+    ``fn(x: ModelInputs, options) -> MergeResult | dict``. ``needs`` are required inputs,
+    ``uses`` optional ones that the pipeline supplies when it has them (e.g. factors).
     """
-    unknown = set(needs) - set(NEEDS)
+    unknown = (set(needs) | set(uses)) - set(NEEDS)
     if unknown:
         raise ValueError(f"merge method {name!r} needs unknown inputs {sorted(unknown)}; known: {NEEDS}")
 
@@ -117,7 +120,9 @@ def merge_method(
         if name in METHODS:
             raise ValueError(f"merge method {name!r} is registered twice")
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-        METHODS[name] = MergeMethod(name, fn, scope, options, frozenset(needs), summary)
+        METHODS[name] = MergeMethod(
+            name, fn, scope, options, frozenset(needs), frozenset(needs) | frozenset(uses), summary
+        )
         return fn
 
     return register
@@ -193,6 +198,40 @@ def _mean(states, key: str, like: torch.Tensor) -> torch.Tensor:
     return torch.stack([s[key].to(torch.float64) for s in states]).mean(0).to(like.dtype)
 
 
+def model_inputs(
+    states: Sequence[State],
+    *,
+    base: State | None = None,
+    weights: Sequence[float] | None = None,
+    fishers: Sequence[State] | None = None,
+    factors: Sequence[torch.Tensor] | None = None,
+) -> ModelInputs:
+    """Whole-model inputs of a model-scope method, checked for compatible architectures.
+
+    Factors keep a floating dtype of their own (float32 factors halve the memory of a
+    large model's precision); everything else is float64.
+    """
+    if not states:
+        raise MergeflowError("merge needs at least one model")
+    _check_compatible([*states, base] if base is not None else states)
+    fisher_list = [dict(f) for f in fishers] if fishers is not None else None
+    names = list(fisher_list[0]) if fisher_list else [k for k, v in states[0].items() if v.is_floating_point()]
+    return ModelInputs(
+        states=[dict(s) for s in states],
+        weights=normalized_weights(weights, len(states)),
+        sizes=list(weights) if weights is not None else None,
+        base=dict(base) if base is not None else None,
+        fishers=fisher_list,
+        factors=[_factor_tensor(u) for u in factors] if factors is not None else None,
+        names=names,
+    )
+
+
+def _factor_tensor(u: torch.Tensor) -> torch.Tensor:
+    u = torch.as_tensor(u)
+    return u if u.dtype in (torch.float32, torch.float64) else u.to(torch.float64)
+
+
 def run_merge(
     method: str,
     states: Sequence[State],
@@ -211,21 +250,12 @@ def run_merge(
         raise MergeflowError(f"unknown merge method {method!r}; known: {', '.join(METHODS)}")
     _require(spec, {"base": base, "sizes": weights, "fishers": fishers, "factors": factors})
     parsed = validate_options(method, options)
-    _check_compatible([*states, base] if base is not None else states)
-    w = normalized_weights(weights, len(states))
-    fisher_list = [dict(f) for f in fishers] if fishers is not None else None
     if spec.scope == "tensor":
+        _check_compatible([*states, base] if base is not None else states)
+        w = normalized_weights(weights, len(states))
+        fisher_list = [dict(f) for f in fishers] if fishers is not None else None
         return _merge_tensorwise(spec, states, base, w, fisher_list, parsed)
-    names = list(fisher_list[0]) if fisher_list else [k for k, v in states[0].items() if v.is_floating_point()]
-    inputs = ModelInputs(
-        states=[dict(s) for s in states],
-        weights=w,
-        sizes=list(weights) if weights is not None else None,
-        base=dict(base) if base is not None else None,
-        fishers=fisher_list,
-        factors=[torch.as_tensor(u, dtype=torch.float64) for u in factors] if factors is not None else None,
-        names=names,
-    )
+    inputs = model_inputs(states, base=base, weights=weights, fishers=fishers, factors=factors)
     result = spec.fn(inputs, parsed)
     if not isinstance(result, MergeResult):
         result = MergeResult(result)
