@@ -137,16 +137,36 @@ def test_exact_without_factors_and_prior_is_the_diagonal_fisher_merge():
     diagonal = merge("fisher", states, weights=sizes, fishers=fishers, floor=0.0)
     for key in result.state:
         torch.testing.assert_close(result.state[key], diagonal[key], rtol=1e-10, atol=1e-12)
-    assert result.summary["cg_iterations"] == 1  # the Jacobi preconditioner inverts a diagonal system
+    assert result.summary["cg_iterations"] == 1  # without factors the preconditioner inverts the diagonal system
 
 
-def test_exact_merge_is_the_same_without_the_preconditioner():
+@pytest.mark.parametrize("preconditioner", ["jacobi", "woodbury"])
+def test_exact_merge_is_the_same_without_the_preconditioner(preconditioner):
     states, fishers, factors, sizes, full = _linear_gaussian()
     inputs = {"weights": sizes, "fishers": fishers, "factors": factors, "prior_precision": 2.0}
     plain = run_merge("exact", states, preconditioner="none", **inputs)
-    jacobi = run_merge("exact", states, **inputs)
+    preconditioned = run_merge("exact", states, preconditioner=preconditioner, **inputs)
     for key in plain.state:
-        torch.testing.assert_close(plain.state[key], jacobi.state[key], rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(plain.state[key], preconditioned.state[key], rtol=1e-9, atol=1e-12)
+
+
+def test_woodbury_preconditioner_solves_an_ill_conditioned_low_rank_system_in_few_iterations():
+    generator = torch.Generator().manual_seed(0)
+    dim, rows = 400, 30
+    # half the coordinates have no Fisher at all: only the tiny prior precision holds them
+    fishers, factors, states = [], [], []
+    for _ in range(3):
+        u = torch.randn(rows, dim, generator=generator, dtype=torch.float64) * 3
+        u[:, dim // 2 :] = 0
+        factors.append(u / rows**0.5)
+        fishers.append({"w": (factors[-1] ** 2).sum(0) + 1e-3})
+        states.append({"w": torch.randn(dim, generator=generator, dtype=torch.float64)})
+    inputs = {"weights": [50, 60, 70], "fishers": fishers, "factors": factors, "prior_precision": 1e-6}
+    woodbury = run_merge("exact", states, **inputs)
+    jacobi = run_merge("exact", states, preconditioner="jacobi", max_iterations=50, **inputs)
+    assert woodbury.summary["cg_relative_residual"] < 1e-10
+    assert woodbury.summary["cg_iterations"] <= 5
+    assert jacobi.summary["cg_relative_residual"] > 1e3 * woodbury.summary["cg_relative_residual"]
 
 
 def test_exact_refuses_factors_of_the_wrong_width():

@@ -2,8 +2,14 @@
 
 θ* = (Σ_k Λ_k − (K−1)δI)⁻¹ Σ_k Λ_k θ_k with Λ_k = n_k(U_kᵀU_k + D_k) + δI, the prior
 counted once. Solved by conjugate gradients over the whole flattened model with
-matrix-free products, so a low-rank-plus-diagonal precision never becomes D × D, and
-Jacobi-preconditioned by the exact diagonal of Σ Λ_k.
+matrix-free products, so a low-rank-plus-diagonal precision never becomes D × D.
+
+The default preconditioner inverts Σ Λ_k exactly by Woodbury: it is a diagonal plus the
+stacked factors of all clients (R rows in all), so one R × R Cholesky factor, built once at
+O(R²D), makes CG converge in a few iterations even when zero-Fisher coordinates leave only
+the prior precision there (condition numbers of 1e6 and more, where Jacobi-preconditioned CG
+needs thousands of iterations). ``jacobi`` (the diagonal of Σ Λ_k) and ``none`` remain for
+models whose R²D is too large.
 With no factors (U = 0) and δ = 0 it is the diagonal Fisher merge.
 """
 
@@ -15,7 +21,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from mergeflow.merge.precision import client_precisions
+from mergeflow.merge.precision import ClientPrecision, client_precisions
 from mergeflow.merge.registry import MergeResult, ModelInputs, merge_method
 
 
@@ -27,7 +33,7 @@ class ExactOptions(BaseModel):
     by_size: bool = True
     max_iterations: int = Field(1000, ge=1)
     tolerance: float = Field(1e-12, gt=0)
-    preconditioner: Literal["jacobi", "none"] = "jacobi"
+    preconditioner: Literal["woodbury", "jacobi", "none"] = "woodbury"
 
 
 def conjugate_gradient(
@@ -35,7 +41,7 @@ def conjugate_gradient(
     rhs: torch.Tensor,
     start: torch.Tensor,
     *,
-    inverse_diagonal: torch.Tensor | None = None,
+    preconditioner: Callable[[torch.Tensor], torch.Tensor] | None = None,
     tolerance: float = 1e-12,
     max_iterations: int = 1000,
 ) -> tuple[torch.Tensor, list[float]]:
@@ -50,7 +56,7 @@ def conjugate_gradient(
     residuals: list[float] = []
     if float(r.norm()) <= tolerance * rhs_norm:
         return x, [float(r.norm()) / rhs_norm]
-    z = r * inverse_diagonal if inverse_diagonal is not None else r
+    z = preconditioner(r) if preconditioner is not None else r
     p, rz = z.clone(), torch.dot(r, z)
     for _ in range(max_iterations):
         ap = matvec(p)
@@ -60,11 +66,57 @@ def conjugate_gradient(
         residuals.append(float(r.norm()) / rhs_norm)
         if residuals[-1] <= tolerance:
             break
-        z = r * inverse_diagonal if inverse_diagonal is not None else r
+        z = preconditioner(r) if preconditioner is not None else r
         rz_next = torch.dot(r, z)
         p = z + (rz_next / rz) * p
         rz = rz_next
     return x, residuals
+
+
+def _preconditioner(
+    kind: str, clients: list[ClientPrecision], delta: float
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    if kind == "none":
+        return None
+    if kind == "jacobi":
+        inverse_diagonal = 1.0 / (sum(c.precision_diagonal() for c in clients) + delta).clamp_min(1e-30)
+        return lambda r: r * inverse_diagonal
+    return woodbury_inverse(sum(c.diagonal for c in clients) + delta, [c.factors for c in clients])
+
+
+def woodbury_inverse(
+    diagonal: torch.Tensor, factors: list[torch.Tensor], block: int = 256
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """v ↦ (A + Σ_k U_kᵀU_k)⁻¹ v for a positive diagonal A, by Woodbury's identity.
+
+    (A + UᵀU)⁻¹ = A⁻¹ − A⁻¹Uᵀ (I + U A⁻¹ Uᵀ)⁻¹ U A⁻¹ with U the stacked factors; the R × R
+    capacitance is built from blocks of rows widened to float64, so float32 factors of a large
+    model are never copied whole.
+    """
+    inverse_a = 1.0 / diagonal.clamp_min(1e-30)
+    blocks = [rows for u in factors for rows in torch.split(u, block)]
+    sizes = [len(rows) for rows in blocks]
+    capacitance = torch.eye(sum(sizes), dtype=torch.float64)
+    offsets = [sum(sizes[:i]) for i in range(len(blocks))]
+    for i, rows_i in enumerate(blocks):
+        scaled = rows_i.to(torch.float64) * inverse_a
+        for j in range(i, len(blocks)):
+            product = scaled @ blocks[j].to(torch.float64).T
+            capacitance[offsets[i] : offsets[i] + sizes[i], offsets[j] : offsets[j] + sizes[j]] += product
+            if j != i:
+                capacitance[offsets[j] : offsets[j] + sizes[j], offsets[i] : offsets[i] + sizes[i]] += product.T
+    cholesky = torch.linalg.cholesky(capacitance)
+
+    def apply(v: torch.Tensor) -> torch.Tensor:
+        scaled = inverse_a * v
+        projected = torch.cat([rows.to(torch.float64) @ scaled for rows in blocks]) if blocks else scaled[:0]
+        weights = torch.cholesky_solve(projected[:, None], cholesky)[:, 0]
+        correction = torch.zeros_like(v)
+        for rows, offset, size in zip(blocks, offsets, sizes, strict=True):
+            correction += rows.to(torch.float64).T @ weights[offset : offset + size]
+        return scaled - inverse_a * correction
+
+    return apply
 
 
 @merge_method("exact", options=ExactOptions, needs=("fishers",), uses=("factors",), scope="model")
@@ -78,14 +130,11 @@ def exact(x: ModelInputs, options: ExactOptions) -> MergeResult:
 
     rhs = sum(c.matvec(c.theta) + delta * c.theta for c in clients)
     start = sum(w * c.theta for w, c in zip(x.weights, clients, strict=True))
-    inverse_diagonal = None
-    if options.preconditioner == "jacobi":
-        inverse_diagonal = 1.0 / (sum(c.precision_diagonal() for c in clients) + delta).clamp_min(1e-30)
     theta, residuals = conjugate_gradient(
         system,
         rhs,
         start,
-        inverse_diagonal=inverse_diagonal,
+        preconditioner=_preconditioner(options.preconditioner, clients, delta),
         tolerance=options.tolerance,
         max_iterations=options.max_iterations,
     )

@@ -14,6 +14,9 @@ import torch
 from mergeflow.errors import MergeflowError
 from mergeflow.merge.registry import ModelInputs
 
+# Factor rows widened to float64 at once: bounds the temporaries for large models.
+_ROW_BLOCK = 64
+
 
 @dataclass(frozen=True)
 class ClientPrecision:
@@ -24,9 +27,18 @@ class ClientPrecision:
     diagonal: torch.Tensor  # (D,), already scaled by s
 
     def matvec(self, v: torch.Tensor) -> torch.Tensor:
-        """(s(UᵀU + D)) v without forming a D × D matrix (low-rank part in the factors' dtype)."""
-        low_rank = self.factors.T @ (self.factors @ v.to(self.factors.dtype))
-        return low_rank.to(v.dtype) + self.diagonal * v
+        """(s(UᵀU + D)) v in float64 without forming a D × D matrix.
+
+        Float32 factors are widened a block of rows at a time: products in float32 put a
+        floor of about 1e-5 under CG's relative residual, and whole-matrix widening would
+        double the memory of a large model's factors.
+        """
+        v = v.to(torch.float64)
+        total = self.diagonal * v
+        for rows in torch.split(self.factors, _ROW_BLOCK):
+            rows = rows.to(torch.float64)
+            total += rows.T @ (rows @ v)
+        return total
 
     def precision_diagonal(self) -> torch.Tensor:
         """diag(s(UᵀU + D)), in float64."""
@@ -36,7 +48,7 @@ class ClientPrecision:
 def _squared_column_sums(factors: torch.Tensor) -> torch.Tensor:
     """diag(UᵀU) in float64, with bounded temporaries for large models."""
     total = torch.zeros(factors.shape[-1], dtype=torch.float64)
-    for rows in torch.split(factors, 64):
+    for rows in torch.split(factors, _ROW_BLOCK):
         total += (rows.to(torch.float64) ** 2).sum(0)
     return total
 
