@@ -1,0 +1,109 @@
+"""Applying permutations to state dicts, diagonal Fishers and flattened factor matrices."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from mergeflow.align.spec import PermutationSpec
+
+Perms = Mapping[str, torch.Tensor]
+
+
+def block_index(perm: torch.Tensor, block: int) -> torch.Tensor:
+    """Indices along an axis of ``len(perm) * block`` entries that move whole blocks by ``perm``."""
+    perm = torch.as_tensor(perm, dtype=torch.long)
+    if block == 1:
+        return perm
+    return (perm[:, None] * block + torch.arange(block)).reshape(-1)
+
+
+def permute_tensor(tensor: torch.Tensor, axis: int, perm: torch.Tensor, block: int = 1) -> torch.Tensor:
+    """``tensor`` with the units of ``axis`` (blocks of ``block`` entries) reordered by ``perm``."""
+    if tensor.shape[axis] != len(perm) * block:
+        raise ValueError(
+            f"axis {axis} of a tensor of shape {tuple(tensor.shape)} does not hold {len(perm)} units of {block}"
+        )
+    return tensor.index_select(axis, block_index(perm, block).to(tensor.device))
+
+
+def _check_perms(spec: PermutationSpec, perms: Perms) -> None:
+    for name, group in spec.groups.items():
+        if name not in perms:
+            raise KeyError(f"no permutation given for group {name!r}")
+        if len(perms[name]) != group.size:
+            raise ValueError(f"permutation {name!r} has {len(perms[name])} entries, the group has {group.size}")
+
+
+def apply_permutation(
+    spec: PermutationSpec, state: Mapping[str, torch.Tensor], perms: Perms
+) -> dict[str, torch.Tensor]:
+    """A new dict with every tensor of ``state`` permuted as ``perms`` says.
+
+    Works on anything keyed and shaped like the state: a state dict, a diagonal Fisher, a
+    gradient. Keys of the spec absent from ``state`` are skipped; tensors no group touches
+    are shared with ``state``, not copied.
+    """
+    _check_perms(spec, perms)
+    out = dict(state)
+    for key, entries in spec.by_key().items():
+        if key not in out:
+            continue
+        tensor = out[key]
+        for group, axis, block in entries:
+            tensor = permute_tensor(tensor, axis, perms[group], block)
+        out[key] = tensor
+    return out
+
+
+def invert_permutation(perms: Perms) -> dict[str, torch.Tensor]:
+    """The inverse of every permutation: ``apply_permutation`` with it undoes one with ``perms``."""
+    return {name: torch.argsort(torch.as_tensor(p, dtype=torch.long)) for name, p in perms.items()}
+
+
+def compose_permutations(first: Perms, second: Perms) -> dict[str, torch.Tensor]:
+    """Permutations equal to applying ``first`` and then ``second``."""
+    return {name: torch.as_tensor(first[name])[torch.as_tensor(second[name])] for name in first}
+
+
+def random_permutation(spec: PermutationSpec, seed: int | torch.Generator = 0) -> dict[str, torch.Tensor]:
+    """A uniformly random permutation of every group, from an explicit generator."""
+    gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(int(seed))
+    return {name: torch.randperm(group.size, generator=gen) for name, group in spec.groups.items()}
+
+
+def flat_column_index(
+    spec: PermutationSpec, names: Sequence[str], shapes: Sequence[Sequence[int]], perms: Perms
+) -> torch.Tensor:
+    """Column indices ``idx`` such that ``flat[..., idx]`` permutes a concatenation of flattened tensors.
+
+    ``names[i]`` (a state-dict key) has shape ``shapes[i]``; the flat vector is their
+    concatenation in that order, each flattened row-major.
+    """
+    if len(names) != len(shapes):
+        raise ValueError("names and shapes differ in length")
+    pieces, offset = {}, 0
+    for name, shape in zip(names, shapes, strict=True):
+        size = math.prod(shape)
+        pieces[name] = torch.arange(offset, offset + size).reshape(tuple(shape))
+        offset += size
+    permuted = apply_permutation(spec, pieces, perms)
+    return torch.cat([permuted[name].reshape(-1) for name in names])
+
+
+def permute_flat_columns(
+    spec: PermutationSpec,
+    names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    matrix: torch.Tensor,
+    perms: Perms,
+) -> torch.Tensor:
+    """Permute the columns of ``matrix`` (``(N, D)``, or any ``(..., D)``), whose columns are the
+    flattened tensors ``names`` (of ``shapes``) concatenated, as :func:`apply_permutation` would
+    permute those tensors. Used for per-example gradient factors U with F ≈ UᵀU."""
+    index = flat_column_index(spec, names, shapes, perms)
+    if matrix.shape[-1] != len(index):
+        raise ValueError(f"matrix has {matrix.shape[-1]} columns, the named tensors have {len(index)} entries")
+    return matrix.index_select(matrix.dim() - 1, index.to(matrix.device))

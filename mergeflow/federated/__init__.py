@@ -1,0 +1,61 @@
+"""Federated learning algorithms (FedAvg, FedProx, FedADMM, Bayes-ADMM/IVON-ADMM) as pure functions.
+
+``ALGORITHMS[name]`` has ``init_server``, ``init_client``, ``client_update``, ``server_update``,
+``global_state`` (and ``exact_client_update`` for quadratic losses); every state and message is a
+``dict[str, torch.Tensor]``. :func:`run_rounds` is the plain round loop; :mod:`.quadratic` the
+exactly solvable client path. No Prefect or MLflow here.
+"""
+
+from mergeflow.federated import bayes_admm, fedadmm, fedavg, fedprox  # noqa: F401  (registration)
+from mergeflow.federated.base import (
+    ALGORITHMS,
+    ClientData,
+    ClientState,
+    FederatedAlgorithm,
+    LocalTraining,
+    Message,
+    ServerState,
+    client_drift,
+    client_generator,
+    get_algorithm,
+    load_parameters,
+    model_parameters,
+    register_algorithm,
+    sample_participants,
+    validate_options,
+)
+from mergeflow.federated.ivon_prior import IVONWithPrior
+from mergeflow.federated.loop import FederatedRun, run_rounds
+from mergeflow.federated.quadratic import (
+    QuadraticProblem,
+    exact_posterior,
+    linear_gaussian_problem,
+    run_quadratic_rounds,
+    scalar_problem,
+)
+
+__all__ = [
+    "ALGORITHMS",
+    "ClientData",
+    "ClientState",
+    "FederatedAlgorithm",
+    "FederatedRun",
+    "IVONWithPrior",
+    "LocalTraining",
+    "Message",
+    "QuadraticProblem",
+    "ServerState",
+    "client_drift",
+    "client_generator",
+    "exact_posterior",
+    "get_algorithm",
+    "linear_gaussian_problem",
+    "load_parameters",
+    "model_parameters",
+    "register_algorithm",
+    "run_quadratic_rounds",
+    "run_rounds",
+    "sample_participants",
+    "scalar_problem",
+    "validate_options",
+]

@@ -1,0 +1,248 @@
+"""Bayes-ADMM (Möllenhoff, Swaroop, Doshi-Velez, Khan 2025) with IVON clients (IVON-ADMM).
+
+Sign convention (that of the notes §1, i.e. the reference ``toyexamples/admm.py``): a Gaussian
+q = N(m, S⁻¹) has natural parameters (S m, −½S); client k holds duals (v_k, V_k) with v_k ↔ S m and
+V_k ↔ S, both 0 at the start. They are the client's "site": at the fixed point q̄ ∝ p0 · Π_k
+exp(v_kᵀθ − ½θᵀV_kθ), i.e. S̄ = S0 + Σ V_k and S̄m̄ = S0 m0 + Σ v_k (the reference IVON code stores
+−v, −V instead). With prior p0 = N(m0, S0⁻¹), S0 = δI, temperature τ, step ρ, damping d, one round is
+
+1. client: q_k = argmin_q E_q[ℓ_k/τ + v_kᵀθ − ½θᵀV_kθ] + ρ·KL(q ‖ q̄) (ℓ_k: summed loss), so that
+   S_k = S̄ + (E_q∇²ℓ_k/τ − V_k)/ρ; exactly, for a quadratic ℓ_k = ½θᵀH_kθ − b_kᵀθ:
+   S_k = S̄ + (H_k/τ − V_k)/ρ and S_k m_k = S̄m̄ + (b_k/τ − v_k)/ρ;
+2. client dual step: v_k ← v_k + dρ(S_k m_k − S̄m̄), V_k ← V_k + dρ(S_k − S̄);
+3. server, α = 1/(1 + Kρ) (or ``server_step``):
+   S̄ ← (1 − α)·mean_{k∈P} S_k + α(S0 + Σ_{all k} V_k),
+   S̄m̄ ← (1 − α)·mean_{k∈P} S_k m_k + α(S0 m0 + Σ_{all k} v_k).
+
+The server tracks Σv and ΣV itself (``dual_mean_sum.``/``dual_prec_sum.``) by applying step 2 to
+the messages it receives, so it never reads the clients' states; non-participants' duals do not
+change, and the means in step 3 are over the participants P. With ρ = 1/K, d = 1 and q̄ started at
+p0, a quadratic problem is solved exactly in one round.
+
+Neural clients run :class:`~mergeflow.federated.ivon_prior.IVONWithPrior` on the mean mini-batch
+loss with ess = N_k/(τρ), prior (m̄, S̄) and dual factor (−v_k, −V_k)/(N_k/τ) (dividing out the
+client's own site), starting from m̄ with h = ``hess_init`` and fresh momentum in every round; the
+message is the IVON posterior (m_k, S_k = ess·(h + S̄/ess)). With the stochastic IVON solve the dual
+step needs damping (d ≈ 0.1; d = 1 diverged in the notes' runs). Evaluation uses the mean m̄.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from mergeflow.federated.base import (
+    MEAN,
+    PRECISION,
+    PRIOR_MEAN,
+    ClientData,
+    ClientState,
+    FederatedAlgorithm,
+    LocalTraining,
+    Message,
+    ServerState,
+    StrictOptions,
+    load_parameters,
+    register_algorithm,
+    take_prefix,
+)
+from mergeflow.federated.ivon_prior import IVONWithPrior
+from mergeflow.federated.local import check_finite, minibatches, prepared
+from mergeflow.federated.quadratic import THETA, QuadraticProblem, eye_like, pmul, psolve
+from mergeflow.training import DivergenceError
+
+DUAL_MEAN = "dual_mean."
+DUAL_PREC = "dual_prec."
+DUAL_MEAN_SUM = "dual_mean_sum."
+DUAL_PREC_SUM = "dual_prec_sum."
+
+
+class BayesADMMOptions(StrictOptions):
+    """Hyperparameters of Bayes-ADMM / IVON-ADMM.
+
+    ``rho`` ρ (proximal weight, dual step and server mix), ``damping`` d of the dual step,
+    ``temperature`` τ, ``prior_precision`` δ (S0 = δI), ``prior_mean`` m0 (the initial model or 0),
+    ``server_step`` α (default 1/(1 + Kρ)); IVON: ``lr`` (not rescaled), ``hess_init``, ``beta1``,
+    ``beta2``, ``mc_samples``, ``clip_radius``.
+    """
+
+    rho: float = Field(0.5, gt=0.0)
+    damping: float = Field(0.1, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, gt=0.0)
+    prior_precision: float = Field(1.0, gt=0.0)
+    prior_mean: Literal["init", "zero"] = "init"
+    server_step: float | None = Field(None, gt=0.0, le=1.0)
+    lr: float = Field(0.1, gt=0.0)
+    hess_init: float = Field(0.1, ge=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.9999, ge=0.0, le=1.0)
+    mc_samples: int = Field(1, ge=1)
+    clip_radius: float = Field(math.inf, gt=0.0)
+
+
+@register_algorithm
+class BayesADMM(FederatedAlgorithm):
+    """Bayes-ADMM: clients exchange Gaussians (m, S); IVON-ADMM on neural clients."""
+
+    name = "bayes_admm"
+    Options = BayesADMMOptions
+
+    def init_server(self, global_state, num_clients: int, options: BayesADMMOptions) -> ServerState:
+        """q̄ = N(θ0, δ⁻¹I), prior mean θ0 or 0, Σv = ΣV = 0."""
+        server: ServerState = {}
+        for name, value in global_state.items():
+            mean = value.detach().to(torch.float64).clone()
+            server[MEAN + name] = mean
+            server[PRECISION + name] = torch.full_like(mean, options.prior_precision)
+            server[PRIOR_MEAN + name] = mean.clone() if options.prior_mean == "init" else torch.zeros_like(mean)
+            server[DUAL_MEAN_SUM + name] = torch.zeros_like(mean)
+            server[DUAL_PREC_SUM + name] = torch.zeros_like(mean)
+        return server
+
+    def init_client(self, global_state, options: BayesADMMOptions) -> ClientState:
+        """v_k = V_k = 0."""
+        state: ClientState = {}
+        for name, value in global_state.items():
+            state[DUAL_MEAN + name] = torch.zeros(value.shape, dtype=torch.float64)
+            state[DUAL_PREC + name] = torch.zeros(value.shape, dtype=torch.float64)
+        return state
+
+    @staticmethod
+    def dual_step(
+        server: ServerState, client: ClientState, message: Message, options: BayesADMMOptions
+    ) -> ClientState:
+        """v_k += dρ(S_k m_k − S̄m̄), V_k += dρ(S_k − S̄) for every parameter of the message."""
+        step = options.damping * options.rho
+        new = dict(client)
+        for name, m_k in take_prefix(message, MEAN).items():
+            s_k, s_bar = message[PRECISION + name], server[PRECISION + name]
+            eta_k, eta_bar = pmul(s_k, m_k), pmul(s_bar, server[MEAN + name])
+            new[DUAL_MEAN + name] = client[DUAL_MEAN + name] + step * (eta_k - eta_bar)
+            new[DUAL_PREC + name] = client[DUAL_PREC + name] + step * (s_k - s_bar)
+        return new
+
+    def client_update(
+        self,
+        model: nn.Module,
+        server: ServerState,
+        client: ClientState,
+        data: ClientData,
+        train: LocalTraining,
+        options: BayesADMMOptions,
+        generator: torch.Generator,
+    ) -> tuple[Message, ClientState, dict[str, float]]:
+        """IVON-ADMM: IVON with prior q̄ and the dual factor on the client data, then the dual step."""
+        names = [name for name, _ in model.named_parameters()]
+        load_parameters(model, take_prefix(server, MEAN))
+        scale = len(data) / options.temperature  # N_k / τ
+
+        def flat(state: Mapping[str, torch.Tensor], prefix: str) -> torch.Tensor:
+            return torch.cat([state[prefix + n].reshape(-1) for n in names])
+
+        opt = IVONWithPrior(
+            model.parameters(),
+            lr=options.lr,
+            ess=scale / options.rho,
+            generator=generator,
+            prior_precision=flat(server, PRECISION),
+            prior_mean=flat(server, MEAN),
+            dual_mean=-flat(client, DUAL_MEAN) / scale,
+            dual_precision=-flat(client, DUAL_PREC) / scale,
+            hess_init=options.hess_init,
+            beta1=options.beta1,
+            beta2=options.beta2,
+            mc_samples=options.mc_samples,
+            clip_radius=options.clip_radius,
+        )
+        inputs, targets, loss_fn = prepared(data)
+        n = inputs.shape[0]
+        epoch_loss, steps = float("nan"), 0
+        model.train()
+        for epoch in range(train.epochs):
+            total = 0.0
+            for step, idx in enumerate(minibatches(n, train.batch_size, generator)):
+                value = 0.0
+                for _ in range(options.mc_samples):
+                    with opt.sampled_params(train=True):
+                        opt.zero_grad(set_to_none=True)
+                        loss = loss_fn(model(inputs[idx]), targets[idx])
+                        loss.backward()
+                    value += loss.item() / options.mc_samples
+                check_finite(value, epoch, step)
+                opt.step()
+                total += value * len(idx)
+                steps += 1
+            epoch_loss = total / n
+        mean, precision = opt.get_posterior()
+        if not (torch.isfinite(mean).all() and torch.isfinite(precision).all() and (precision > 0).all()):
+            raise DivergenceError("IVON-ADMM client posterior is not finite and positive")
+        message: Message = {}
+        offset = 0
+        for name, p in model.named_parameters():
+            size = p.numel()
+            message[MEAN + name] = mean[offset : offset + size].reshape(p.shape).to(torch.float64, copy=True)
+            message[PRECISION + name] = precision[offset : offset + size].reshape(p.shape).to(torch.float64, copy=True)
+            offset += size
+        metrics = {
+            "train_loss": epoch_loss,
+            "steps": float(steps),
+            "ess": scale / options.rho,
+            "mean_precision": float(precision.double().mean()),
+        }
+        return message, self.dual_step(server, client, message, options), metrics
+
+    def server_update(
+        self,
+        server: ServerState,
+        messages: Mapping[int, Message],
+        client_states: Mapping[int, ClientState],
+        sizes: Mapping[int, int],
+        num_clients: int,
+        options: BayesADMMOptions,
+    ) -> ServerState:
+        """Dual sums from the messages, then the natural-parameter mix with α = 1/(1 + Kρ)."""
+        if not messages:
+            raise ValueError("a server update needs at least one message")
+        alpha = options.server_step if options.server_step is not None else 1.0 / (1.0 + num_clients * options.rho)
+        step = options.damping * options.rho
+        count = len(messages)
+        new = dict(server)
+        for name, m_bar in take_prefix(server, MEAN).items():
+            s_bar = server[PRECISION + name]
+            eta_bar = pmul(s_bar, m_bar)
+            sum_v, sum_V = server[DUAL_MEAN_SUM + name], server[DUAL_PREC_SUM + name]
+            mean_s, mean_eta = torch.zeros_like(s_bar), torch.zeros_like(m_bar)
+            for message in messages.values():
+                s_k = message[PRECISION + name].to(torch.float64)
+                eta_k = pmul(s_k, message[MEAN + name].to(torch.float64))
+                sum_v = sum_v + step * (eta_k - eta_bar)
+                sum_V = sum_V + step * (s_k - s_bar)
+                mean_s = mean_s + s_k / count
+                mean_eta = mean_eta + eta_k / count
+            s0 = options.prior_precision * eye_like(s_bar, m_bar)
+            s_new = (1.0 - alpha) * mean_s + alpha * (s0 + sum_V)
+            eta_new = (1.0 - alpha) * mean_eta + alpha * (pmul(s0, server[PRIOR_MEAN + name]) + sum_v)
+            new[PRECISION + name] = s_new
+            new[MEAN + name] = psolve(s_new, eta_new)
+            new[DUAL_MEAN_SUM + name] = sum_v
+            new[DUAL_PREC_SUM + name] = sum_V
+        return new
+
+    def exact_client_update(
+        self, server: ServerState, client: ClientState, problem: QuadraticProblem, options: BayesADMMOptions
+    ) -> tuple[Message, ClientState, dict[str, float]]:
+        """Exact Gaussian client: S_k = S̄ + (H_k/τ − V_k)/ρ, S_k m_k = S̄m̄ + (b_k/τ − v_k)/ρ."""
+        s_bar, m_bar = server[PRECISION + THETA], server[MEAN + THETA]
+        if s_bar.shape != problem.H.shape:
+            raise ValueError("the precision layout differs from H's: run with full=True for a matrix H")
+        tau, rho = options.temperature, options.rho
+        s_k = s_bar + (problem.H / tau - client[DUAL_PREC + THETA]) / rho
+        eta_k = pmul(s_bar, m_bar) + (problem.b / tau - client[DUAL_MEAN + THETA]) / rho
+        m_k = psolve(s_k, eta_k)
+        message = {MEAN + THETA: m_k, PRECISION + THETA: s_k}
+        return message, self.dual_step(server, client, message, options), {"loss": problem.loss(m_k)}

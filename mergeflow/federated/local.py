@@ -1,0 +1,72 @@
+"""Local training loops of the clients, with an explicit generator and an optional penalty.
+
+:func:`local_train` is :func:`mergeflow.training.train` (same loss, batching and optimizer; with
+``generator = torch.Generator().manual_seed(s)`` and no penalty it is bit-identical to
+``train(..., seed=s)``) plus a penalty added to every mini-batch objective, which FedProx and
+FedADMM need.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from mergeflow.federated.base import ClientData, LocalTraining
+from mergeflow.training import DivergenceError, _as_inputs, _loss_fn, make_optimizer
+
+
+def prepared(data: ClientData) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+    """Inputs, targets and loss function of a client, as :func:`mergeflow.training.train` uses them."""
+    targets, loss_fn = _loss_fn(data.task, torch.as_tensor(data.y))
+    return _as_inputs(data.X), targets, loss_fn
+
+
+def minibatches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Index batches of one epoch: a fresh permutation from ``generator``, cut into ``batch_size``."""
+    order = torch.randperm(n, generator=generator)
+    for start in range(0, n, batch_size):
+        yield order[start : start + batch_size]
+
+
+def check_finite(value: float, epoch: int, step: int) -> None:
+    """Raise :class:`DivergenceError` on a non-finite loss."""
+    if not math.isfinite(value):
+        raise DivergenceError(f"non-finite training loss {value} at epoch {epoch}, step {step}")
+
+
+def local_train(
+    model: nn.Module,
+    data: ClientData,
+    train: LocalTraining,
+    generator: torch.Generator,
+    penalty: Callable[[], torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """Train ``model`` in place on the mean loss plus ``penalty()`` (evaluated at every step).
+
+    Returns:
+        ``{"train_loss": mean data loss of the last epoch (nan without epochs), "steps": count}``.
+    """
+    inputs, targets, loss_fn = prepared(data)
+    opt = make_optimizer(
+        train.optimizer, model.parameters(), lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay
+    )
+    n = inputs.shape[0]
+    epoch_loss, steps = float("nan"), 0
+    model.train()
+    for epoch in range(train.epochs):
+        total = 0.0
+        for step, idx in enumerate(minibatches(n, train.batch_size, generator)):
+            loss = loss_fn(model(inputs[idx]), targets[idx])
+            value = loss.item()
+            check_finite(value, epoch, step)
+            objective = loss if penalty is None else loss + penalty()
+            opt.zero_grad(set_to_none=True)
+            objective.backward()
+            opt.step()
+            total += value * len(idx)
+            steps += 1
+        epoch_loss = total / n
+    return {"train_loss": epoch_loss, "steps": float(steps)}
