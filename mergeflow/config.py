@@ -125,7 +125,27 @@ class PretrainConfig(TrainConfig):
 
 
 class FinetuneConfig(TrainConfig):
+    """Per-client training. ``init: independent`` starts every client from its own random init
+    (seeded per client) instead of the shared base model: the setting where alignment matters."""
+
+    init: Literal["shared", "independent"] = "shared"
     clients: dict[int, TrainOverride] = {}
+
+
+class AlignConfig(_Section):
+    """Permutation alignment of the client models to a reference before merging (Git Re-Basin).
+
+    ``reference`` is a client id or ``largest`` (the client with the most examples).
+    Activation matching uses up to ``examples`` inputs of the server split (else of the
+    reference client's data). Loss barriers are measured on the test split at ``barrier_points``.
+    """
+
+    method: Literal["none", "weights", "activations"] = "none"
+    reference: int | Literal["largest"] = "largest"
+    metric: Literal["correlation", "l2"] = "correlation"
+    max_iter: int = Field(100, ge=1)
+    examples: int = Field(512, ge=1)
+    barrier_points: int = Field(11, ge=3)
 
 
 class FisherConfig(_Section):
@@ -203,6 +223,7 @@ class Params(_Section):
     pretrain: PretrainConfig = PretrainConfig()
     finetune: FinetuneConfig = FinetuneConfig()
     fisher: FisherConfig = FisherConfig()
+    align: AlignConfig = AlignConfig()
     merge: MergeConfig = MergeConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     orchestration: OrchestrationConfig = OrchestrationConfig()
@@ -215,6 +236,11 @@ class Params(_Section):
                 raise ValueError(
                     f"finetune.clients.{cid}: no such client (partition.num_clients is {self.partition.num_clients})"
                 )
+        reference = self.align.reference
+        if isinstance(reference, int) and not 0 <= reference < self.partition.num_clients:
+            raise ValueError(
+                f"align.reference: no client {reference} (partition.num_clients is {self.partition.num_clients})"
+            )
         if self.pretrain.enabled and self.data.server_fraction == 0:
             raise ValueError(
                 "pretrain.enabled: pre-training needs a server split; set data.server_fraction > 0 "

@@ -159,6 +159,15 @@ def build_from_spec(spec: dict[str, Any]) -> nn.Sequential:
     return build_model(spec["arch"], spec["input_shape"], spec["output_dim"], **options)
 
 
+def parameter_names(spec: dict[str, Any]) -> list[str]:
+    """The parameter names of a spec's model in ``named_parameters`` order.
+
+    Flattened vectors and Fisher factor columns follow this order; safetensors files list
+    tensors alphabetically (``"10.weight"`` before ``"2.weight"``), so use it, not file order.
+    """
+    return [name for name, _ in build_from_spec(spec).named_parameters()]
+
+
 def count_parameters(model: nn.Module) -> int:
     """Total number of parameters of ``model``."""
     return sum(p.numel() for p in model.parameters())

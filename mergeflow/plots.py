@@ -42,6 +42,27 @@ def plot_comparison(
     save_figure(fig, path)
 
 
+def plot_barriers(report: dict, path: str | Path) -> None:
+    """Loss along the linear path from the reference to each client, before and after alignment.
+
+    ``report`` is the align stage's metrics: ``{"reference": r, "before": {name: curve}, "after": {...}}``
+    with each curve holding ``ts``, ``losses`` and ``barrier``.
+    """
+    fig = Figure(figsize=(7.0, 4.5))
+    ax = fig.subplots()
+    for phase, style in (("before", "--"), ("after", "-")):
+        for name, curve in report.get(phase, {}).items():
+            label = f"{name} {phase} (barrier {curve['barrier']:.3g})"
+            ax.plot(curve["ts"], curve["losses"], style, marker="o", markersize=3, label=label)
+    ax.set_xlabel(f"t (0 = reference client_{report['reference']:03d}, 1 = client)")
+    ax.set_ylabel("test loss")
+    ax.set_title("Linear interpolation between models")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
 def save_figure(fig: Figure, path: str | Path, *, dpi: int = 120) -> None:
     """Write a figure as PNG atomically (temp file + rename), creating the folder."""
     with atomic_path(path) as tmp:

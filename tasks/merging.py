@@ -10,9 +10,10 @@ from safetensors.torch import load_file
 from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import Params
 from mergeflow.merge import METHODS, run_merge
-from tasks.fisher import factors_file, fisher_file
+from mergeflow.models import parameter_names
+from tasks.align import aligned_checkpoint, aligned_factors, aligned_fisher
 from tasks.steps import Step
-from tasks.training import BASE, client_checkpoint
+from tasks.training import BASE
 
 MERGED = "models/merged"
 _CODE = ("mergeflow/merge", "mergeflow/checkpoints.py", "tasks/merging.py")
@@ -28,11 +29,11 @@ def _uses_factors(method: str, params: Params) -> bool:
 
 
 def _inputs(method: str, clients: range, with_factors: bool) -> tuple[str, ...]:
-    paths = [BASE, *(client_checkpoint(c) for c in clients)]
+    paths = [BASE, *(aligned_checkpoint(c) for c in clients)]
     if "fishers" in METHODS[method].uses:
-        paths += [fisher_file(c) for c in clients]
+        paths += [aligned_fisher(c) for c in clients]
     if with_factors:
-        paths += [factors_file(c) for c in clients]
+        paths += [aligned_factors(c) for c in clients]
     return tuple(paths)
 
 
@@ -55,19 +56,24 @@ def plan_merge(params: Params) -> list[Step]:
 
 
 def merge_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
-    """Merge the client checkpoints with one registered method; keep its curves in the metadata."""
+    """Merge the aligned client checkpoints with one registered method; keep its curves in the metadata."""
     name, method = params["name"], params["method"]
     clients = range(params["num_clients"])
     uses = METHODS[method].uses
-    loaded = [load_checkpoint(root / client_checkpoint(c)) for c in clients]
+    loaded = [load_checkpoint(root / aligned_checkpoint(c)) for c in clients]
     base_state, base_meta = load_checkpoint(root / BASE)
+    # Factor columns follow the model's parameter order; the files list tensors alphabetically.
+    order = parameter_names(base_meta["spec"])
+    fishers = None
+    if "fishers" in uses:
+        fishers = [{n: f[n] for n in order} for f in (load_file(root / aligned_fisher(c)) for c in clients)]
     result = run_merge(
         method,
         [state for state, _ in loaded],
         base=base_state if "base" in uses else None,
         weights=[meta["num_examples"] for _, meta in loaded],
-        fishers=[load_file(root / fisher_file(c)) for c in clients] if "fishers" in uses else None,
-        factors=[load_file(root / factors_file(c))["U"] for c in clients] if params["factors"] else None,
+        fishers=fishers,
+        factors=[load_file(root / aligned_factors(c))["U"] for c in clients] if params["factors"] else None,
         **params["options"],
     )
     meta = {

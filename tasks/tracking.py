@@ -16,6 +16,7 @@ from typing import Any
 
 from mergeflow.checkpoints import load_checkpoint, load_model
 from mergeflow.config import Params
+from tasks.align import ALIGN_METRICS, BARRIER_PLOT
 from tasks.data import PARTITIONS, PREPARED
 from tasks.evaluation import METRICS, PLOT
 from tasks.merging import merged_checkpoint
@@ -53,7 +54,7 @@ def plan_track(params: Params) -> list[Step]:
         "params": params.model_dump(mode="json", exclude={"orchestration"}),
         "uri": os.environ.get("MLFLOW_TRACKING_URI", "local"),
     }
-    inputs = (METRICS, PLOT, PARTITION_METRICS, PARTITION_PLOT, *clients, *merged)
+    inputs = (METRICS, PLOT, PARTITION_METRICS, PARTITION_PLOT, ALIGN_METRICS, BARRIER_PLOT, *clients, *merged)
     return [Step("track", "tasks.tracking:track", step_params, inputs=inputs, code=("tasks/tracking.py",))]
 
 
@@ -94,6 +95,15 @@ def _log_curves(mlflow, curves: dict[str, list[float]]) -> None:
     history = [Metric(name, float(v), 0, step) for name, values in curves.items() for step, v in enumerate(values)]
     if history:
         mlflow.tracking.MlflowClient().log_batch(mlflow.active_run().info.run_id, metrics=history)
+
+
+def _barrier_metrics(report: dict[str, Any]) -> dict[str, float]:
+    """``barrier_before.client_001`` etc.: the loss barrier from the reference to each client."""
+    return {
+        f"barrier_{phase}.{client}": float(curve["barrier"])
+        for phase in ("before", "after")
+        for client, curve in report.get(phase, {}).items()
+    }
 
 
 def _log_client(mlflow, root: Path, client: int, metrics: dict[str, Any]) -> None:
@@ -152,8 +162,9 @@ def track(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
         _log_params(mlflow, flatten(config))
         for name in ("base", "centralized", "ensemble", "best_client"):
             mlflow.log_metrics({f"{name}.{k}": v for k, v in _test_metrics(metrics[name]).items()})
-        for artifact in (METRICS, PLOT, PARTITION_METRICS, PARTITION_PLOT):
+        for artifact in (METRICS, PLOT, PARTITION_METRICS, PARTITION_PLOT, ALIGN_METRICS, BARRIER_PLOT):
             mlflow.log_artifact(str(root / artifact), Path(artifact).parent.name)
+        mlflow.log_metrics(_barrier_metrics(json.loads((root / ALIGN_METRICS).read_text())))
         for client in range(config["partition"]["num_clients"]):
             _log_client(mlflow, root, client, metrics)
         for name in config["merge"]["methods"]:

@@ -77,7 +77,12 @@ def plan_finetune(params: Params) -> list[Step]:
         Step(
             f"finetune/client_{client:03d}",
             "tasks.training:finetune_client",
-            {"seed": params.seed, "client": client, "train": _client_settings(params, client)},
+            {
+                "seed": params.seed,
+                "client": client,
+                "init": params.finetune.init,
+                "train": _client_settings(params, client),
+            },
             inputs=(BASE, client_file(client), f"{PARTITIONS}/info.json"),
             code=_CODE,
         )
@@ -85,13 +90,24 @@ def plan_finetune(params: Params) -> list[Step]:
     ]
 
 
-def _train_from_base(root: Path, X: np.ndarray, y: np.ndarray, settings: dict[str, Any], seed: int, label: str):
+def _train_from_base(
+    root: Path,
+    X: np.ndarray,
+    y: np.ndarray,
+    settings: dict[str, Any],
+    seed: int,
+    label: str,
+    init_seed: int | None = None,
+):
+    """Train from the base model, or from a fresh random init of its architecture with ``init_seed``."""
     info = read_info(root, PARTITIONS)
     state, meta = load_checkpoint(root / BASE)
-    model = build_from_spec(meta["spec"])
-    model.load_state_dict(state)
+    spec = meta["spec"] if init_seed is None else {**meta["spec"], "seed": init_seed}
+    model = build_from_spec(spec)
+    if init_seed is None:
+        model.load_state_dict(state)
     result = _fit(model, X, y, info["task"], settings, seed, label)
-    return model, meta["spec"], result
+    return model, spec, result
 
 
 def finetune_client(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
@@ -100,12 +116,14 @@ def finetune_client(params: dict[str, Any], root: Path, out: Path) -> dict[str, 
     info = read_info(root, PARTITIONS)
     X, y = to_arrays(load_dataset_file(root / client_file(client)), info)
     seed = derive_seed(params["seed"], "finetune", client)
-    model, spec, result = _train_from_base(root, X, y, params["train"], seed, f"client {client}")
+    init_seed = derive_seed(params["seed"], "init", client) if params["init"] == "independent" else None
+    model, spec, result = _train_from_base(root, X, y, params["train"], seed, f"client {client}", init_seed)
     meta = {
         "spec": spec,
         "role": "client",
         "client": client,
         "num_examples": len(y),
+        "init": params["init"],
         "train": params["train"],
         "step_losses": result.losses,
         "epoch_losses": result.epoch_losses,

@@ -293,3 +293,39 @@ def test_ssf_conditional_matches_the_dense_gaussian_conditional(rows):
     system = _masked_system(client, delta, masked, rest)
     assert system.direct == (rows >= 6)
     torch.testing.assert_close(_conditional_quadratic(theta - client.theta, system, masked, rest), dense)
+
+
+def test_merge_step_orders_factor_columns_like_the_model_not_like_the_file(tmp_path):
+    """With five hidden layers, "11.weight" sorts before "3.weight" in a safetensors file."""
+    from safetensors.torch import save_file
+
+    from mergeflow.checkpoints import load_checkpoint, save_checkpoint
+    from mergeflow.fisher import diagonal_fisher, fisher_factors
+    from mergeflow.models import build_from_spec, model_spec, parameter_names
+    from tasks.align import aligned_checkpoint, aligned_factors, aligned_fisher
+    from tasks.merging import merge_clients, merged_checkpoint
+    from tasks.training import BASE
+
+    spec = model_spec("mlp", [4], 3, widths=[3] * 5)
+    names = parameter_names(spec)
+    assert names != sorted(names)
+    generator = torch.Generator().manual_seed(0)
+    X = torch.randn(40, 4, generator=generator)
+    y = torch.randint(0, 3, (40,), generator=generator)
+    states, fishers, factors = [], [], []
+    save_checkpoint(tmp_path / BASE, build_from_spec(spec).state_dict(), {"spec": spec})
+    for client in range(2):
+        model = build_from_spec({**spec, "seed": client + 1})
+        states.append(model.state_dict())
+        fishers.append(diagonal_fisher(model, X, y, kind="empirical"))
+        factors.append(fisher_factors(model, X[:8], y[:8], kind="empirical"))
+        save_checkpoint(tmp_path / aligned_checkpoint(client), states[-1], {"spec": spec, "num_examples": 40})
+        save_file(fishers[-1], str(tmp_path / aligned_fisher(client)))
+        save_file({"U": factors[-1]}, str(tmp_path / aligned_factors(client)))
+    options = {"prior_precision": 0.01}
+    step = {"name": "exact", "method": "exact", "options": options, "num_clients": 2, "factors": True}
+    merge_clients(step, tmp_path, tmp_path / "out")
+    merged, _ = load_checkpoint(tmp_path / "out" / merged_checkpoint("exact"))
+    expected = merge("exact", states, weights=[40, 40], fishers=fishers, factors=factors, **options)
+    for key in names:
+        torch.testing.assert_close(merged[key], expected[key])

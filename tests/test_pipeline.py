@@ -26,6 +26,7 @@ ALL_STEPS = {
     *(f"finetune/{c}" for c in CLIENTS),
     *(f"fisher/{c}" for c in CLIENTS),
     "centralized",
+    "align",
     *MERGES,
     "evaluate",
     "track",
@@ -74,8 +75,8 @@ def test_same_params_and_seed_give_bit_identical_weights_and_metrics(cold_run, t
     assert done.returncode == 0, done.stderr[-3000:]
     assert ran_steps(path) == ALL_STEPS  # its own store: nothing came from the first run's cache
     hashes = _result_hashes(path)
-    # base, centralized, clients, diagonal Fishers and factors, merges, metrics
-    assert len(hashes) == 1 + 1 + 3 + 3 + 3 + len(METHODS) + 1
+    # base, centralized, clients, diagonal Fishers and factors, the same three aligned, merges, metrics
+    assert len(hashes) == 1 + 1 + 3 + 3 + 3 + 3 * 3 + len(METHODS) + 1
     assert hashes == cold_run[1]
 
 
@@ -96,8 +97,28 @@ def test_changing_a_merge_option_reruns_only_that_merge(workspace, cli_env):
 def test_changing_one_client_lr_retrains_only_that_client(workspace, cli_env):
     done = run_cli(["run", "-S", "finetune.clients.1.lr=0.2"], workspace, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
-    expected = {"finetune/client_001", "fisher/client_001", *MERGES, "evaluate", "track"}
+    expected = {"finetune/client_001", "fisher/client_001", "align", *MERGES, "evaluate", "track"}
     assert ran_steps(workspace) == expected
+
+
+def test_aligning_reruns_only_align_merge_and_evaluate_and_logs_barriers(workspace, cli_env):
+    import mlflow
+
+    done = run_cli(["run", "-S", "align.method=weights", "-S", "align.reference=0"], workspace, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ran_steps(workspace) == {"align", *MERGES, "evaluate", "track"}
+    report = json.loads((workspace / "metrics/align.json").read_text())
+    assert report["method"] == "weights" and report["reference"] == 0
+    assert set(report["before"]) == set(report["after"]) == {"client_001", "client_002"}
+    for client, curve in report["after"].items():
+        assert len(curve["losses"]) == 11 and curve["barrier"] >= 0
+        assert curve["losses"][0] == pytest.approx(report["before"][client]["losses"][0])  # the reference
+        assert curve["losses"][-1] == pytest.approx(report["before"][client]["losses"][-1])  # same function
+    assert (workspace / "plots/barrier.png").read_bytes()[:4] == b"\x89PNG"
+    mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["mergeflow"], filter_string="tags.`mergeflow.kind` = 'pipeline'")
+    assert "metrics.barrier_after.client_001" in runs.columns
+    assert runs["metrics.barrier_after.client_001"].notna().any()
 
 
 def test_deleted_outputs_are_restored_from_the_store(workspace, cli_env):

@@ -1,0 +1,159 @@
+"""Step of the ``align`` stage: permute every client to a reference model, with loss barriers.
+
+The Fishers and factors were computed on the unaligned clients, so they are permuted here
+with the same permutations as their model: every merge method then sees aligned models and
+consistent curvature, whichever way ``align.method`` is set. With ``method: none`` the
+outputs are the clients unchanged (identity permutations), so the merge stage always reads
+``models/aligned``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from mergeflow.align import (
+    align_models,
+    apply_permutation,
+    loss_barrier,
+    make_accuracy_fn,
+    make_loss_fn,
+    permutation_spec,
+    permute_flat_columns,
+)
+from mergeflow.checkpoints import atomic_path, load_checkpoint, save_checkpoint, write_json
+from mergeflow.config import Params
+from mergeflow.data import load_dataset_file, to_arrays
+from mergeflow.models import build_from_spec, parameter_names
+from mergeflow.plots import plot_barriers
+from tasks.data import PARTITIONS, PREPARED, client_file, read_info
+from tasks.fisher import factors_file, fisher_file
+from tasks.steps import Step
+from tasks.training import client_checkpoint
+
+ALIGNED = "models/aligned"
+ALIGN_METRICS = "metrics/align.json"
+BARRIER_PLOT = "plots/barrier.png"
+_CODE = ("mergeflow/align", "mergeflow/checkpoints.py", "mergeflow/plots.py", "tasks/align.py")
+
+
+def aligned_checkpoint(client: int) -> str:
+    """Relative path of one client's model after alignment."""
+    return f"{ALIGNED}/client_{client:03d}.safetensors"
+
+
+def aligned_fisher(client: int) -> str:
+    """Relative path of one client's diagonal Fisher, permuted like its model."""
+    return f"{ALIGNED}/client_{client:03d}.fisher.safetensors"
+
+
+def aligned_factors(client: int) -> str:
+    """Relative path of one client's Fisher factors with permuted columns."""
+    return f"{ALIGNED}/client_{client:03d}.factors.safetensors"
+
+
+def plan_align(params: Params) -> list[Step]:
+    """One step: alignment is cheap next to training, and every client needs the reference."""
+    clients = range(params.partition.num_clients)
+    inputs = [f"{PREPARED}/test.parquet", f"{PREPARED}/info.json", f"{PARTITIONS}/info.json"]
+    inputs += [path for c in clients for path in (client_checkpoint(c), fisher_file(c), client_file(c))]
+    if params.fisher.low_rank:
+        inputs += [factors_file(c) for c in clients]
+    if params.align.method == "activations" and params.data.server_fraction > 0:
+        inputs.append(f"{PREPARED}/server.parquet")
+    step_params = {
+        "align": params.section("align"),
+        "num_clients": len(clients),
+        "factors": params.fisher.low_rank,
+        "seed": params.seed,
+    }
+    return [Step("align", "tasks.align:align_clients", step_params, inputs=tuple(inputs), code=_CODE)]
+
+
+def _reference(choice: int | str, sizes: list[int]) -> int:
+    return int(np.argmax(sizes)) if choice == "largest" else int(choice)
+
+
+def _matching_inputs(root: Path, info: dict[str, Any], reference: int, limit: int) -> np.ndarray:
+    server = root / PREPARED / "server.parquet"
+    source = server if server.is_file() else root / client_file(reference)
+    X, _ = to_arrays(load_dataset_file(source), info)
+    return X[:limit]
+
+
+def _barriers(model, X, y, task: str, reference: dict, states: dict[int, dict], points: int) -> dict[str, Any]:
+    loss = make_loss_fn(model, X, y, task=task)
+    accuracy = make_accuracy_fn(model, X, y) if task == "classification" else None
+    out = {}
+    for client, state in states.items():
+        result = loss_barrier(loss, reference, state, n_points=points, metric_fn=accuracy)
+        curve = {"barrier": result.barrier, "ts": result.ts, "losses": result.losses}
+        if result.metrics is not None:
+            curve["accuracies"] = result.metrics
+        out[f"client_{client:03d}"] = curve
+    return out
+
+
+def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """Align every client to the reference, permute Fishers and factors, measure barriers."""
+    settings = params["align"]
+    clients = range(params["num_clients"])
+    loaded = [load_checkpoint(root / client_checkpoint(c)) for c in clients]
+    reference = _reference(settings["reference"], [meta["num_examples"] for _, meta in loaded])
+    spec_json = loaded[reference][1]["spec"]
+    model = build_from_spec(spec_json)
+    spec = permutation_spec(model, spec_json["input_shape"])
+    states = [state for state, _ in loaded]
+    if settings["method"] == "none":
+        perms = [spec.identity() for _ in clients]
+    else:
+        info = read_info(root, PARTITIONS)
+        by_activations = settings["method"] == "activations"
+        inputs = _matching_inputs(root, info, reference, settings["examples"]) if by_activations else None
+        aligned = align_models(
+            spec,
+            states[reference],
+            states,
+            method=settings["method"],
+            inputs=inputs,
+            model=model,
+            seed=params["seed"],
+            max_iter=settings["max_iter"],
+            metric=settings["metric"],
+        )
+        perms = [p for _, p in aligned]
+    names = parameter_names(spec_json)
+    for c, ((state, meta), perm) in enumerate(zip(loaded, perms, strict=True)):
+        aligned_meta = {**meta, "aligned_to": reference}
+        save_checkpoint(out / aligned_checkpoint(c), apply_permutation(spec, state, perm), aligned_meta)
+        fisher = apply_permutation(spec, load_file(root / fisher_file(c)), perm)
+        _save_tensors(out / aligned_fisher(c), fisher)
+        if params["factors"]:
+            factors = load_file(root / factors_file(c))["U"]
+            shapes = [tuple(state[n].shape) for n in names]
+            _save_tensors(out / aligned_factors(c), {"U": permute_flat_columns(spec, names, shapes, factors, perm)})
+
+    info = read_info(root)
+    X, y = to_arrays(load_dataset_file(root / PREPARED / "test.parquet"), info)
+    others = {c: states[c] for c in clients if c != reference}
+    report: dict[str, Any] = {"method": settings["method"], "reference": reference, "before": {}, "after": {}}
+    report["before"] = _barriers(model, X, y, info["task"], states[reference], others, settings["barrier_points"])
+    if settings["method"] != "none":
+        moved = {c: apply_permutation(spec, states[c], perms[c]) for c in others}
+        report["after"] = _barriers(model, X, y, info["task"], states[reference], moved, settings["barrier_points"])
+    write_json(out / ALIGN_METRICS, report)
+    plot_barriers(report, out / BARRIER_PLOT)
+    return {"reference": reference, **{f"barrier_{k}": _mean_barrier(report[k]) for k in ("before", "after")}}
+
+
+def _mean_barrier(curves: dict[str, Any]) -> float | None:
+    return float(np.mean([c["barrier"] for c in curves.values()])) if curves else None
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
