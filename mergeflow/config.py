@@ -159,6 +159,46 @@ class FisherConfig(_Section):
     backend: Literal["auto", "backpack", "functorch"] = "auto"
 
 
+def _resolve_variant(options: dict[str, dict[str, Any]], name: str, kind_key: str) -> tuple[str, dict[str, Any]]:
+    """A list entry's registered name and options: ``name`` itself, or a variant with a ``kind_key``."""
+    chosen = dict(options.get(name, {}))
+    return str(chosen.pop(kind_key, name)), chosen
+
+
+def _check_variants(
+    entries: list[str],
+    options: dict[str, dict[str, Any]],
+    *,
+    list_key: str,
+    kind_key: str,
+    known: dict[str, Any],
+    validate: Any,
+    error_prefix: str,
+) -> None:
+    """Every listed entry is registered or a declared variant; every option set validates.
+
+    Shared by ``merge.methods`` and ``federated.algorithms``; raises ValueError naming the key.
+    """
+    for name, chosen in options.items():
+        kind = chosen.get(kind_key, name)
+        if kind not in known:
+            key = f"options.{name}.{kind_key}" if kind_key in chosen else f"options.{name}"
+            raise ValueError(f"{key}: unknown {kind_key} {kind!r}; known: {', '.join(known)}")
+        try:
+            validate(kind, _resolve_variant(options, name, kind_key)[1])
+        except ConfigError as error:
+            detail = error.lines[0].removeprefix(f"{error_prefix}.{kind}.")
+            raise ValueError(f"options.{name}.{detail}") from None
+    for i, name in enumerate(entries):
+        if name not in known and name not in options:
+            raise ValueError(
+                f"{list_key}[{i}]: unknown {kind_key} {name!r}; known: {', '.join(known)} "
+                f"(or declare a variant under {error_prefix} with a '{kind_key}' key)"
+            )
+    if len(set(entries)) != len(entries):
+        raise ValueError(f"{list_key}: an entry is listed twice")
+
+
 class MergeConfig(_Section):
     """The merges to run. Each name in ``methods`` is a registered method, or a variant
     declared in ``options`` with a ``method`` key (e.g. ``ssf_20: {method: ssf, mask_rate: 0.2}``),
@@ -170,31 +210,59 @@ class MergeConfig(_Section):
 
     def resolve(self, name: str) -> tuple[str, dict[str, Any]]:
         """The registered method and its options for one entry of ``methods``."""
-        options = dict(self.options.get(name, {}))
-        return str(options.pop("method", name)), options
+        return _resolve_variant(self.options, name, "method")
 
     @model_validator(mode="after")
     def _known_methods_and_options(self) -> MergeConfig:
         from mergeflow.merge import METHODS, validate_options
 
-        for name, options in self.options.items():
-            method = options.get("method", name)
-            if method not in METHODS:
-                key = f"options.{name}.method" if "method" in options else f"options.{name}"
-                raise ValueError(f"{key}: unknown merge method {method!r}; known: {', '.join(METHODS)}")
-            try:
-                validate_options(method, self.resolve(name)[1])
-            except ConfigError as error:
-                detail = error.lines[0].removeprefix(f"merge.options.{method}.")
-                raise ValueError(f"options.{name}.{detail}") from None
-        for i, name in enumerate(self.methods):
-            if name not in METHODS and name not in self.options:
-                raise ValueError(
-                    f"methods[{i}]: unknown merge method {name!r}; known: {', '.join(METHODS)} "
-                    "(or declare a variant under merge.options with a 'method' key)"
-                )
-        if len(set(self.methods)) != len(self.methods):
-            raise ValueError("methods: a method is listed twice")
+        _check_variants(
+            self.methods,
+            self.options,
+            list_key="methods",
+            kind_key="method",
+            known=METHODS,
+            validate=validate_options,
+            error_prefix="merge.options",
+        )
+        return self
+
+
+class LocalTrainConfig(TrainConfig):
+    epochs: int = Field(2, ge=1)
+
+
+class FederatedConfig(_Section):
+    """Federated rounds beside the one-shot merges, each algorithm from the base model.
+
+    Each name in ``algorithms`` is a registered algorithm, or a variant declared in ``options``
+    with an ``algorithm`` key (e.g. ``fedprox_01: {algorithm: fedprox, mu: 0.1}``).
+    ``fraction`` of the clients (at least one) take part in each round, sampled with the seed.
+    """
+
+    algorithms: list[str] = []
+    rounds: int = Field(10, ge=1)
+    fraction: float = Field(1.0, gt=0, le=1)
+    local: LocalTrainConfig = LocalTrainConfig()
+    options: dict[str, dict[str, Any]] = {}
+
+    def resolve(self, name: str) -> tuple[str, dict[str, Any]]:
+        """The registered algorithm and its options for one entry of ``algorithms``."""
+        return _resolve_variant(self.options, name, "algorithm")
+
+    @model_validator(mode="after")
+    def _known_algorithms_and_options(self) -> FederatedConfig:
+        from mergeflow.federated import ALGORITHMS, validate_options
+
+        _check_variants(
+            self.algorithms,
+            self.options,
+            list_key="algorithms",
+            kind_key="algorithm",
+            known=ALGORITHMS,
+            validate=validate_options,
+            error_prefix="federated.options",
+        )
         return self
 
 
@@ -225,6 +293,7 @@ class Params(_Section):
     fisher: FisherConfig = FisherConfig()
     align: AlignConfig = AlignConfig()
     merge: MergeConfig = MergeConfig()
+    federated: FederatedConfig = FederatedConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     orchestration: OrchestrationConfig = OrchestrationConfig()
     tracking: TrackingConfig = TrackingConfig()

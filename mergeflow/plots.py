@@ -63,6 +63,26 @@ def plot_barriers(report: dict, path: str | Path) -> None:
     save_figure(fig, path)
 
 
+def plot_rounds(curves: dict[str, list[dict]], path: str | Path) -> None:
+    """Test accuracy (or MSE) and NLL of each federated algorithm's global model against the round.
+
+    ``curves`` maps an algorithm to its per-round metrics, round 0 being the starting model.
+    """
+    fig = Figure(figsize=(10.0, 4.0))
+    axes = fig.subplots(1, 2)
+    rows = [row for rows in curves.values() for row in rows]
+    primary = "accuracy" if rows and "accuracy" in rows[0] else "mse"
+    for ax, key in zip(axes, (primary, "nll"), strict=True):
+        for name, rows in curves.items():
+            ax.plot([r["round"] for r in rows], [r[key] for r in rows], marker="o", markersize=3, label=name)
+        ax.set_xlabel("round")
+        ax.set_title(f"test {key}")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
 def save_figure(fig: Figure, path: str | Path, *, dpi: int = 120) -> None:
     """Write a figure as PNG atomically (temp file + rename), creating the folder."""
     with atomic_path(path) as tmp:

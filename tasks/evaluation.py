@@ -14,6 +14,7 @@ from mergeflow.evaluation import best_model, ensemble_outputs, evaluate_outputs
 from mergeflow.plots import plot_comparison
 from mergeflow.training import predict
 from tasks.data import PREPARED, read_info
+from tasks.federated import final_checkpoint
 from tasks.merging import merged_checkpoint
 from tasks.steps import Step
 from tasks.training import BASE, CENTRALIZED, client_checkpoint
@@ -27,24 +28,35 @@ def plan_evaluate(params: Params) -> list[Step]:
     """One step over every model the pipeline produced."""
     clients = tuple(client_checkpoint(c) for c in range(params.partition.num_clients))
     merged = tuple(merged_checkpoint(m) for m in params.merge.methods)
+    federated = {name: final_checkpoint(params, name) for name in params.federated.algorithms}
     step_params = {
         "evaluate": params.section("evaluate"),
         "num_clients": len(clients),
         "methods": list(params.merge.methods),
+        "federated": federated,
     }
     return [
         Step(
             "evaluate",
             "tasks.evaluation:evaluate",
             step_params,
-            inputs=(f"{PREPARED}/test.parquet", f"{PREPARED}/info.json", BASE, CENTRALIZED, *clients, *merged),
+            inputs=(
+                f"{PREPARED}/test.parquet",
+                f"{PREPARED}/info.json",
+                BASE,
+                CENTRALIZED,
+                *clients,
+                *merged,
+                *federated.values(),
+            ),
             code=_CODE,
         )
     ]
 
 
 def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
-    """Metrics for base, clients, best client, ensemble, centralized and each merge; gain vs centralized."""
+    """Metrics for base, clients, best client, ensemble, centralized, each merge and each federated
+    algorithm's final global model; the accuracy gain vs centralized for the last two."""
     settings = params["evaluate"]
     info = read_info(root)
     task = info["task"]
@@ -66,11 +78,13 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     metrics["best_client"] = {**metrics[best], "client": int(best.removeprefix("client_"))}
     metrics["ensemble"] = score(ensemble_outputs(list(client_outputs.values()), task=task))
     metrics["centralized"] = score(outputs_of(CENTRALIZED))
-    for method in params["methods"]:
-        merged = score(outputs_of(merged_checkpoint(method)))
+    combined = {f"merged/{m}": merged_checkpoint(m) for m in params["methods"]}
+    combined |= {f"federated/{name}": path for name, path in params["federated"].items()}
+    for name, path in combined.items():
+        result = score(outputs_of(path))
         if task == "classification":
-            merged["accuracy_gain"] = merged["accuracy"] - metrics["centralized"]["accuracy"]
-        metrics[f"merged/{method}"] = merged
+            result["accuracy_gain"] = result["accuracy"] - metrics["centralized"]["accuracy"]
+        metrics[name] = result
     write_json(out / METRICS, metrics)
     plot_comparison(metrics, out / PLOT, task=task)
     return {"best_client": best}

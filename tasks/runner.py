@@ -18,8 +18,12 @@ def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
     log = get_run_logger()
     outcomes: list[StepOutcome] = []
     for phase in stage.phases:
-        steps = resolve(phase)(params)
-        outcomes += run_steps(steps, root)
+        planned = resolve(phase)(params)
+        # A plan is one batch of independent steps, or waves of batches run one after another
+        # (federated rounds: each wave reads what the one before it wrote).
+        waves = planned if planned and isinstance(planned[0], list) else [planned]
+        for wave in waves:
+            outcomes += run_steps(wave, root)
     produced = {name for outcome in outcomes for name in outcome.files}
     for stale in ArtifactStore(root).prune_outputs(stage.produced, produced):
         log.info("removed stale output %s", stale)

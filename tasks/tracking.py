@@ -19,6 +19,7 @@ from mergeflow.config import Params
 from tasks.align import ALIGN_METRICS, BARRIER_PLOT
 from tasks.data import PARTITIONS, PREPARED
 from tasks.evaluation import METRICS, PLOT
+from tasks.federated import FEDERATED_METRICS, FEDERATED_PLOT, final_checkpoint
 from tasks.merging import merged_checkpoint
 from tasks.steps import Step
 from tasks.store import hash_paths
@@ -26,6 +27,17 @@ from tasks.training import client_checkpoint
 
 PARTITION_METRICS = "metrics/partition.json"
 PARTITION_PLOT = "plots/partition.png"
+# Files logged as artifacts of the parent run.
+_ARTIFACTS = (
+    METRICS,
+    PLOT,
+    PARTITION_METRICS,
+    PARTITION_PLOT,
+    ALIGN_METRICS,
+    BARRIER_PLOT,
+    FEDERATED_METRICS,
+    FEDERATED_PLOT,
+)
 _MAX_PARAMS_PER_CALL = 100
 
 
@@ -54,7 +66,8 @@ def plan_track(params: Params) -> list[Step]:
         "params": params.model_dump(mode="json", exclude={"orchestration"}),
         "uri": os.environ.get("MLFLOW_TRACKING_URI", "local"),
     }
-    inputs = (METRICS, PLOT, PARTITION_METRICS, PARTITION_PLOT, ALIGN_METRICS, BARRIER_PLOT, *clients, *merged)
+    federated = tuple(final_checkpoint(params, name) for name in params.federated.algorithms)
+    inputs = (*_ARTIFACTS, *clients, *merged, *federated)
     return [Step("track", "tasks.tracking:track", step_params, inputs=inputs, code=("tasks/tracking.py",))]
 
 
@@ -136,6 +149,30 @@ def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, 
             )
 
 
+def _log_federated(mlflow, name: str, config: dict[str, Any], rounds: list[dict], final: dict[str, Any]) -> None:
+    """A child run per federated algorithm: its options and its global model's metrics per round (step=round)."""
+    algorithm = config["federated"]["options"].get(name, {}).get("algorithm", name)
+    tags = {"mergeflow.kind": "federated", "mergeflow.algorithm": algorithm, "mergeflow.federated": name}
+    with mlflow.start_run(run_name=f"federated_{name}", nested=True, tags=tags):
+        options = {k: v for k, v in config["federated"]["options"].get(name, {}).items() if k != "algorithm"}
+        _log_params(mlflow, {"algorithm": algorithm, **flatten(options, "option.")})
+        mlflow.log_metrics(_test_metrics(final))
+        _log_rounds(mlflow, rounds)
+
+
+def _log_rounds(mlflow, rounds: list[dict]) -> None:
+    """Each round's metrics with ``step`` = the round (round 0 is the starting model)."""
+    from mlflow.entities import Metric
+
+    history = [
+        Metric(f"round_{key}", float(row[key]), 0, int(row["round"]))
+        for row in rounds
+        for key in ("accuracy", "nll", "ece", "mse", "drift", "train_loss")
+        if key in row
+    ]
+    mlflow.tracking.MlflowClient().log_batch(mlflow.active_run().info.run_id, metrics=history)
+
+
 def track(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     """Log the parent pipeline run and its client and merge child runs."""
     import mlflow
@@ -162,13 +199,16 @@ def track(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
         _log_params(mlflow, flatten(config))
         for name in ("base", "centralized", "ensemble", "best_client"):
             mlflow.log_metrics({f"{name}.{k}": v for k, v in _test_metrics(metrics[name]).items()})
-        for artifact in (METRICS, PLOT, PARTITION_METRICS, PARTITION_PLOT, ALIGN_METRICS, BARRIER_PLOT):
+        for artifact in _ARTIFACTS:
             mlflow.log_artifact(str(root / artifact), Path(artifact).parent.name)
         mlflow.log_metrics(_barrier_metrics(json.loads((root / ALIGN_METRICS).read_text())))
         for client in range(config["partition"]["num_clients"]):
             _log_client(mlflow, root, client, metrics)
         for name in config["merge"]["methods"]:
             _log_merge(mlflow, root, name, metrics, example, config["tracking"]["log_models"])
+        rounds = json.loads((root / FEDERATED_METRICS).read_text())
+        for name in config["federated"]["algorithms"]:
+            _log_federated(mlflow, name, config, rounds[name], metrics[f"federated/{name}"])
     return {"run_id": parent.info.run_id, "experiment_id": experiment_id}
 
 

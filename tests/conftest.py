@@ -19,6 +19,7 @@ FAST_OVERRIDES = {
     "partition": {"num_clients": 3, "alpha": 1.0},
     "pretrain": {"epochs": 3},
     "finetune": {"epochs": 2},
+    "federated": {"rounds": 2},
     "orchestration": {"max_workers": 2},
 }
 

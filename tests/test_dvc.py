@@ -27,7 +27,7 @@ def test_dvc_yaml_lists_every_stage_with_its_params_and_paths():
         assert set(stage.deps) <= set(entry["deps"]) and set(stage.code) <= set(entry["deps"])
         assert entry["params"] == list(stage.params)
         for out in stage.deps:
-            assert any(out in s.outs for s in STAGES), f"{stage.name} depends on {out}, which no stage makes"
+            assert any(out in s.produced for s in STAGES), f"{stage.name} depends on {out}, which no stage makes"
 
 
 def _copy_project(target: Path) -> Path:

@@ -1,0 +1,244 @@
+"""Steps of the ``federated`` stage: rounds of cached client updates, each followed by a server update.
+
+The stage plans waves of steps, run one after another: an init wave (every algorithm's
+round-0 server and client states), then for each round one wave with a client step per
+participant of every algorithm and one wave with each algorithm's server step, then a
+summary. Every step is keyed by the content of the files it reads (the previous server
+state, the client's last state, its data), so a killed run resumes at the last finished
+step, and changing one algorithm's options re-runs only that algorithm's rounds.
+
+Participation is sampled from the seed when planning, so a client's state input is the
+file written the last round it took part in. The steps call exactly what
+``mergeflow.federated.run_rounds`` calls, with the same generators, so the flow reproduces
+the plain loop bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mergeflow.checkpoints import atomic_path, load_checkpoint, save_checkpoint, write_json
+from mergeflow.config import Params
+from mergeflow.data import load_dataset_file, to_arrays
+from mergeflow.federated import (
+    ClientData,
+    LocalTraining,
+    client_drift,
+    client_generator,
+    get_algorithm,
+    sample_participants,
+)
+from mergeflow.federated.loop import evaluate_global
+from mergeflow.models import build_from_spec
+from mergeflow.plots import plot_rounds
+from tasks.data import PARTITIONS, PREPARED, client_file, read_info
+from tasks.steps import Step
+from tasks.training import BASE
+
+FEDERATED = "models/federated"
+FEDERATED_INDEX = f"{FEDERATED}/index.json"
+FEDERATED_METRICS = "metrics/federated.json"
+FEDERATED_PLOT = "plots/federated.png"
+PARTITION_METRICS = "metrics/partition.json"
+_CODE = ("mergeflow/federated", "mergeflow/checkpoints.py", "mergeflow/evaluation.py", "tasks/federated.py")
+
+
+def _round_dir(name: str, round_index: int) -> str:
+    return f"{FEDERATED}/{name}/round_{round_index:03d}"
+
+
+def server_file(name: str, round_index: int) -> str:
+    """The algorithm's server state after ``round_index`` rounds (0 = initial)."""
+    return f"{_round_dir(name, round_index)}/server.safetensors"
+
+
+def global_checkpoint(name: str, round_index: int) -> str:
+    """The global model after ``round_index`` rounds, as a loadable checkpoint."""
+    return f"{_round_dir(name, round_index)}/global.safetensors"
+
+
+def round_metrics_file(name: str, round_index: int) -> str:
+    """Test metrics of the global model after ``round_index`` rounds, with drift and train loss."""
+    return f"{_round_dir(name, round_index)}/metrics.json"
+
+
+def client_state_file(name: str, round_index: int, client: int) -> str:
+    """A client's state (e.g. its duals) after its update in ``round_index`` (0 = initial)."""
+    return f"{_round_dir(name, round_index)}/client_{client:03d}.state.safetensors"
+
+
+def message_file(name: str, round_index: int, client: int) -> str:
+    """What a client sent to the server in ``round_index``."""
+    return f"{_round_dir(name, round_index)}/client_{client:03d}.message.safetensors"
+
+
+def client_metrics_file(name: str, round_index: int, client: int) -> str:
+    """A client's local training metrics in ``round_index`` (e.g. its last-epoch loss)."""
+    return f"{_round_dir(name, round_index)}/client_{client:03d}.metrics.json"
+
+
+def final_checkpoint(params: Params, name: str) -> str:
+    """The global model after the last round."""
+    return global_checkpoint(name, params.federated.rounds)
+
+
+def _settings(params: Params, name: str) -> dict[str, Any]:
+    algorithm, options = params.federated.resolve(name)
+    return {
+        "name": name,
+        "algorithm": algorithm,
+        "options": options,
+        "local": params.section("federated.local"),
+        "num_clients": params.partition.num_clients,
+        "seed": params.seed,
+        "noise_std": params.evaluate.noise_std,
+    }
+
+
+def _participants(params: Params, round_index: int) -> list[int]:
+    federated = params.federated
+    return sample_participants(params.partition.num_clients, federated.fraction, params.seed, round_index - 1)
+
+
+def plan_federated(params: Params) -> list[list[Step]]:
+    """Waves: init, then (clients, server) per round, then the summary."""
+    names = params.federated.algorithms
+    evaluation = (BASE, f"{PREPARED}/test.parquet", f"{PREPARED}/info.json")
+    waves = [
+        [
+            Step(f"federated/{name}/init", "tasks.federated:init_rounds", _settings(params, name), evaluation, _CODE)
+            for name in names
+        ]
+    ]
+    last_round = {name: dict.fromkeys(range(params.partition.num_clients), 0) for name in names}
+    for r in range(1, params.federated.rounds + 1):
+        participants = _participants(params, r)
+        clients, servers = [], []
+        for name in names:
+            settings = _settings(params, name)
+            for k in participants:
+                inputs = (
+                    BASE,
+                    server_file(name, r - 1),
+                    client_state_file(name, last_round[name][k], k),
+                    client_file(k),
+                    f"{PARTITIONS}/info.json",
+                )
+                step_params = {**settings, "round": r, "client": k, "state_round": last_round[name][k]}
+                clients.append(
+                    Step(f"federated/{name}/r{r:03d}/client_{k:03d}", "tasks.federated:client_round", step_params,
+                         inputs, _CODE)
+                )
+                last_round[name][k] = r
+            messages = tuple(f(name, r, k) for k in participants for f in (message_file, client_metrics_file))
+            servers.append(
+                Step(
+                    f"federated/{name}/r{r:03d}/server",
+                    "tasks.federated:server_round",
+                    {**settings, "round": r, "participants": participants},
+                    (*evaluation, server_file(name, r - 1), PARTITION_METRICS, *messages),
+                    _CODE,
+                )
+            )
+        waves += [clients, servers]
+    metrics = tuple(round_metrics_file(name, r) for name in names for r in range(params.federated.rounds + 1))
+    summary = {"algorithms": list(names), "rounds": params.federated.rounds}
+    waves.append([Step("federated/summary", "tasks.federated:summarise_rounds", summary, metrics, _CODE)])
+    return waves
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+
+
+def _test_data(root: Path) -> tuple[ClientData, float | None]:
+    info = read_info(root)
+    X, y = to_arrays(load_dataset_file(root / PREPARED / "test.parquet"), info)
+    return ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"]), info.get("noise_std")
+
+
+def _write_global(root: Path, out: Path, params: dict[str, Any], server: dict, round_index: int, row: dict) -> None:
+    """The global model as a checkpoint, and its metrics for this round."""
+    algorithm = get_algorithm(params["algorithm"])
+    base_state, base_meta = load_checkpoint(root / BASE)
+    weights = {k: v.to(base_state[k].dtype) for k, v in algorithm.global_state(server).items()}
+    meta = {"spec": base_meta["spec"], "role": "federated", "algorithm": params["algorithm"], "round": round_index}
+    save_checkpoint(out / global_checkpoint(params["name"], round_index), weights, meta)
+    model = build_from_spec(base_meta["spec"])
+    data, noise = _test_data(root)
+    scores = evaluate_global(model, algorithm.global_state(server), data, noise_std=noise or params["noise_std"])
+    write_json(out / round_metrics_file(params["name"], round_index), {"round": round_index, **row, **scores})
+
+
+def init_rounds(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """Round 0: the server and client states from the base model, and the base model's metrics."""
+    algorithm = get_algorithm(params["algorithm"])
+    options = algorithm.parse_options(params["options"])
+    base_state, _ = load_checkpoint(root / BASE)
+    initial = {k: v for k, v in base_state.items() if v.is_floating_point()}
+    server = algorithm.init_server(initial, params["num_clients"], options)
+    _save(out / server_file(params["name"], 0), server)
+    for k in range(params["num_clients"]):
+        _save(out / client_state_file(params["name"], 0, k), algorithm.init_client(initial, options))
+    _write_global(root, out, params, server, 0, {})
+    return {"algorithm": params["algorithm"]}
+
+
+def client_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """One client's local update from the previous round's server state."""
+    name, r, k = params["name"], params["round"], params["client"]
+    algorithm = get_algorithm(params["algorithm"])
+    info = read_info(root, PARTITIONS)
+    X, y = to_arrays(load_dataset_file(root / client_file(k)), info)
+    message, state, metrics = algorithm.client_update(
+        build_from_spec(load_checkpoint(root / BASE)[1]["spec"]),
+        load_file(root / server_file(name, r - 1)),
+        load_file(root / client_state_file(name, params["state_round"], k)),
+        ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"]),
+        LocalTraining(**params["local"]),
+        algorithm.parse_options(params["options"]),
+        client_generator(params["seed"], r - 1, k),
+    )
+    _save(out / message_file(name, r, k), message)
+    _save(out / client_state_file(name, r, k), state)
+    write_json(out / client_metrics_file(name, r, k), metrics)
+    return {"num_examples": len(y), **metrics}
+
+
+def server_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """The server update from this round's messages, then the new global model's test metrics."""
+    name, r, participants = params["name"], params["round"], params["participants"]
+    algorithm = get_algorithm(params["algorithm"])
+    options = algorithm.parse_options(params["options"])
+    server = load_file(root / server_file(name, r - 1))
+    messages = {k: load_file(root / message_file(name, r, k)) for k in participants}
+    sizes = dict(enumerate(json.loads((root / PARTITION_METRICS).read_text())["sizes"]))
+    updated = algorithm.server_update(server, messages, {}, sizes, params["num_clients"], options)
+    _save(out / server_file(name, r), updated)
+    losses = {k: json.loads((root / client_metrics_file(name, r, k)).read_text()) for k in participants}
+    total = sum(sizes[k] for k in participants)
+    row = {
+        "participants": float(len(participants)),
+        "train_loss": sum(sizes[k] * losses[k].get("train_loss", float("nan")) for k in participants) / total,
+        "drift": client_drift(algorithm.global_state(server), messages),
+    }
+    _write_global(root, out, params, updated, r, row)
+    return {"round": r}
+
+
+def summarise_rounds(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """Per-round metrics of every algorithm in one file, and the accuracy-vs-round plot."""
+    curves = {
+        name: [json.loads((root / round_metrics_file(name, r)).read_text()) for r in range(params["rounds"] + 1)]
+        for name in params["algorithms"]
+    }
+    write_json(out / FEDERATED_METRICS, curves)
+    write_json(out / FEDERATED_INDEX, {"algorithms": params["algorithms"], "rounds": params["rounds"]})
+    plot_rounds(curves, out / FEDERATED_PLOT)
+    return {"algorithms": len(curves)}

@@ -1,0 +1,132 @@
+"""The federated stage through the CLI: same numbers as the plain loop, cached rounds, MLflow per round."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import fast_params, make_workspace, ran_steps, run_cli
+
+pytestmark = pytest.mark.slow
+
+FEDERATED = {
+    "algorithms": ["fedavg", "bayes_admm"],
+    "rounds": 2,
+    "fraction": 0.67,  # 2 of 3 clients per round
+    "options": {"bayes_admm": {"rho": 0.5, "damping": 0.1}},
+}
+
+
+def _round_steps(name: str, rounds: range, participants) -> set[str]:
+    steps = set()
+    for r in rounds:
+        steps |= {f"federated/{name}/r{r:03d}/client_{k:03d}" for k in participants(r)}
+        steps.add(f"federated/{name}/r{r:03d}/server")
+    return steps
+
+
+def _participants(r: int) -> list[int]:
+    from mergeflow.federated import sample_participants
+
+    return sample_participants(3, FEDERATED["fraction"], 0, r - 1)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, cli_env):
+    params = fast_params(merge={"methods": ["average"]}, federated=FEDERATED)
+    path = make_workspace(tmp_path_factory.mktemp("federated"), params)
+    done = run_cli(["run"], path, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return path
+
+
+def test_the_flow_reproduces_the_plain_round_loop_bit_for_bit(workspace):
+    from mergeflow.checkpoints import load_checkpoint
+    from mergeflow.data import load_dataset_file, to_arrays
+    from mergeflow.federated import ClientData, LocalTraining, run_rounds
+    from mergeflow.models import build_from_spec
+    from tasks.data import PARTITIONS, PREPARED, client_file, read_info
+
+    steps = ran_steps(workspace)
+    for name in FEDERATED["algorithms"]:
+        assert _round_steps(name, range(1, 3), _participants) <= steps
+    assert len(_participants(1)) == 2
+
+    base_state, base_meta = load_checkpoint(workspace / "models/base/base.safetensors")
+
+    def model_builder():
+        model = build_from_spec(base_meta["spec"])
+        model.load_state_dict(base_state)
+        return model
+
+    info = read_info(workspace, PARTITIONS)
+
+    def data(path):
+        X, y = to_arrays(load_dataset_file(path), info)
+        return ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"])
+
+    clients = [data(workspace / client_file(k)) for k in range(3)]
+    test = data(workspace / PREPARED / "test.parquet")
+    curves = json.loads((workspace / "metrics/federated.json").read_text())
+    local = LocalTraining(**fast_params()["federated"]["local"])
+    for name in FEDERATED["algorithms"]:
+        run = run_rounds(
+            name,
+            model_builder,
+            clients,
+            2,
+            options=FEDERATED["options"].get(name),
+            train=local,
+            fraction=FEDERATED["fraction"],
+            seed=0,
+            eval_data=test,
+        )
+        flow_rows = curves[name]
+        assert [row["accuracy"] for row in flow_rows] == [row["accuracy"] for row in run.metrics]
+        assert [row["nll"] for row in flow_rows] == [row["nll"] for row in run.metrics]
+        assert [row.get("drift") for row in flow_rows[1:]] == [row["drift"] for row in run.metrics[1:]]
+        final, meta = load_checkpoint(workspace / f"models/federated/{name}/round_002/global.safetensors")
+        assert meta["round"] == 2
+        for key, value in final.items():
+            assert torch.equal(value, run.global_state[key].to(value.dtype)), key
+
+    metrics = json.loads((workspace / "metrics/evaluate.json").read_text())
+    for name in FEDERATED["algorithms"]:
+        entry = metrics[f"federated/{name}"]
+        assert entry["accuracy"] == curves[name][-1]["accuracy"]
+        assert entry["accuracy_gain"] == pytest.approx(entry["accuracy"] - metrics["centralized"]["accuracy"])
+    assert (workspace / "plots/federated.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_more_rounds_reuse_every_finished_round(workspace, cli_env):
+    done = run_cli(["run", "-S", "federated.rounds=3"], workspace, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = {"federated/summary", "evaluate", "track"}
+    for name in FEDERATED["algorithms"]:
+        expected |= _round_steps(name, range(3, 4), _participants)
+    assert ran_steps(workspace) == expected
+
+
+def test_changing_one_algorithm_reruns_only_its_rounds(workspace, cli_env):
+    overrides = ["-S", "federated.rounds=3", "-S", "federated.options.bayes_admm.damping=0.2"]
+    done = run_cli(["run", *overrides], workspace, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = {"federated/bayes_admm/init", "federated/summary", "evaluate", "track"}
+    expected |= _round_steps("bayes_admm", range(1, 4), _participants)
+    assert ran_steps(workspace) == expected
+
+
+def test_mlflow_has_a_federated_child_run_with_per_round_metrics(workspace):
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["mergeflow"], filter_string="tags.`mergeflow.kind` = 'federated'")
+    assert set(runs["tags.mergeflow.algorithm"]) == {"fedavg", "bayes_admm"}
+    latest = runs[runs["tags.mergeflow.algorithm"] == "fedavg"].iloc[0]
+    history = mlflow.tracking.MlflowClient().get_metric_history(latest.run_id, "round_accuracy")
+    by_round = {m.step: m.value for m in history}
+    assert sorted(by_round) == [0, 1, 2, 3]
+    assert latest["metrics.test_accuracy"] == pytest.approx(by_round[3])
+    drift = mlflow.tracking.MlflowClient().get_metric_history(latest.run_id, "round_drift")
+    assert sorted(m.step for m in drift) == [1, 2, 3] and all(m.value > 0 for m in drift)
