@@ -7,6 +7,10 @@
 - ``pinwheel``: SSF Table 1 through the real pipeline, once per point of the preset's
   ``sweep`` (number of clients × seeds), in a workspace of its own under ``results/``;
   every pipeline run is logged to MLflow as usual.
+- ``alignment``: independently initialised digits MLPs, barriers and merges with and without
+  weight or activation matching.
+- ``federated`` and ``participation``: the federated algorithms under label skew, and FedAvg
+  with partial against full participation.
 """
 
 from __future__ import annotations
@@ -24,7 +28,13 @@ from mergeflow.checkpoints import write_json
 from mergeflow.config import apply_overrides, validate_params
 from mergeflow.errors import ConfigError
 
-PRESETS = {"linear-gaussian": "experiments/linear_gaussian.yaml", "pinwheel": "experiments/pinwheel.yaml"}
+PRESETS = {
+    "linear-gaussian": "experiments/linear_gaussian.yaml",
+    "pinwheel": "experiments/pinwheel.yaml",
+    "alignment": "experiments/alignment.yaml",
+    "federated": "experiments/federated.yaml",
+    "participation": "experiments/participation.yaml",
+}
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -76,40 +86,116 @@ def _sweep_points(sweep: dict[str, list[Any]]) -> list[list[str]]:
     return [[f"{k}={json.dumps(v)}" for k, v in zip(keys, values, strict=True)] for values in combinations]
 
 
-def pinwheel(preset: Path, root: Path) -> Path:
-    """The pipeline once per sweep point; test NLL of every merge, mean ± std over seeds."""
+def _run_sweep(preset: Path, root: Path, name: str) -> list[dict[str, Any]]:
+    """The pipeline once per sweep point, in one workspace (so unchanged stages are cache hits).
+
+    A preset holds ``params`` (the base params), ``sweep`` (dotted key → values, every
+    combination runs) and optionally ``clients``: per-client training settings, the first K
+    used when the point has K clients (the SSF paper trains each model differently).
+    """
     from flows.pipeline import run_pipeline
 
     spec = _read_yaml(preset)
     base, sweep, schedule = spec.get("params", {}), spec.get("sweep", {}), spec.get("clients", [])
-    workspace = root / "results" / "pinwheel-workspace"
+    workspace = root / "results" / f"{name}-workspace"
     workspace.mkdir(parents=True, exist_ok=True)
     runs = []
     for point in _sweep_points(sweep):
         raw = apply_overrides(base, point)
-        clients = raw["partition"]["num_clients"]
-        raw.setdefault("finetune", {})["clients"] = {k: dict(s) for k, s in enumerate(schedule[:clients])}
+        if schedule:
+            clients = raw["partition"]["num_clients"]
+            raw.setdefault("finetune", {})["clients"] = {k: dict(s) for k, s in enumerate(schedule[:clients])}
         params = validate_params(raw, f"{preset}: {' '.join(point)}")
         run_pipeline(params, workspace)
-        metrics = json.loads((workspace / "metrics/evaluate.json").read_text())
-        runs.append({"clients": params.partition.num_clients, "seed": params.seed, "metrics": metrics})
-    names = ["centralized", "ensemble", "best_client"] + [f"merged/{m}" for m in base["merge"]["methods"]]
-    rows = []
-    for clients in sorted({r["clients"] for r in runs}):
-        group = [r["metrics"] for r in runs if r["clients"] == clients]
-        cells = []
-        for name in names:
-            values = [m[name]["nll"] for m in group]
-            spread = statistics.stdev(values) if len(values) > 1 else 0.0
-            cells.append(f"{statistics.mean(values):.4f} ± {spread:.4f}")
-        rows.append([str(clients), *cells])
+        record = {"point": dict(p.split("=", 1) for p in point), "params": params.model_dump(mode="json")}
+        for key, path in (("metrics", "metrics/evaluate.json"), ("align", "metrics/align.json")):
+            record[key] = json.loads((workspace / path).read_text())
+        record["federated"] = json.loads((workspace / "metrics/federated.json").read_text())
+        runs.append(record)
+    return runs
+
+
+def _mean_std(values: list[float], digits: int = 4) -> str:
+    spread = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.{digits}f} ± {spread:.{digits}f}"
+
+
+def _groups(runs: list[dict[str, Any]], keys: list[str]) -> dict[tuple[str, ...], list[dict[str, Any]]]:
+    """Runs grouped by the values of some sweep keys (the rest, e.g. seeds, are replicates)."""
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault(tuple(run["point"][k] for k in keys), []).append(run)
+    return groups
+
+
+def pinwheel(preset: Path, root: Path) -> Path:
+    """SSF Table 1: test NLL of every merge by number of clients, mean ± std over seeds."""
+    runs = _run_sweep(preset, root, "pinwheel")
+    methods = runs[0]["params"]["merge"]["methods"]
+    names = ["centralized", "ensemble", "best_client"] + [f"merged/{m}" for m in methods]
+    rows = [
+        [clients, *(_mean_std([r["metrics"][n]["nll"] for r in group]) for n in names)]
+        for (clients,), group in _groups(runs, ["partition.num_clients"]).items()
+    ]
     header = ["K", *(n.removeprefix("merged/") for n in names)]
     return _write(root, "pinwheel", {"runs": runs}, _markdown(header, rows))
 
 
+_ALIGNMENT_MODELS = ("merged/average", "merged/fisher", "best_client", "ensemble")
+
+
+def _mean_barrier(curves: dict[str, dict[str, Any]]) -> float:
+    return statistics.mean(curve["barrier"] for curve in curves.values())
+
+
+def alignment(preset: Path, root: Path) -> Path:
+    """Barriers and merge accuracy by number of independently trained clients and alignment method."""
+    runs = _run_sweep(preset, root, "alignment")
+    rows = []
+    for (clients, method), group in _groups(runs, ["partition.num_clients", "align.method"]).items():
+        before = [_mean_barrier(r["align"]["before"]) for r in group]
+        after = [_mean_barrier(r["align"]["after"] or r["align"]["before"]) for r in group]
+        columns = [before, after]
+        columns += [[r["metrics"][name]["accuracy"] for r in group] for name in _ALIGNMENT_MODELS]
+        rows.append([clients, method, *(_mean_std(v, 3) for v in columns)])
+    header = ["K", "align", "barrier before", "barrier after", *(f"{n} acc" for n in _ALIGNMENT_MODELS)]
+    return _write(root, "alignment", {"runs": runs}, _markdown(header, rows))
+
+
+def federated(preset: Path, root: Path) -> Path:
+    """Final and per-round test accuracy of each federated algorithm and the oracle, by sweep group."""
+    runs = _run_sweep(preset, root, "federated")
+    spec = _read_yaml(preset)
+    group_keys = [k for k in spec.get("sweep", {}) if k != "seed"]
+    algorithms = runs[0]["params"]["federated"]["algorithms"]
+    text, rows = "", []
+    for values, group in _groups(runs, group_keys).items():
+        final = [_mean_std([r["metrics"][f"federated/{a}"]["accuracy"] for r in group], 3) for a in algorithms]
+        gain = [_mean_std([r["metrics"][f"federated/{a}"]["accuracy_gain"] for r in group], 3) for a in algorithms]
+        oracle = _mean_std([r["metrics"]["centralized"]["accuracy"] for r in group], 3)
+        rows.append([*values, *final, oracle, *gain])
+        rounds = len(group[0]["federated"][algorithms[0]])
+        curve_rows = [
+            [str(t), *(f"{statistics.mean(r['federated'][a][t]['accuracy'] for r in group):.3f}" for a in algorithms)]
+            for t in range(rounds)
+        ]
+        label = ", ".join(f"{k}={v}" for k, v in zip(group_keys, values, strict=True))
+        text += f"\n### Accuracy per round ({label}; mean over seeds)\n\n"
+        text += _markdown(["round", *algorithms], curve_rows)
+    header = [*group_keys, *algorithms, "centralized", *(f"gain {a}" for a in algorithms)]
+    table = "### Final test accuracy (mean ± std over seeds; gain = federated − centralized)\n\n"
+    return _write(root, preset.stem, {"runs": runs}, table + _markdown(header, rows) + text)
+
+
 def reproduce(name: str, root: Path, preset: str | None = None) -> Path:
     """Run one reproduction by name; return the path of its markdown table."""
-    runners = {"linear-gaussian": linear_gaussian, "pinwheel": pinwheel}
+    runners = {
+        "linear-gaussian": linear_gaussian,
+        "pinwheel": pinwheel,
+        "alignment": alignment,
+        "federated": federated,
+        "participation": federated,
+    }
     if name not in runners:
         raise ConfigError([f"reproduce: unknown experiment {name!r}; known: {', '.join(runners)}"])
     return runners[name](Path(preset or root / PRESETS[name]), root)

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--port", type=int, default=5000)
     commands.add_parser("methods", help="list the registered merge methods")
     reproduce = commands.add_parser("reproduce", help="run a paper reproduction (results/NAME.md)")
-    reproduce.add_argument("name", choices=("linear-gaussian", "pinwheel"))
+    reproduce.add_argument("name", choices=("linear-gaussian", "pinwheel", "alignment", "federated", "participation"))
     reproduce.add_argument("--preset", help="experiment preset (default: experiments/<name>.yaml)")
     return parser
 
