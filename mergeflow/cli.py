@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     ui = commands.add_parser("ui", help="open the MLflow UI on 127.0.0.1")
     ui.add_argument("--port", type=int, default=5000)
     commands.add_parser("methods", help="list the registered merge methods")
+    best = commands.add_parser("best", help="the best merged models of the experiment in MLflow")
+    best.add_argument("--metric", default="test_accuracy", help="e.g. test_accuracy (highest first), test_nll (lowest)")
+    best.add_argument("--experiment", help="MLflow experiment (default: tracking.experiment of the params)")
+    best.add_argument("--top", type=int, default=5)
+    _add_params_options(best)
     reproduce = commands.add_parser("reproduce", help="run a paper reproduction (results/NAME.md)")
     reproduce.add_argument("name", choices=("linear-gaussian", "pinwheel", "alignment", "federated", "participation"))
     reproduce.add_argument("--preset", help="experiment preset (default: experiments/<name>.yaml)")
@@ -117,6 +122,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(table.read_text(), end="")
         print(f"mergeflow: wrote {table} and {table.with_suffix('.json')}")
         return 0
+    if args.command == "best":
+        return _best(args)
     if args.command == "methods":
         from mergeflow.merge import METHODS
 
@@ -124,6 +131,24 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(f"{method.name:18s} {method.summary}")
         return 0
     return _ui(args.port)
+
+
+def _best(args: argparse.Namespace) -> int:
+    experiment = args.experiment
+    if experiment is None:
+        from mergeflow.config import load_params
+
+        experiment = load_params(args.params, args.overrides).tracking.experiment
+    from flows.environment import configure
+
+    configure()
+    from tasks.tracking import best_runs
+
+    rows = best_runs(Path.cwd(), experiment, args.metric, args.top)
+    print(f"{'name':24s} {'kind':10s} {args.metric:>16s}  run_id")
+    for row in rows:
+        print(f"{row['name']:24s} {row['kind']:10s} {row[args.metric]:16.4f}  {row['run_id']}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,13 +16,14 @@ from typing import Any
 
 from mergeflow.checkpoints import load_checkpoint, load_model
 from mergeflow.config import Params
+from mergeflow.errors import MergeflowError
 from tasks.align import ALIGN_METRICS, BARRIER_PLOT
 from tasks.data import PARTITIONS, PREPARED
 from tasks.evaluation import METRICS, PLOT
-from tasks.federated import FEDERATED_METRICS, FEDERATED_PLOT, final_checkpoint
+from tasks.federated import FEDERATED_METRICS, FEDERATED_PLOT, final_checkpoint, global_checkpoint
 from tasks.merging import merged_checkpoint
 from tasks.steps import Step
-from tasks.store import hash_paths
+from tasks.store import hash_paths, sha256_file
 from tasks.training import client_checkpoint
 
 PARTITION_METRICS = "metrics/partition.json"
@@ -128,31 +129,68 @@ def _log_client(mlflow, root: Path, client: int, metrics: dict[str, Any]) -> Non
         mlflow.log_metrics(_test_metrics(metrics[f"client_{client:03d}"]))
 
 
-def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, log_models: bool) -> None:
+def registered_model_name(experiment: str, merge: str) -> str:
+    """The Model Registry name of one merge entry: one registered model per experiment and merge."""
+    return f"{experiment}.{merge}"
+
+
+def _register(mlflow, model_uri: str, name: str, tags: dict[str, str]) -> None:
+    """A new version of ``name`` unless a version already holds the same checkpoint (by sha256).
+
+    The logging step re-runs as a whole when any merge changed; this keeps the unchanged
+    merges from gaining identical versions.
+    """
+    client = mlflow.tracking.MlflowClient()
+    digest = tags["mergeflow.checkpoint_sha256"]
+    if any(v.tags.get("mergeflow.checkpoint_sha256") == digest for v in client.search_model_versions(f"name='{name}'")):
+        return
+    mlflow.register_model(model_uri, name, tags=tags)
+
+
+def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, context: dict[str, Any]) -> None:
     import mlflow.pytorch
     import torch
 
     path = root / merged_checkpoint(name)
     _, meta = load_checkpoint(path)
-    tags = {"mergeflow.kind": "merge", "mergeflow.method": meta["method"], "mergeflow.merge": name}
-    with mlflow.start_run(run_name=f"merge_{name}", nested=True, tags=tags):
+    digest = sha256_file(path)
+    tags = {
+        "mergeflow.kind": "merge",
+        "mergeflow.method": meta["method"],
+        "mergeflow.merge": name,
+        "mergeflow.checkpoint_sha256": digest,
+    }
+    with mlflow.start_run(run_name=f"merge_{name}", nested=True, tags=tags) as run:
         _log_params(mlflow, {"method": meta["method"], **flatten(meta["options"], "option.")})
         mlflow.log_metrics({**_test_metrics(metrics[f"merged/{name}"]), **meta.get("summary", {})})
         _log_curves(mlflow, meta.get("curves", {}))
         mlflow.log_artifact(str(path), "checkpoint")
-        if log_models:
-            mlflow.pytorch.log_model(
+        if context["log_models"]:
+            logged = mlflow.pytorch.log_model(
                 load_model(path),
                 name="model",
                 input_example=example,
                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
             )
+            version_tags = {
+                "mergeflow.data_hash": context["data_hash"],
+                "mergeflow.params_hash": context["params_hash"],
+                "mergeflow.checkpoint_sha256": digest,
+                "mergeflow.method": meta["method"],
+                "mergeflow.run_id": run.info.run_id,
+            }
+            _register(mlflow, logged.model_uri, registered_model_name(context["experiment"], name), version_tags)
 
 
-def _log_federated(mlflow, name: str, config: dict[str, Any], rounds: list[dict], final: dict[str, Any]) -> None:
+def _log_federated(mlflow, root: Path, name: str, config: dict[str, Any], rounds: list[dict], final: dict) -> None:
     """A child run per federated algorithm: its options and its global model's metrics per round (step=round)."""
     algorithm = config["federated"]["options"].get(name, {}).get("algorithm", name)
-    tags = {"mergeflow.kind": "federated", "mergeflow.algorithm": algorithm, "mergeflow.federated": name}
+    tags = {
+        "mergeflow.kind": "federated",
+        "mergeflow.algorithm": algorithm,
+        "mergeflow.federated": name,
+        "mergeflow.checkpoint_sha256": sha256_file(root / global_checkpoint(name, len(rounds) - 1)),
+    }
     with mlflow.start_run(run_name=f"federated_{name}", nested=True, tags=tags):
         options = {k: v for k, v in config["federated"]["options"].get(name, {}).items() if k != "algorithm"}
         _log_params(mlflow, {"algorithm": algorithm, **flatten(options, "option.")})
@@ -204,12 +242,52 @@ def track(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
         mlflow.log_metrics(_barrier_metrics(json.loads((root / ALIGN_METRICS).read_text())))
         for client in range(config["partition"]["num_clients"]):
             _log_client(mlflow, root, client, metrics)
+        context = {
+            "experiment": config["tracking"]["experiment"],
+            "log_models": config["tracking"]["log_models"],
+            "data_hash": tags["mergeflow.data_hash"],
+            "params_hash": tags["mergeflow.params_hash"],
+        }
         for name in config["merge"]["methods"]:
-            _log_merge(mlflow, root, name, metrics, example, config["tracking"]["log_models"])
+            _log_merge(mlflow, root, name, metrics, example, context)
         rounds = json.loads((root / FEDERATED_METRICS).read_text())
         for name in config["federated"]["algorithms"]:
-            _log_federated(mlflow, name, config, rounds[name], metrics[f"federated/{name}"])
+            _log_federated(mlflow, root, name, config, rounds[name], metrics[f"federated/{name}"])
     return {"run_id": parent.info.run_id, "experiment_id": experiment_id}
+
+
+_LOWER_IS_BETTER = ("nll", "ece", "mse", "loss", "residual", "barrier")
+
+
+def best_runs(root: Path, experiment: str, metric: str, top: int = 5) -> list[dict[str, Any]]:
+    """The best merged and federated models of an experiment by ``metric`` (NLL-like: lowest first).
+
+    Each model (by checkpoint sha256) counts once, with its latest run.
+    """
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri(root))
+    if mlflow.get_experiment_by_name(experiment) is None:
+        raise MergeflowError(f"tracking.experiment: no MLflow experiment {experiment!r} at {tracking_uri(root)}")
+    ascending = any(word in metric for word in _LOWER_IS_BETTER)
+    runs = mlflow.search_runs(experiment_names=[experiment])
+    column = f"metrics.{metric}"
+    if runs.empty or column not in runs.columns:
+        raise MergeflowError(f"--metric: no run of experiment {experiment!r} has a metric {metric!r}")
+    runs = runs[runs["tags.mergeflow.kind"].isin(["merge", "federated"]) & runs[column].notna()]
+    # The same model is logged again by every later pipeline run: keep its latest run only.
+    runs = runs.sort_values("start_time", ascending=False).drop_duplicates("tags.mergeflow.checkpoint_sha256")
+    runs = runs.sort_values(column, ascending=ascending, kind="stable").head(top)
+    return [
+        {
+            "name": row.get(f"tags.mergeflow.{row['tags.mergeflow.kind']}"),
+            "kind": row["tags.mergeflow.kind"],
+            metric: float(row[column]),
+            "run_id": row["run_id"],
+            "started": str(row["start_time"]),
+        }
+        for _, row in runs.iterrows()
+    ]
 
 
 def log_reproduction(

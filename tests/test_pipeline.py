@@ -175,6 +175,29 @@ def test_mlflow_holds_runs_tags_metrics_and_a_reloadable_model(workspace):
     assert out.shape == (5, 10) and np.isfinite(out.detach().numpy()).all()
 
 
+def test_registry_gains_a_version_only_when_a_merged_model_changes(workspace, cli_env):
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
+    client = mlflow.tracking.MlflowClient()
+    versions = {name: client.search_model_versions(f"name='mergeflow.{name}'") for name in METHODS}
+    # cold run: every merge; the cached re-run: none; scaling=0.5: task_arithmetic only;
+    # client 1's lr: every merge; alignment to the identity: none (same weights).
+    expected = {name: 2 for name in METHODS} | {"task_arithmetic": 3}
+    assert {name: len(found) for name, found in versions.items()} == expected
+    for found in versions.values():
+        digests = [v.tags["mergeflow.checkpoint_sha256"] for v in found]
+        assert len(set(digests)) == len(digests)
+        assert all(len(v.tags["mergeflow.data_hash"]) == 16 for v in found)
+
+    done = run_cli(["best", "--metric", "test_nll", "--top", "3"], workspace, cli_env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 4 and "test_nll" in lines[0]
+    values = [float(line.split()[2]) for line in lines[1:]]
+    assert values == sorted(values)  # lowest NLL first
+
+
 def test_bad_params_exit_2_and_write_nothing(tmp_path, cli_env):
     path = make_workspace(tmp_path / "bad", fast_params(merge=MERGE))
     done = run_cli(["run", "-S", "partition.alpha=0", "-S", "merge.methods=[average, nope]"], path, cli_env)
