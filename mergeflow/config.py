@@ -273,7 +273,21 @@ class EvaluateConfig(_Section):
 
 
 class OrchestrationConfig(_Section):
+    """Where per-client and per-round tasks run.
+
+    ``threads``: a thread pool of ``max_workers`` in this process. ``dask``: a Dask cluster
+    through prefect-dask: the cluster at ``dask_address`` (e.g. ``tcp://scheduler:8786``, whose
+    workers must see the project directory at the same path), or a LocalCluster of
+    ``dask_workers`` single-threaded processes. Every step runs torch with ``torch_threads``
+    intra-op threads, whatever the runner: float reductions then add up in the same order,
+    so threads and Dask give bit-identical weights.
+    """
+
+    task_runner: Literal["threads", "dask"] = "threads"
     max_workers: int = Field(1, ge=1)
+    torch_threads: int = Field(1, ge=1)
+    dask_address: str | None = None
+    dask_workers: int = Field(2, ge=1)
 
 
 class TrackingConfig(_Section):

@@ -81,11 +81,15 @@ def resolve(reference: str) -> StepFunction:
 
 
 @task(cache_key_fn=_cache_key, persist_result=True, result_serializer="json")
-def execute_step(step: Step, key: str, root: str) -> dict[str, Any]:
+def execute_step(step: Step, key: str, root: str, torch_threads: int = 1) -> dict[str, Any]:
     """Run a step into a scratch directory and move its outputs into the artifact store.
 
     ``key`` is computed by the caller (``step_key``) so that it is hashed once and reported.
+    ``torch_threads`` is not part of the cache key: it changes no result.
     """
+    import torch
+
+    torch.set_num_threads(torch_threads)
     store = ArtifactStore(Path(root))
     started = time.perf_counter()
     with store.scratch_dir() as scratch:
@@ -98,7 +102,7 @@ def _results_dir(root: Path) -> Path:
     return root / ".mergeflow" / "results"
 
 
-def run_steps(steps: list[Step], root: Path) -> list[StepOutcome]:
+def run_steps(steps: list[Step], root: Path, torch_threads: int = 1) -> list[StepOutcome]:
     """Submit steps to the flow's task runner, wait, and materialise their outputs.
 
     A cache hit whose blobs were deleted from the store is re-executed.
@@ -108,14 +112,15 @@ def run_steps(steps: list[Step], root: Path) -> list[StepOutcome]:
     submitted = []
     for step in steps:
         key = step_key(step, root)
-        future = runner.with_options(task_run_name=step.name).submit(step, key, str(root))
+        future = runner.with_options(task_run_name=step.name).submit(step, key, str(root), torch_threads)
         submitted.append((step, key, future))
     outcomes = []
     for step, key, future in submitted:
         result = future.result()
         cached = future.state.name == "Cached"
         if cached and not store.has(result["files"]):
-            result = runner.with_options(task_run_name=step.name, refresh_cache=True)(step, key, str(root))
+            rerun = runner.with_options(task_run_name=step.name, refresh_cache=True)
+            result = rerun(step, key, str(root), torch_threads)
             cached = False
         store.materialise(result["files"])
         seconds = 0.0 if cached else result["seconds"]

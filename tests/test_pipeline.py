@@ -69,14 +69,19 @@ def test_cold_run_executes_every_step_and_writes_outputs(workspace):
     assert sum(stats["sizes"]) == stats["total"] and len(stats["sizes"]) == 3
 
 
-def test_same_params_and_seed_give_bit_identical_weights_and_metrics(cold_run, tmp_path, cli_env):
+def test_same_params_and_seed_give_bit_identical_weights_and_metrics_on_a_dask_cluster(cold_run, tmp_path, cli_env):
+    """A second workspace, run on a 2-process Dask LocalCluster instead of threads."""
     path = make_workspace(tmp_path / "again", fast_params(merge=MERGE))
-    done = run_cli(["run"], path, cli_env)
+    done = run_cli(["run", "-S", "orchestration.task_runner=dask", "-S", "orchestration.dask_workers=2"], path, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert ran_steps(path) == ALL_STEPS  # its own store: nothing came from the first run's cache
     hashes = _result_hashes(path)
     # base, centralized, clients, diagonal Fishers and factors, the same three aligned, merges, metrics
-    assert len(hashes) == 1 + 1 + 3 + 3 + 3 + 3 * 3 + len(METHODS) + 1
+    one_shot = 1 + 1 + 3 + 3 + 3 + 3 * 3 + len(METHODS) + 1
+    # per algorithm: round 0 (server, global, 3 client states), then per round server, global,
+    # 3 messages and 3 client states
+    federated = len(fast_params()["federated"]["algorithms"]) * (5 + 2 * 8)
+    assert len(hashes) == one_shot + federated
     assert hashes == cold_run[1]
 
 

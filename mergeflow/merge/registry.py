@@ -15,7 +15,7 @@ Methods declare what they need besides the weights: ``"base"`` (the shared base 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -173,14 +173,26 @@ def _require(spec: MergeMethod, given: dict[str, object]) -> None:
             raise MergeflowError(f"merge method {spec.name!r} needs {need} ({argument}=...)")
 
 
-def _merge_tensorwise(spec: MergeMethod, states, base, weights, fishers, options) -> MergeResult:
+def merged_tensors(
+    spec: MergeMethod,
+    states: Sequence[State],
+    base: State | None,
+    weights: torch.Tensor,
+    fishers: Sequence[State] | None,
+    options: BaseModel,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Merge a tensor-scope method one tensor at a time, yielding ``(name, merged)``.
+
+    Only the K clients' copies of the current tensor are held, so lazily loading mappings
+    (see ``mergeflow.merge.streaming``) keep memory near K tensors.
+    """
     norms = None
     if fishers is not None:
-        norms = torch.stack([torch.sqrt(sum((f.double() ** 2).sum() for f in fd.values())) for fd in fishers])
-    merged = {}
-    for key, first in states[0].items():
+        norms = torch.stack([torch.sqrt(sum((fd[k].double() ** 2).sum() for k in fd)) for fd in fishers])
+    for key in states[0]:
+        first = states[0][key]
         if not first.is_floating_point() or (fishers is not None and key not in fishers[0]):
-            merged[key] = first.clone() if not first.is_floating_point() else _mean(states, key, first)
+            yield key, (first.clone() if not first.is_floating_point() else _mean(states, key, first))
             continue
         inputs = TensorInputs(
             name=key,
@@ -190,8 +202,7 @@ def _merge_tensorwise(spec: MergeMethod, states, base, weights, fishers, options
             fishers=[f[key].to(torch.float64) for f in fishers] if fishers is not None else None,
             fisher_norms=norms,
         )
-        merged[key] = spec.fn(inputs, options).to(first.dtype).contiguous()
-    return MergeResult(merged)
+        yield key, spec.fn(inputs, options).to(first.dtype).contiguous()
 
 
 def _mean(states, key: str, like: torch.Tensor) -> torch.Tensor:
@@ -254,7 +265,7 @@ def run_merge(
         _check_compatible([*states, base] if base is not None else states)
         w = normalized_weights(weights, len(states))
         fisher_list = [dict(f) for f in fishers] if fishers is not None else None
-        return _merge_tensorwise(spec, states, base, w, fisher_list, parsed)
+        return MergeResult(dict(merged_tensors(spec, states, base, w, fisher_list, parsed)))
     inputs = model_inputs(states, base=base, weights=weights, fishers=fishers, factors=factors)
     result = spec.fn(inputs, parsed)
     if not isinstance(result, MergeResult):
