@@ -1,7 +1,10 @@
-"""The pipeline flow: the registry's stages in order, or a chosen subset (what ``dvc.yaml`` calls)."""
+"""The pipeline flow: the registry's stages in order, or a chosen subset (what ``dvc.yaml`` calls),
+and the scheduled flow that ``mergeflow serve`` deploys."""
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -10,7 +13,8 @@ from prefect import flow
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from mergeflow.config import OrchestrationConfig, Params, validate_params
+from mergeflow.config import OrchestrationConfig, Params, load_params, validate_params
+from mergeflow.errors import MergeflowError
 from mergeflow.stages import STAGES, get_stage
 from tasks.runner import run_stage
 from tasks.steps import StepOutcome
@@ -50,3 +54,47 @@ def run_pipeline(params: Params, root: Path, stages: list[str] | None = None) ->
     configured = pipeline.with_options(task_runner=runner, flow_run_name=name)
     with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         return configured(params.model_dump(mode="json"), str(root.resolve()), stages)
+
+
+LAST_RUN = Path(".mergeflow") / "last_run.json"
+
+
+def run_and_record(params: Params, root: Path, stages: list[str] | None = None) -> tuple[list[dict[str, Any]], float]:
+    """Run the pipeline and write ``.mergeflow/last_run.json`` (each step, run or cached); also the seconds."""
+    started = time.perf_counter()
+    outcomes = run_pipeline(params, root, stages)
+    elapsed = time.perf_counter() - started
+    record = root / LAST_RUN
+    record.parent.mkdir(exist_ok=True)
+    record.write_text(json.dumps({"seconds": elapsed, "steps": outcomes}, indent=2) + "\n")
+    return outcomes, elapsed
+
+
+@flow(name="mergeflow-scheduled")
+def scheduled_pipeline(params_file: str, root: str, overrides: list[str] | None = None) -> dict[str, int]:
+    """Read the params file when the run starts (so edits apply to the next run) and run the pipeline."""
+    params = load_params(params_file, overrides or [])
+    outcomes, _ = run_and_record(params, Path(root))
+    return {"steps": len(outcomes), "ran": sum(not o["cached"] for o in outcomes)}
+
+
+def serve(
+    params_file: Path, overrides: list[str], root: Path, *, cron: str | None, interval: float | None, name: str
+) -> None:
+    """Create a deployment of the scheduled pipeline and serve it until interrupted.
+
+    Prefect's ephemeral API cannot schedule runs, so this needs a Prefect server
+    (``PREFECT_API_URL``).
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        raise MergeflowError(
+            "serve: schedules need a Prefect server; run `prefect server start` and "
+            "export PREFECT_API_URL=http://127.0.0.1:4200/api"
+        )
+    load_params(params_file, overrides)  # fail now, not at the first scheduled run
+    parameters = {"params_file": str(params_file.resolve()), "root": str(root.resolve()), "overrides": overrides}
+    # One run at a time: a run that outlasts the interval delays the next instead of racing it
+    # for the same workspace.
+    scheduled_pipeline.serve(name=name, cron=cron, interval=interval, parameters=parameters, limit=1)

@@ -8,16 +8,12 @@ per problem, naming the key or file, before anything is written.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from mergeflow.errors import ConfigError, MergeflowError
-
-LAST_RUN = Path(".mergeflow") / "last_run.json"
 
 
 def _add_params_options(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     ui = commands.add_parser("ui", help="open the MLflow UI on 127.0.0.1")
     ui.add_argument("--port", type=int, default=5000)
     commands.add_parser("methods", help="list the registered merge methods")
+    serve = commands.add_parser("serve", help="deploy the pipeline on a schedule and serve it (needs a Prefect server)")
+    serve.add_argument("--cron", help='cron schedule, e.g. "0 3 * * *"')
+    serve.add_argument("--interval", type=float, help="seconds between runs")
+    serve.add_argument("--name", default="mergeflow", help="deployment name")
+    _add_params_options(serve)
     best = commands.add_parser("best", help="the best merged models of the experiment in MLflow")
     best.add_argument("--metric", default="test_accuracy", help="e.g. test_accuracy (highest first), test_nll (lowest)")
     best.add_argument("--experiment", help="MLflow experiment (default: tracking.experiment of the params)")
@@ -69,17 +70,25 @@ def _run(args: argparse.Namespace, stages: list[str] | None) -> int:
     from flows.environment import configure
 
     configure()
-    from flows.pipeline import run_pipeline
+    from flows.pipeline import run_and_record
 
-    started = time.perf_counter()
-    outcomes = run_pipeline(params, Path.cwd(), stages)
-    elapsed = time.perf_counter() - started
-    LAST_RUN.parent.mkdir(exist_ok=True)
-    LAST_RUN.write_text(json.dumps({"seconds": elapsed, "steps": outcomes}, indent=2) + "\n")
+    outcomes, elapsed = run_and_record(params, Path.cwd(), stages)
     ran = [o["name"] for o in outcomes if not o["cached"]]
     print(f"mergeflow: {len(outcomes)} steps in {elapsed:.1f}s: {len(ran)} ran, {len(outcomes) - len(ran)} cached")
     if ran:
         print("  ran: " + ", ".join(ran))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if (args.cron is None) == (args.interval is None):
+        raise ConfigError(["serve: give exactly one of --cron or --interval"])
+    from flows.environment import configure
+
+    configure()
+    from flows.pipeline import serve
+
+    serve(Path(args.params), args.overrides, Path.cwd(), cron=args.cron, interval=args.interval, name=args.name)
     return 0
 
 
@@ -122,6 +131,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(table.read_text(), end="")
         print(f"mergeflow: wrote {table} and {table.with_suffix('.json')}")
         return 0
+    if args.command == "serve":
+        return _serve(args)
     if args.command == "best":
         return _best(args)
     if args.command == "methods":

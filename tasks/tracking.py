@@ -7,10 +7,13 @@ while pointing at a new tracking server logs the results there.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,7 @@ from tasks.evaluation import METRICS, PLOT
 from tasks.federated import FEDERATED_METRICS, FEDERATED_PLOT, final_checkpoint, global_checkpoint
 from tasks.merging import merged_checkpoint
 from tasks.steps import Step
-from tasks.store import hash_paths, sha256_file
+from tasks.store import STATE_DIR, hash_paths, sha256_file
 from tasks.training import client_checkpoint
 
 PARTITION_METRICS = "metrics/partition.json"
@@ -211,8 +214,27 @@ def _log_rounds(mlflow, rounds: list[dict]) -> None:
     mlflow.tracking.MlflowClient().log_batch(mlflow.active_run().info.run_id, metrics=history)
 
 
+@contextmanager
+def _tracking_lock(root: Path) -> Iterator[None]:
+    """One MLflow writer per project at a time: concurrent first use of a SQLite store breaks its
+    schema migration, and two pipelines may finish together (schedules, parallel experiments)."""
+    lock = root / STATE_DIR / "mlflow.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def track(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
-    """Log the parent pipeline run and its client and merge child runs."""
+    """Log the parent pipeline run and its client, merge and federated child runs."""
+    with _tracking_lock(root):
+        return _track(params, root)
+
+
+def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
     import mlflow
     import numpy as np
 

@@ -31,6 +31,12 @@ ALL_STEPS = {
     "evaluate",
     "track",
 }
+FEDERATED = fast_params()["federated"]
+for _name in FEDERATED["algorithms"]:
+    ALL_STEPS.add(f"federated/{_name}/init")
+    for _round in range(1, FEDERATED["rounds"] + 1):
+        ALL_STEPS |= {f"federated/{_name}/r{_round:03d}/{c}" for c in (*CLIENTS, "server")}
+ALL_STEPS.add("federated/summary")
 
 
 def _result_hashes(path) -> dict[str, str]:
@@ -56,7 +62,7 @@ def test_cold_run_executes_every_step_and_writes_outputs(workspace):
     assert ran_steps(workspace) == ALL_STEPS
     metrics = json.loads((workspace / "metrics/evaluate.json").read_text())
     expected = {"base", "centralized", "ensemble", "best_client", "client_000", "client_001", "client_002"}
-    expected |= {f"merged/{m}" for m in METHODS}
+    expected |= {f"merged/{m}" for m in METHODS} | {f"federated/{a}" for a in FEDERATED["algorithms"]}
     assert set(metrics) == expected
     for values in metrics.values():
         assert 0 <= values["accuracy"] <= 1 and values["nll"] > 0 and 0 <= values["ece"] <= 1
@@ -154,7 +160,8 @@ def test_mlflow_holds_runs_tags_metrics_and_a_reloadable_model(workspace):
     assert len(parent["tags.mergeflow.data_hash"]) == 16
     assert parent["tags.mergeflow.git_commit"]
     children = runs[runs["tags.mlflow.parentRunId"] == parent.run_id]
-    assert sorted(children["tags.mergeflow.kind"]) == ["client"] * 3 + ["merge"] * len(METHODS)
+    expected_kinds = ["client"] * 3 + ["federated"] * len(FEDERATED["algorithms"]) + ["merge"] * len(METHODS)
+    assert sorted(children["tags.mergeflow.kind"]) == expected_kinds
     merges = children[children["tags.mergeflow.kind"] == "merge"]
     assert set(merges["tags.mergeflow.merge"]) == set(METHODS)
     assert set(merges["tags.mergeflow.method"]) == set(METHODS) - {"ssf_50"}

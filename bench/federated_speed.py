@@ -1,0 +1,312 @@
+"""Wall time of FedAvg (10 clients, 5 rounds): the plain loop vs mergeflow's Prefect flow vs Flower's simulation.
+
+Usage:
+    python bench/federated_speed.py [--epochs 2] [--workers 2 1] [--flower-python /tmp/flwr-venv/bin/python]
+    (Prefect logs go to stderr: append ``2>/dev/null`` to see only the table.)
+
+Flower runs in its own venv (it is no dependency of mergeflow), made once with:
+    python3 -m venv /tmp/flwr-venv
+    /tmp/flwr-venv/bin/pip install torch==2.13.0 "flwr[simulation]" scikit-learn safetensors
+Without it the Flower rows are skipped with a note.
+
+One fresh workspace (digits, Dirichlet α = 0.5 over 10 clients, MLP 64-128-10, the params.yaml local SGD
+settings) is prepared by the pipeline's prepare, partition and pretrain stages, outside the timing, after a
+throw-away flow that starts Prefect's ephemeral server (also outside the timing). Then, in this process:
+
+- the plain loop: ``mergeflow.federated.run_rounds`` on the workspace's partitions and base model;
+- the flow: the ``federated`` stage alone through ``flows.pipeline.run_pipeline``, cold (the ``.mergeflow``
+  store and Prefect results deleted first, so no cache hit) once per ``--workers`` value, and a fully cached
+  re-run after the first;
+- Flower: ``bench/flower_fedavg.py`` in the other venv, on the same partitions, base model, per-(round,
+  client) shuffling seeds and local training, timed inside that process (``ray.init`` apart).
+
+The table gives each way's seconds, its ratio to the plain loop, the final test accuracy (mergeflow's
+evaluation of each way's final global model) and whether the final weights equal the loop's bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+PREP_STAGES = ["prepare", "partition", "pretrain"]
+FLOWER_SCRIPT = Path(__file__).resolve().parent / "flower_fedavg.py"
+
+
+@dataclass
+class Row:
+    """One line of the table."""
+
+    way: str
+    seconds: float
+    accuracy: float | None
+    identical: str
+
+
+def bench_params(args: argparse.Namespace, workers: int) -> dict[str, Any]:
+    """params.yaml with the benchmark's settings."""
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["data"]["source"] = "digits"
+    raw["partition"].update(method="dirichlet", num_clients=args.clients, alpha=args.alpha)
+    raw["model"].update(arch="mlp", widths=[128])
+    raw["federated"].update(algorithms=["fedavg"], rounds=args.rounds, fraction=1.0)
+    raw["federated"]["local"]["epochs"] = args.epochs
+    raw["orchestration"].update(task_runner="threads", max_workers=workers, torch_threads=1)
+    return raw
+
+
+def set_environment(home: Path) -> None:
+    """What ``mergeflow run`` sets (flows.environment), with a private Prefect home; before Prefect is imported."""
+    os.environ["PREFECT_HOME"] = str(home)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    from flows.environment import configure
+
+    configure()
+
+
+def workspace_inputs(workspace: Path) -> tuple[Any, list[Any], Any, dict[str, Any]]:
+    """The loop's model builder, client data, test data and base-model spec, read from the workspace files."""
+    import torch
+
+    from mergeflow.checkpoints import load_checkpoint
+    from mergeflow.data import load_dataset_file, to_arrays
+    from mergeflow.federated import ClientData
+    from mergeflow.models import build_from_spec
+    from tasks.data import PARTITIONS, PREPARED, client_file, read_info
+    from tasks.training import BASE
+
+    base_state, base_meta = load_checkpoint(workspace / BASE)
+    spec = base_meta["spec"]
+
+    def model_builder() -> torch.nn.Module:
+        model = build_from_spec(spec)
+        model.load_state_dict(base_state)
+        return model
+
+    info = read_info(workspace, PARTITIONS)
+    num_clients = len(list((workspace / PARTITIONS).glob("client_*.parquet")))
+
+    def data(path: Path) -> ClientData:
+        X, y = to_arrays(load_dataset_file(path), info)
+        return ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"])
+
+    clients = [data(workspace / client_file(k)) for k in range(num_clients)]
+    return model_builder, clients, data(workspace / PREPARED / "test.parquet"), spec
+
+
+def export_for_flower(
+    workspace: Path, export: Path, clients: list[Any], test: Any, spec: dict[str, Any], params: Any
+) -> None:
+    """Partitions, test set, shuffling seeds (npz), base model (safetensors) and settings (json) for Flower."""
+    from mergeflow.seeding import derive_seed
+    from tasks.training import BASE
+
+    export.mkdir(parents=True)
+    rounds, num_clients = params.federated.rounds, len(clients)
+    # client_generator(seed, r, k) seeds a torch.Generator with exactly this number.
+    seeds = np.array(
+        [[derive_seed(params.seed, "federated", r, k) for k in range(num_clients)] for r in range(rounds)], np.int64
+    )
+    arrays = {f"X_{k}": c.X.numpy() for k, c in enumerate(clients)} | {
+        f"y_{k}": c.y.numpy() for k, c in enumerate(clients)
+    }
+    np.savez(export / "data.npz", X_test=test.X.numpy(), y_test=test.y.numpy(), seeds=seeds, **arrays)
+    shutil.copyfile(workspace / BASE, export / "base.safetensors")
+    local = params.section("federated.local")
+    if local["optimizer"] != "sgd":
+        raise SystemExit("the Flower client replicates SGD only")
+    setup = {
+        "widths": spec["widths"],
+        "activation": spec["activation"],
+        "input_shape": spec["input_shape"],
+        "output_dim": spec["output_dim"],
+        "local": local,
+        "rounds": rounds,
+        "num_clients": num_clients,
+        "cpus": len(os.sched_getaffinity(0)),
+    }
+    (export / "setup.json").write_text(json.dumps(setup, indent=2) + "\n")
+
+
+def final_accuracy(model_builder: Any, weights: dict[str, Any], test: Any) -> float:
+    """mergeflow's test accuracy of a global model."""
+    from mergeflow.federated.loop import evaluate_global
+
+    return evaluate_global(model_builder(), weights, test)["accuracy"]
+
+
+def same_weights(weights: dict[str, Any], reference: dict[str, Any]) -> str:
+    """'yes' when every parameter equals the loop's after the cast to the compared dtype."""
+    import torch
+
+    equal = all(torch.equal(torch.as_tensor(v), reference[k].to(torch.as_tensor(v).dtype)) for k, v in weights.items())
+    return "yes" if equal and set(weights) == set(reference) else "no"
+
+
+def fresh_store(workspace: Path) -> None:
+    """Forget every cached step and federated output: the next flow run is cold."""
+    shutil.rmtree(workspace / ".mergeflow", ignore_errors=True)
+    shutil.rmtree(workspace / "models" / "federated", ignore_errors=True)
+
+
+def overhead_lines(
+    label: str, wall: float, outcomes: list[dict[str, Any]], loop_seconds: float, workers: int
+) -> list[str]:
+    """Where the flow's time goes: seconds inside the steps by kind, and the rest per step."""
+    kinds: dict[str, list[float]] = defaultdict(list)
+    for outcome in outcomes:
+        kind = outcome["name"].rsplit("/", 1)[-1].split("_")[0]
+        kinds[kind].append(outcome["seconds"])
+    inside = sum(sum(v) for v in kinds.values())
+    parts = ", ".join(
+        f"{len(v)} {k} steps {sum(v):.2f} s ({1000 * sum(v) / len(v):.0f} ms each)" for k, v in kinds.items()
+    )
+    lines = [f"- {label}: {len(outcomes)} steps; inside the steps: {parts}; total {inside:.2f} s."]
+    if workers == 1:
+        rest = wall - inside
+        lines.append(
+            f"  Outside the steps (Prefect task runs, cache keys, result files, materialising): {rest:.2f} s, "
+            f"{1000 * rest / len(outcomes):.0f} ms per step. Inside minus the loop (I/O, hashing, re-evaluation): "
+            f"{inside - loop_seconds:.2f} s."
+        )
+    return lines
+
+
+def run_flower(python: Path, export: Path) -> tuple[dict[str, Any] | None, str]:
+    """Flower's result JSON (None on failure) and a note."""
+    result_path = export / "flower.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "PYTHONPATH", "VIRTUAL_ENV"))}
+    env.update(FLWR_TELEMETRY_ENABLED="0", RAY_USAGE_STATS_ENABLED="0", RAY_DEDUP_LOGS="0")
+    started = time.perf_counter()
+    done = subprocess.run(
+        [str(python), str(FLOWER_SCRIPT), str(export), str(result_path)], env=env, capture_output=True, text=True
+    )
+    total = time.perf_counter() - started
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+        return None, "Flower run failed: " + " | ".join(tail)
+    result = json.loads(result_path.read_text())
+    note = (
+        f"Flower {result['flwr']} with Ray {result['ray']}: ray.init {result['ray_init_seconds']:.1f} s, "
+        f"run_simulation {result['simulation_seconds']:.1f} s, the whole process (imports included) {total:.1f} s; "
+        "10 virtual SuperNodes, client_resources num_cpus=1 (2 Ray actors on 2 cores), 1 torch thread per actor."
+    )
+    return result, note
+
+
+def main() -> None:
+    """Prepare the workspace, time every way, print the table and the notes."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=2, help="local epochs per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 1], help="flow max_workers, one cold run each")
+    parser.add_argument("--flower-python", type=Path, default=Path("/tmp/flwr-venv/bin/python"))
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    with tempfile.TemporaryDirectory(prefix="federated-speed-") as tmp:
+        workspace = Path(tmp) / "workspace"
+        workspace.mkdir()
+        set_environment(Path(tmp) / "prefect")
+        import torch
+        from prefect import flow
+
+        import tasks.federated  # noqa: F401  (imported before timing, like mergeflow.federated for the loop)
+        from flows.pipeline import run_pipeline
+        from mergeflow.config import validate_params
+        from mergeflow.federated import LocalTraining, run_rounds
+        from tasks.federated import final_checkpoint
+
+        notes: list[str] = []
+        started = time.perf_counter()
+        flow(name="warm-up")(lambda: None)()
+        seconds = time.perf_counter() - started
+        notes.append(f"- Prefect ephemeral server start (throw-away flow, not timed below): {seconds:.1f} s.")
+        params = validate_params(bench_params(args, args.workers[0]))
+        started = time.perf_counter()
+        run_pipeline(params, workspace, PREP_STAGES)
+        seconds = time.perf_counter() - started
+        notes.append(f"- Workspace preparation ({', '.join(PREP_STAGES)}; not timed below): {seconds:.1f} s.")
+        model_builder, clients, test, spec = workspace_inputs(workspace)
+        sizes = sorted(len(c) for c in clients)
+        notes.append(
+            f"- {len(clients)} clients, sizes {sizes}; test set {len(test)}; local {params.section('federated.local')}."
+        )
+
+        torch.set_num_threads(1)  # what every flow step does (orchestration.torch_threads = 1)
+        local = LocalTraining(**params.section("federated.local"))
+        started = time.perf_counter()
+        run = run_rounds("fedavg", model_builder, clients, args.rounds, train=local, seed=params.seed, eval_data=test)
+        loop_seconds = time.perf_counter() - started
+        rows = [Row("plain loop (`run_rounds`, 1 thread)", loop_seconds, run.metrics[-1]["accuracy"], "reference")]
+
+        from mergeflow.checkpoints import load_checkpoint
+
+        for i, workers in enumerate(args.workers):
+            params = validate_params(bench_params(args, workers))
+            fresh_store(workspace)
+            started = time.perf_counter()
+            outcomes = run_pipeline(params, workspace, ["federated"])
+            cold = time.perf_counter() - started
+            assert not any(o["cached"] for o in outcomes), "the cold run hit the cache"
+            final, _ = load_checkpoint(workspace / final_checkpoint(params, "fedavg"))
+            accuracy = json.loads((workspace / "metrics/federated.json").read_text())["fedavg"][-1]["accuracy"]
+            identical = same_weights(final, run.global_state)
+            rows.append(Row(f"mergeflow flow, cold, max_workers={workers}", cold, accuracy, identical))
+            notes += overhead_lines(f"flow cold, max_workers={workers}", cold, outcomes, loop_seconds, workers)
+            if i == 0:
+                started = time.perf_counter()
+                again = run_pipeline(params, workspace, ["federated"])
+                cached = time.perf_counter() - started
+                assert all(o["cached"] for o in again), "the re-run missed the cache"
+                rows.append(Row(f"mergeflow flow, cached re-run, max_workers={workers}", cached, accuracy, identical))
+
+        if args.flower_python.is_file():
+            export = Path(tmp) / "flower"
+            export_for_flower(workspace, export, clients, test, spec, params)
+            result, note = run_flower(args.flower_python, export)
+            notes.append(f"- {note}")
+            if result is not None:
+                with np.load(result["final"]) as data:
+                    weights = {k: torch.from_numpy(data[k]) for k in data.files}
+                accuracy = final_accuracy(model_builder, weights, test)
+                identical = same_weights(weights, run.global_state)
+                version = f"Flower {result['flwr']} + Ray {result['ray']}"
+                rows.append(
+                    Row(f"{version}, run_simulation (Ray up)", result["simulation_seconds"], accuracy, identical)
+                )
+                total = result["ray_init_seconds"] + result["simulation_seconds"]
+                rows.append(Row(f"{version}, ray.init + run_simulation", total, accuracy, identical))
+                notes.append(
+                    f"- Flower's own server-side accuracy per round: {[round(a, 4) for a in result['accuracy']]}."
+                )
+        else:
+            notes.append(f"- Flower skipped: no {args.flower_python} (see the usage in this file's docstring).")
+
+    print("| way | seconds | ratio to plain loop | final test accuracy | weights bit-identical to loop |")
+    print("|---|---:|---:|---:|---|")
+    for row in rows:
+        accuracy = "n/a" if row.accuracy is None else f"{row.accuracy:.4f}"
+        print(f"| {row.way} | {row.seconds:.2f} | {row.seconds / loop_seconds:.2f} | {accuracy} | {row.identical} |")
+    print()
+    print("\n".join(notes))
+
+
+if __name__ == "__main__":
+    main()
