@@ -66,7 +66,21 @@ class DataConfig(_Section):
             raise ValueError("test_fraction + server_fraction must leave at least 5% for the clients")
         if self.source == "hf" and not self.hf.path:
             raise ValueError("source 'hf' needs data.hf.path (e.g. 'csv' with data.hf.data_files)")
+        if self.source == "hf":
+            for file in _local_files(self.hf.data_files):
+                if not Path(file).is_file():
+                    raise ValueError(f"hf.data_files: file not found: {file}")
         return self
+
+
+def _local_files(data_files: str | list[str] | dict[str, str | list[str]] | None) -> list[str]:
+    """The plain local paths among ``data_files`` (URLs and glob patterns are left to ``datasets``)."""
+    if data_files is None:
+        return []
+    if isinstance(data_files, dict):
+        return [f for value in data_files.values() for f in _local_files(value)]
+    files = [data_files] if isinstance(data_files, str) else data_files
+    return [f for f in files if "://" not in f and not any(c in f for c in "*?[")]
 
 
 class PartitionConfig(_Section):
@@ -324,6 +338,8 @@ class Params(_Section):
             raise ValueError(
                 f"align.reference: no client {reference} (partition.num_clients is {self.partition.num_clients})"
             )
+        if self.partition.method == "natural" and not (self.data.source == "hf" and self.data.hf.group_column):
+            raise ValueError("partition.method: 'natural' needs a group column; set data.hf.group_column")
         if self.pretrain.enabled and self.data.server_fraction == 0:
             raise ValueError(
                 "pretrain.enabled: pre-training needs a server split; set data.server_fraction > 0 "

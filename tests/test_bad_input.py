@@ -1,0 +1,97 @@
+"""Malformed params, overrides and inputs: one clear error line naming the key or file, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mergeflow.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (overrides, text the error must contain); each runs `mergeflow run` on the committed params.
+CASES = [
+    (["partition.alpha=0"], "partition.alpha"),
+    (["partition.alpha=-0.5"], "partition.alpha"),
+    (["partition.num_clients=many"], "partition.num_clients"),
+    (["partition.num_clients=100000"], "partition.num_clients"),
+    (["partition.method=natural"], "partition.method"),
+    (["data.source=imagenet"], "data.source"),
+    (["data.test_fraction=-0.2"], "data.test_fraction"),
+    (["data.source=hf", "data.hf.path=csv", "data.hf.data_files=missing.csv"], "missing.csv"),
+    (["data.source=hf"], "data.hf.path"),
+    (["data.pinwheel.clusters=1"], "data.pinwheel.clusters"),
+    (["model.widths=[64, 0]"], "model.widths"),
+    (["model.arch=transformer"], "model.arch"),
+    (["finetune.lr=-1"], "finetune.lr"),
+    (["finetune.optimizer=rmsprop"], "finetune.optimizer"),
+    (["finetune.clients.42.lr=0.1"], "finetune.clients.42"),
+    (["finetune.init=pretrained"], "finetune.init"),
+    (["fisher.kind=hessian"], "fisher.kind"),
+    (["merge.methods=[average, magic]"], "merge.methods[1]"),
+    (["merge.options.ssf.mask_rate=2"], "merge.options.ssf.mask_rate"),
+    (["merge.options.fisher.unknown=1"], "merge.options.fisher.unknown"),
+    (["merge.options.exact.tolerance=0"], "merge.options.exact.tolerance"),
+    (["align.method=telepathy"], "align.method"),
+    (["align.reference=7"], "align.reference"),
+    (["federated.algorithms=[fedavg, fedmagic]"], "federated.algorithms[1]"),
+    (["federated.options.fedprox.mu=-1"], "federated.options.fedprox.mu"),
+    (["federated.rounds=0"], "federated.rounds"),
+    (["federated.fraction=1.5"], "federated.fraction"),
+    (["orchestration.task_runner=spark"], "orchestration.task_runner"),
+    (["evaluate.ece_bins=0"], "evaluate.ece_bins"),
+    (["seed=not-a-number"], "seed"),
+    (["nonsense.key=1"], "nonsense"),
+    (["no-equals-sign"], "KEY=VALUE"),
+]
+
+
+@pytest.fixture()
+def workspace(tmp_path, monkeypatch):
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _errors(capsys) -> list[str]:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and all(line.startswith("mergeflow: error: ") for line in lines), lines
+    return lines
+
+
+@pytest.mark.parametrize(("overrides", "needle"), CASES, ids=[" ".join(o) for o, _ in CASES])
+def test_bad_params_give_one_line_naming_the_key_exit_2_and_write_nothing(workspace, capsys, overrides, needle):
+    code = main(["run", *[arg for o in overrides for arg in ("-S", o)]])
+    assert code == 2
+    lines = _errors(capsys)
+    assert len(lines) == 1, lines
+    assert needle in lines[0]
+    assert sorted(os.listdir(workspace)) == ["params.yaml"]
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [("partition: [1, 2\n", "not valid YAML"), ("- a\n- b\n", "expected a mapping"), (None, "not found")],
+)
+def test_bad_params_files_are_named(workspace, capsys, content, needle):
+    path = workspace / "other.yaml"
+    if content is not None:
+        path.write_text(content)
+    assert main(["run", "--params", str(path)]) == 2
+    lines = _errors(capsys)
+    assert "other.yaml" in lines[0] and needle in lines[0]
+    assert not (workspace / ".mergeflow").exists()
+
+
+def test_many_problems_get_one_line_each(workspace, capsys):
+    raw = yaml.safe_load((workspace / "params.yaml").read_text())
+    raw["partition"]["alpha"] = 0
+    raw["finetune"]["lr"] = -1
+    (workspace / "params.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["run"]) == 2
+    lines = _errors(capsys)
+    assert len(lines) == 2
+    assert any("partition.alpha" in line for line in lines) and any("finetune.lr" in line for line in lines)
