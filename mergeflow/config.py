@@ -140,9 +140,12 @@ class PretrainConfig(TrainConfig):
 
 class FinetuneConfig(TrainConfig):
     """Per-client training. ``init: independent`` starts every client from its own random init
-    (seeded per client) instead of the shared base model: the setting where alignment matters."""
+    (seeded per client) instead of the shared base model: the setting where alignment matters.
+    A client whose loss or weights become NaN or infinite is recorded as diverged; with
+    ``on_divergence: fail`` the pipeline stops there, with ``exclude`` the merges leave it out."""
 
     init: Literal["shared", "independent"] = "shared"
+    on_divergence: Literal["fail", "exclude"] = "fail"
     clients: dict[int, TrainOverride] = {}
 
 

@@ -28,6 +28,7 @@ from mergeflow.align import (
 from mergeflow.checkpoints import atomic_path, load_checkpoint, save_checkpoint, write_json
 from mergeflow.config import Params
 from mergeflow.data import load_dataset_file, to_arrays
+from mergeflow.errors import MergeflowError
 from mergeflow.models import build_from_spec, parameter_names
 from mergeflow.plots import plot_barriers
 from tasks.data import PARTITIONS, PREPARED, client_file, read_info
@@ -67,6 +68,7 @@ def plan_align(params: Params) -> list[Step]:
         inputs.append(f"{PREPARED}/server.parquet")
     step_params = {
         "align": params.section("align"),
+        "on_divergence": params.finetune.on_divergence,
         "num_clients": len(clients),
         "factors": params.fisher.low_rank,
         "seed": params.seed,
@@ -74,8 +76,26 @@ def plan_align(params: Params) -> list[Step]:
     return [Step("align", "tasks.align:align_clients", step_params, inputs=tuple(inputs), code=_CODE)]
 
 
-def _reference(choice: int | str, sizes: list[int]) -> int:
-    return int(np.argmax(sizes)) if choice == "largest" else int(choice)
+def _reference(choice: int | str, sizes: list[int], diverged: list[int]) -> int:
+    if choice != "largest":
+        if int(choice) in diverged:
+            raise MergeflowError(f"align.reference: client {choice} diverged; choose another reference")
+        return int(choice)
+    return int(np.argmax([-1 if c in diverged else size for c, size in enumerate(sizes)]))
+
+
+def _diverged(loaded: list[tuple[dict, dict]], policy: str) -> list[int]:
+    """The clients whose training diverged; an error under ``finetune.on_divergence: fail``."""
+    diverged = [c for c, (_, meta) in enumerate(loaded) if meta.get("diverged")]
+    if diverged and policy == "fail":
+        reasons = "; ".join(f"client {c}: {loaded[c][1]['divergence']}" for c in diverged)
+        raise MergeflowError(
+            f"finetune.on_divergence: training diverged ({reasons}); lower the learning rate "
+            "(e.g. finetune.clients.N.lr) or set finetune.on_divergence: exclude to merge without them"
+        )
+    if len(diverged) == len(loaded):
+        raise MergeflowError("finetune.on_divergence: every client diverged; nothing is left to merge")
+    return diverged
 
 
 def _matching_inputs(root: Path, info: dict[str, Any], reference: int, limit: int) -> np.ndarray:
@@ -103,7 +123,8 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     settings = params["align"]
     clients = range(params["num_clients"])
     loaded = [load_checkpoint(root / client_checkpoint(c)) for c in clients]
-    reference = _reference(settings["reference"], [meta["num_examples"] for _, meta in loaded])
+    diverged = _diverged(loaded, params["on_divergence"])
+    reference = _reference(settings["reference"], [meta["num_examples"] for _, meta in loaded], diverged)
     spec_json = loaded[reference][1]["spec"]
     model = build_from_spec(spec_json)
     spec = permutation_spec(model, spec_json["input_shape"])
@@ -139,8 +160,8 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
 
     info = read_info(root)
     X, y = to_arrays(load_dataset_file(root / PREPARED / "test.parquet"), info)
-    others = {c: states[c] for c in clients if c != reference}
-    report: dict[str, Any] = {"method": settings["method"], "reference": reference, "before": {}, "after": {}}
+    others = {c: states[c] for c in clients if c != reference and c not in diverged}
+    report: dict[str, Any] = {"method": settings["method"], "reference": reference, "excluded": diverged, "after": {}}
     report["before"] = _barriers(model, X, y, info["task"], states[reference], others, settings["barrier_points"])
     if settings["method"] != "none":
         moved = {c: apply_permutation(spec, states[c], perms[c]) for c in others}

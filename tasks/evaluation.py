@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from mergeflow.checkpoints import load_model, write_json
+from mergeflow.checkpoints import load_checkpoint, load_model, write_json
 from mergeflow.config import Params
 from mergeflow.data import load_dataset_file, to_arrays
 from mergeflow.evaluation import best_model, ensemble_outputs, evaluate_outputs
@@ -72,8 +72,13 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     metrics: dict[str, dict[str, Any]] = {"base": score(outputs_of(BASE))}
     client_outputs = {}
     for client in range(params["num_clients"]):
-        client_outputs[f"client_{client:03d}"] = outputs_of(client_checkpoint(client))
-        metrics[f"client_{client:03d}"] = score(client_outputs[f"client_{client:03d}"])
+        name = f"client_{client:03d}"
+        outputs = outputs_of(client_checkpoint(client))
+        metrics[name] = score(outputs)
+        if load_checkpoint(root / client_checkpoint(client))[1].get("diverged"):
+            metrics[name]["diverged"] = True  # its start weights; left out of best client and ensemble
+        else:
+            client_outputs[name] = outputs
     best = best_model({name: metrics[name] for name in client_outputs}, task=task)
     metrics["best_client"] = {**metrics[best], "client": int(best.removeprefix("client_"))}
     metrics["ensemble"] = score(ensemble_outputs(list(client_outputs.values()), task=task))

@@ -60,7 +60,10 @@ def merge_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     name, method = params["name"], params["method"]
     clients = range(params["num_clients"])
     uses = METHODS[method].uses
-    loaded = [load_checkpoint(root / aligned_checkpoint(c)) for c in clients]
+    checkpoints = [load_checkpoint(root / aligned_checkpoint(c)) for c in clients]
+    excluded = [c for c, (_, meta) in enumerate(checkpoints) if meta.get("diverged")]
+    clients = [c for c in clients if c not in excluded]  # finetune.on_divergence: exclude
+    loaded = [checkpoints[c] for c in clients]
     base_state, base_meta = load_checkpoint(root / BASE)
     # Factor columns follow the model's parameter order; the files list tensors alphabetically.
     order = parameter_names(base_meta["spec"])
@@ -84,6 +87,7 @@ def merge_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
         "options": params["options"],
         "curves": result.curves,
         "summary": result.summary,
+        "excluded_clients": excluded,
     }
     save_checkpoint(out / merged_checkpoint(name), result.state, meta)
     return {"method": method, **result.summary}

@@ -125,7 +125,8 @@ def _barrier_metrics(report: dict[str, Any]) -> dict[str, float]:
 
 def _log_client(mlflow, root: Path, client: int, metrics: dict[str, Any]) -> None:
     _, meta = load_checkpoint(root / client_checkpoint(client))
-    with mlflow.start_run(run_name=f"client_{client:03d}", nested=True, tags={"mergeflow.kind": "client"}):
+    tags = {"mergeflow.kind": "client", "mergeflow.diverged": str(bool(meta.get("diverged"))).lower()}
+    with mlflow.start_run(run_name=f"client_{client:03d}", nested=True, tags=tags):
         mlflow.set_tag("mergeflow.client", str(client))
         _log_params(mlflow, {**flatten(meta["train"]), "num_examples": str(meta["num_examples"])})
         _log_curves(mlflow, {"train_loss": meta["step_losses"]})
@@ -164,7 +165,9 @@ def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, 
         "mergeflow.checkpoint_sha256": digest,
     }
     with mlflow.start_run(run_name=f"merge_{name}", nested=True, tags=tags) as run:
-        _log_params(mlflow, {"method": meta["method"], **flatten(meta["options"], "option.")})
+        excluded = ",".join(str(c) for c in meta.get("excluded_clients", [])) or "none"
+        options = flatten(meta["options"], "option.")
+        _log_params(mlflow, {"method": meta["method"], "excluded_clients": excluded, **options})
         mlflow.log_metrics({**_test_metrics(metrics[f"merged/{name}"]), **meta.get("summary", {})})
         _log_curves(mlflow, meta.get("curves", {}))
         mlflow.log_artifact(str(path), "checkpoint")

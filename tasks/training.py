@@ -6,13 +6,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import Params
 from mergeflow.data import load_dataset_file, to_arrays
 from mergeflow.models import build_from_spec, model_spec
 from mergeflow.seeding import derive_seed
-from mergeflow.training import train
+from mergeflow.training import DivergenceError, TrainResult, train
 from tasks.data import PARTITIONS, PREPARED, client_file, read_info
 from tasks.steps import Step
 
@@ -90,6 +91,16 @@ def plan_finetune(params: Params) -> list[Step]:
     ]
 
 
+def _start_model(root: Path, init_seed: int | None = None):
+    """The base model, or a fresh random init of its architecture with ``init_seed``; and its spec."""
+    state, meta = load_checkpoint(root / BASE)
+    spec = meta["spec"] if init_seed is None else {**meta["spec"], "seed": init_seed}
+    model = build_from_spec(spec)
+    if init_seed is None:
+        model.load_state_dict(state)
+    return model, spec
+
+
 def _train_from_base(
     root: Path,
     X: np.ndarray,
@@ -99,13 +110,9 @@ def _train_from_base(
     label: str,
     init_seed: int | None = None,
 ):
-    """Train from the base model, or from a fresh random init of its architecture with ``init_seed``."""
+    """Train from the start model (see ``_start_model``)."""
     info = read_info(root, PARTITIONS)
-    state, meta = load_checkpoint(root / BASE)
-    spec = meta["spec"] if init_seed is None else {**meta["spec"], "seed": init_seed}
-    model = build_from_spec(spec)
-    if init_seed is None:
-        model.load_state_dict(state)
+    model, spec = _start_model(root, init_seed)
     result = _fit(model, X, y, info["task"], settings, seed, label)
     return model, spec, result
 
@@ -117,7 +124,18 @@ def finetune_client(params: dict[str, Any], root: Path, out: Path) -> dict[str, 
     X, y = to_arrays(load_dataset_file(root / client_file(client)), info)
     seed = derive_seed(params["seed"], "finetune", client)
     init_seed = derive_seed(params["seed"], "init", client) if params["init"] == "independent" else None
-    model, spec, result = _train_from_base(root, X, y, params["train"], seed, f"client {client}", init_seed)
+    try:
+        model, spec, result = _train_from_base(root, X, y, params["train"], seed, f"client {client}", init_seed)
+        if not all(torch.isfinite(p).all() for p in model.parameters()):
+            raise DivergenceError("non-finite weights after training")
+    except DivergenceError as error:
+        # Kept as a valid checkpoint (the start weights) with the reason: the align stage
+        # applies finetune.on_divergence, so changing it re-trains nothing.
+        model, spec = _start_model(root, init_seed)
+        result = TrainResult()
+        meta_extra = {"diverged": True, "divergence": str(error)}
+    else:
+        meta_extra = {"diverged": False}
     meta = {
         "spec": spec,
         "role": "client",
@@ -127,9 +145,11 @@ def finetune_client(params: dict[str, Any], root: Path, out: Path) -> dict[str, 
         "train": params["train"],
         "step_losses": result.losses,
         "epoch_losses": result.epoch_losses,
+        **meta_extra,
     }
     save_checkpoint(out / client_checkpoint(client), model.state_dict(), meta)
-    return {"num_examples": len(y), "final_loss": result.epoch_losses[-1] if result.epoch_losses else None}
+    final_loss = result.epoch_losses[-1] if result.epoch_losses else None
+    return {"num_examples": len(y), "final_loss": final_loss, "diverged": meta_extra["diverged"]}
 
 
 def plan_centralized(params: Params) -> list[Step]:
