@@ -12,7 +12,7 @@ cosine schedule spans ``--steps``); θ is scored at steps 1, 3, 10, 30, … of t
 Besides the exact optimum θ* (the product of the Gaussians) it computes the optimum of SSF's
 expected objective at a partial mask, θ_CL = (Σ_k A_k − (K−1)δ(m/D)I)⁻¹ Σ_k A_k θ_k with
 A_k = E_M[Λ_{:M} Λ_MM⁻¹ Λ_{M:}] (exact over all masks when there are at most ``--max-masks``,
-else a Monte Carlo average over that many), to tell the noise of SSF's SGD from its bias.
+else a Monte Carlo average over ``--mc-masks`` random ones), to tell the noise of SSF's SGD from its bias.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def pinwheel_workspace(root: Path) -> Setting:
         factors=factors,
     )
     info = json.loads((root / "data/prepared/info.json").read_text())
-    X, y = (torch.from_numpy(a) for a in to_arrays(load_dataset_file(root / "data/prepared/test.parquet"), info))
+    X, y = (torch.tensor(a) for a in to_arrays(load_dataset_file(root / "data/prepared/test.parquet"), info))
     model = build_from_spec(meta["spec"]).eval()
 
     def test_nll(theta: torch.Tensor) -> float:
@@ -87,7 +87,9 @@ def pinwheel_workspace(root: Path) -> Setting:
     return inputs, test_nll, options, options["prior_precision"]
 
 
-def composite_optimum(inputs: ModelInputs, delta: float, masked: int, max_masks: int, seed: int = 0) -> torch.Tensor:
+def composite_optimum(
+    inputs: ModelInputs, delta: float, masked: int, max_masks: int, mc_masks: int, seed: int = 0
+) -> torch.Tensor:
     """θ_CL, the minimiser of SSF's objective averaged over masks of ``masked`` coordinates (window = D)."""
     clients = client_precisions(inputs, by_size=True)
     dim = len(clients[0].theta)
@@ -95,7 +97,7 @@ def composite_optimum(inputs: ModelInputs, delta: float, masked: int, max_masks:
         masks = torch.tensor(list(itertools.combinations(range(dim), masked)))
     else:
         g = torch.Generator().manual_seed(seed)
-        masks = torch.stack([torch.randperm(dim, generator=g)[:masked] for _ in range(max_masks)])
+        masks = torch.stack([torch.randperm(dim, generator=g)[:masked] for _ in range(mc_masks)])
     count = len(clients)
     system = -(count - 1) * delta * masked / dim * torch.eye(dim, dtype=torch.float64)
     rhs = torch.zeros(dim, dtype=torch.float64)
@@ -120,6 +122,7 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[0.2, 0.5, 1.0])
     parser.add_argument("--steps", type=int)
     parser.add_argument("--max-masks", type=int, default=400_000)
+    parser.add_argument("--mc-masks", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -160,7 +163,7 @@ def main() -> None:
     for rate in args.rates:
         options = validate_options("ssf", {**ssf_options, "mask_rate": rate})
         masked = max(1, round(rate * dim))
-        theta_cl = composite_optimum(inputs, delta, masked, args.max_masks)
+        theta_cl = composite_optimum(inputs, delta, masked, args.max_masks, args.mc_masks)
         print(
             f"\n### mask rate {rate:.0%} (m = {masked} of {dim})\n\n"
             f"θ_CL (mask-averaged SSF optimum): test-loss gap {test_loss(theta_cl) - loss_star:+.2e}, "

@@ -3,8 +3,12 @@ and the scheduled flow that ``mergeflow serve`` deploys."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -18,6 +22,7 @@ from mergeflow.errors import MergeflowError
 from mergeflow.stages import STAGES, get_stage
 from tasks.runner import run_stage
 from tasks.steps import StepOutcome
+from tasks.store import STATE_DIR
 
 
 @flow(name="mergeflow-pipeline")
@@ -56,17 +61,39 @@ def run_pipeline(params: Params, root: Path, stages: list[str] | None = None) ->
         return configured(params.model_dump(mode="json"), str(root.resolve()), stages)
 
 
-LAST_RUN = Path(".mergeflow") / "last_run.json"
+LAST_RUN = Path(STATE_DIR) / "last_run.json"
+
+
+@contextmanager
+def workspace_lock(root: Path) -> Iterator[None]:
+    """One pipeline run at a time per project directory.
+
+    Runs share the content-addressed store safely, but each one materialises its outputs at
+    the same paths that the other's steps read; a second run waits here, then finds the
+    first one's work in the cache.
+    """
+    path = root / STATE_DIR / "pipeline.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"mergeflow: another run holds {path}; waiting for it", file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def run_and_record(params: Params, root: Path, stages: list[str] | None = None) -> tuple[list[dict[str, Any]], float]:
     """Run the pipeline and write ``.mergeflow/last_run.json`` (each step, run or cached); also the seconds."""
-    started = time.perf_counter()
-    outcomes = run_pipeline(params, root, stages)
-    elapsed = time.perf_counter() - started
-    record = root / LAST_RUN
-    record.parent.mkdir(exist_ok=True)
-    record.write_text(json.dumps({"seconds": elapsed, "steps": outcomes}, indent=2) + "\n")
+    with workspace_lock(root):
+        started = time.perf_counter()
+        outcomes = run_pipeline(params, root, stages)
+        elapsed = time.perf_counter() - started
+        record = root / LAST_RUN
+        record.write_text(json.dumps({"seconds": elapsed, "steps": outcomes}, indent=2) + "\n")
     return outcomes, elapsed
 
 

@@ -107,7 +107,8 @@ def _run_sweep(preset: Path, root: Path, name: str) -> list[dict[str, Any]]:
             raw.setdefault("finetune", {})["clients"] = {k: dict(s) for k, s in enumerate(schedule[:clients])}
         params = validate_params(raw, f"{preset}: {' '.join(point)}")
         run_pipeline(params, workspace)
-        record = {"point": dict(p.split("=", 1) for p in point), "params": params.model_dump(mode="json")}
+        values = {key: str(yaml.safe_load(value)) for key, value in (p.split("=", 1) for p in point)}
+        record = {"point": values, "params": params.model_dump(mode="json")}
         for key, path in (("metrics", "metrics/evaluate.json"), ("align", "metrics/align.json")):
             record[key] = json.loads((workspace / path).read_text())
         record["federated"] = json.loads((workspace / "metrics/federated.json").read_text())
