@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,13 +40,68 @@ def fast_params(**sections: dict) -> dict:
     return params
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(url: str, process: subprocess.Popen, timeout: float = 120) -> None:
+    """Poll ``url`` until it answers 200, failing if ``process`` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if urllib.request.urlopen(url, timeout=5).status == 200:
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline and process.poll() is None, f"{url} did not come up"
+        time.sleep(1)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Kill a process started with ``start_new_session=True`` and all its children."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+
+
 @pytest.fixture(scope="session")
-def cli_env(tmp_path_factory) -> dict[str, str]:
-    """Environment for CLI subprocesses: offline, a private Prefect home, the venv's tools on PATH."""
+def prefect_api(tmp_path_factory) -> Iterator[str]:
+    """One local Prefect server for the session (the scheduler loops every 2 s).
+
+    Every CLI run would otherwise start its own ephemeral API server, 5 to 10 s each.
+    """
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-server")),
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+        "PREFECT_UI_ENABLED": "false",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    env.pop("PREFECT_API_URL", None)
+    port = free_port()
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    server = subprocess.Popen(
+        command, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+    try:
+        wait_for(f"http://127.0.0.1:{port}/api/health", server)
+        yield f"http://127.0.0.1:{port}/api"
+    finally:
+        stop(server)
+
+
+@pytest.fixture(scope="session")
+def cli_env(tmp_path_factory, prefect_api) -> dict[str, str]:
+    """Environment for CLI subprocesses: offline, a private Prefect home and the session's Prefect
+    server, the venv's tools on PATH."""
     env = dict(os.environ)
     env.pop("MLFLOW_TRACKING_URI", None)
     env.update(
         PREFECT_HOME=str(tmp_path_factory.mktemp("prefect-home")),
+        PREFECT_API_URL=prefect_api,
         HF_DATASETS_OFFLINE="1",
         HF_HUB_OFFLINE="1",
         PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",

@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
-from conftest import fast_params, make_workspace, run_cli
+from conftest import fast_params, free_port, make_workspace, run_cli, stop, wait_for
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture()
 def mlflow_server(tmp_path):
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable, "-m", "mlflow", "server",
         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
@@ -36,20 +26,11 @@ def mlflow_server(tmp_path):
         command, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
     )
     uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if urllib.request.urlopen(f"{uri}/health", timeout=5).status == 200:
-                break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline and server.poll() is None, "mlflow server did not start"
-        time.sleep(1)
+    wait_for(f"{uri}/health", server)
     try:
         yield uri, tmp_path / "artifacts"
     finally:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait(timeout=30)
+        stop(server)
 
 
 def test_the_pipeline_logs_runs_models_and_registry_versions_to_a_tracking_server(tmp_path, cli_env, mlflow_server):
