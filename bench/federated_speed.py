@@ -63,11 +63,11 @@ class Row:
     identical: str
 
 
-def cpu_seconds() -> float:
-    """User + system CPU seconds of this process and its live descendants (Prefect's server), from /proc."""
+def cpu_seconds() -> tuple[float, float]:
+    """User + system CPU seconds of this process and of its live descendants (Prefect's server), from /proc."""
     proc = Path("/proc")
     if not (proc / "self" / "stat").is_file():
-        return time.process_time()
+        return time.process_time(), 0.0
     parents, usage = {}, {}
     for entry in proc.iterdir():
         if not entry.name.isdigit():
@@ -79,26 +79,40 @@ def cpu_seconds() -> float:
         pid = int(entry.name)
         parents[pid] = int(fields[1])
         usage[pid] = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
-    tree, frontier = {os.getpid()}, [os.getpid()]
+    descendants, frontier = set(), [os.getpid()]
     while frontier:
         parent = frontier.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
-        tree.update(children)
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in descendants]
+        descendants.update(children)
         frontier += children
-    return sum(usage.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return usage.get(os.getpid(), 0) / tick, sum(usage.get(pid, 0) for pid in descendants) / tick
 
 
-def best_of(repeat: int, run: Callable[[], Any]) -> tuple[float, float, Any]:
-    """The least wall seconds and the least CPU seconds over ``repeat`` calls, and the fastest call's result."""
-    best_wall, best_cpu, best = float("inf"), float("inf"), None
+@dataclass
+class Timing:
+    """Best of several runs: least wall seconds (and that run's result), least CPU seconds (and its split)."""
+
+    wall: float = float("inf")
+    cpu: float = float("inf")
+    cpu_own: float = 0.0
+    cpu_children: float = 0.0
+    result: Any = None
+
+
+def best_of(repeat: int, run: Callable[[], Any]) -> Timing:
+    """Time ``repeat`` calls of ``run``."""
+    best = Timing()
     for _ in range(repeat):
-        cpu, started = cpu_seconds(), time.perf_counter()
+        (own, children), started = cpu_seconds(), time.perf_counter()
         result = run()
-        wall, cpu = time.perf_counter() - started, cpu_seconds() - cpu
-        best_cpu = min(best_cpu, cpu)
-        if wall < best_wall:
-            best_wall, best = wall, result
-    return best_wall, best_cpu, best
+        wall, (own_after, children_after) = time.perf_counter() - started, cpu_seconds()
+        own, children = own_after - own, children_after - children
+        if own + children < best.cpu:
+            best.cpu, best.cpu_own, best.cpu_children = own + children, own, children
+        if wall < best.wall:
+            best.wall, best.result = wall, result
+    return best
 
 
 def bench_params(args: argparse.Namespace, workers: int) -> dict[str, Any]:
@@ -208,7 +222,7 @@ def fresh_store(workspace: Path) -> None:
     shutil.rmtree(workspace / "models" / "federated", ignore_errors=True)
 
 
-def timed_flow(params: Any, workspace: Path, repeat: int, *, cold: bool) -> tuple[float, float, list[dict[str, Any]]]:
+def timed_flow(params: Any, workspace: Path, repeat: int, *, cold: bool) -> Timing:
     """Best of ``repeat`` runs of the federated stage (each cold one from a fresh store), with its step outcomes."""
     from flows.pipeline import run_pipeline
 
@@ -226,10 +240,9 @@ def timed_flow(params: Any, workspace: Path, repeat: int, *, cold: bool) -> tupl
     return best_of(repeat, cold_run if cold else run)
 
 
-def overhead_lines(
-    label: str, wall: float, outcomes: list[dict[str, Any]], loop_seconds: float, workers: int
-) -> list[str]:
-    """Where the flow's time goes: seconds inside the steps by kind, and the rest per step."""
+def overhead_lines(label: str, timing: Timing, loop_seconds: float, workers: int) -> list[str]:
+    """Where the flow's time goes: seconds inside the steps by kind, the rest per step, the CPU split."""
+    outcomes, wall = timing.result, timing.wall
     kinds: dict[str, list[float]] = defaultdict(list)
     for outcome in outcomes:
         kind = outcome["name"].rsplit("/", 1)[-1].split("_")[0]
@@ -238,7 +251,10 @@ def overhead_lines(
     parts = ", ".join(
         f"{len(v)} {k} steps {sum(v):.2f} s ({1000 * sum(v) / len(v):.0f} ms each)" for k, v in kinds.items()
     )
-    lines = [f"- {label}: {len(outcomes)} steps; inside the steps: {parts}; total {inside:.2f} s."]
+    lines = [
+        f"- {label}: {len(outcomes)} steps; inside the steps: {parts}; total {inside:.2f} s. "
+        f"CPU: {timing.cpu_own:.2f} s in this process, {timing.cpu_children:.2f} s in Prefect's server."
+    ]
     if workers == 1:
         rest = wall - inside
         lines.append(
@@ -266,7 +282,8 @@ def run_flower(python: Path, export: Path) -> tuple[dict[str, Any] | None, str]:
     note = (
         f"Flower {result['flwr']} with Ray {result['ray']}: ray.init {result['ray_init_seconds']:.1f} s, "
         f"run_simulation {result['simulation_seconds']:.1f} s, the whole process (imports included) {total:.1f} s; "
-        "10 virtual SuperNodes, client_resources num_cpus=1 (2 Ray actors on 2 cores), 1 torch thread per actor."
+        "one virtual SuperNode per client, client_resources num_cpus=1 (one Ray actor per core), "
+        "1 torch thread per actor; run_simulation includes starting the actors."
     )
     return result, note
 
@@ -315,28 +332,33 @@ def main() -> None:
         torch.set_num_threads(1)  # what every flow step does (orchestration.torch_threads = 1)
         local = LocalTraining(**params.section("federated.local"))
         seed = params.seed
-        loop_seconds, loop_cpu, run = best_of(
+        loop = best_of(
             args.repeat,
             lambda: run_rounds("fedavg", model_builder, clients, args.rounds, train=local, seed=seed, eval_data=test),
         )
+        loop_seconds, run = loop.wall, loop.result
         rows = [
-            Row("plain loop (`run_rounds`, 1 thread)", loop_seconds, loop_cpu, run.metrics[-1]["accuracy"], "reference")
+            Row("plain loop (`run_rounds`, 1 thread)", loop.wall, loop.cpu, run.metrics[-1]["accuracy"], "reference")
         ]
 
         from mergeflow.checkpoints import load_checkpoint
 
         for i, workers in enumerate(args.workers):
             params = validate_params(bench_params(args, workers))
-            cold, cold_cpu, outcomes = timed_flow(params, workspace, args.repeat, cold=True)
+            cold = timed_flow(params, workspace, args.repeat, cold=True)
             final, _ = load_checkpoint(workspace / final_checkpoint(params, "fedavg"))
             accuracy = json.loads((workspace / "metrics/federated.json").read_text())["fedavg"][-1]["accuracy"]
             identical = same_weights(final, run.global_state)
-            rows.append(Row(f"mergeflow flow, cold, max_workers={workers}", cold, cold_cpu, accuracy, identical))
-            notes += overhead_lines(f"flow cold, max_workers={workers}", cold, outcomes, loop_seconds, workers)
+            rows.append(Row(f"mergeflow flow, cold, max_workers={workers}", cold.wall, cold.cpu, accuracy, identical))
+            notes += overhead_lines(f"flow cold, max_workers={workers}", cold, loop_seconds, workers)
             if i == 0:
-                cached, cached_cpu, _ = timed_flow(params, workspace, args.repeat, cold=False)
+                cached = timed_flow(params, workspace, args.repeat, cold=False)
                 way = f"mergeflow flow, cached re-run, max_workers={workers}"
-                rows.append(Row(way, cached, cached_cpu, accuracy, identical))
+                rows.append(Row(way, cached.wall, cached.cpu, accuracy, identical))
+                notes.append(
+                    f"- cached re-run, max_workers={workers}: {len(cached.result)} cache hits; CPU "
+                    f"{cached.cpu_own:.2f} s in this process, {cached.cpu_children:.2f} s in Prefect's server."
+                )
 
         if args.flower_python.is_file():
             export = Path(tmp) / "flower"

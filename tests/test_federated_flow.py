@@ -70,18 +70,25 @@ def test_the_flow_reproduces_the_plain_round_loop_bit_for_bit(workspace):
     test = data(workspace / PREPARED / "test.parquet")
     curves = json.loads((workspace / "metrics/federated.json").read_text())
     local = LocalTraining(**fast_params()["federated"]["local"])
-    for name in FEDERATED["algorithms"]:
-        run = run_rounds(
-            name,
-            model_builder,
-            clients,
-            2,
-            options=FEDERATED["options"].get(name),
-            train=local,
-            fraction=FEDERATED["fraction"],
-            seed=0,
-            eval_data=test,
-        )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(fast_params()["orchestration"]["torch_threads"])  # as every flow step does
+    runs = {}
+    try:
+        for name in FEDERATED["algorithms"]:
+            runs[name] = run_rounds(
+                name,
+                model_builder,
+                clients,
+                2,
+                options=FEDERATED["options"].get(name),
+                train=local,
+                fraction=FEDERATED["fraction"],
+                seed=0,
+                eval_data=test,
+            )
+    finally:
+        torch.set_num_threads(threads)
+    for name, run in runs.items():
         flow_rows = curves[name]
         assert [row["accuracy"] for row in flow_rows] == [row["accuracy"] for row in run.metrics]
         assert [row["nll"] for row in flow_rows] == [row["nll"] for row in run.metrics]
