@@ -165,7 +165,7 @@ def alignment(preset: Path, root: Path) -> Path:
 
 def federated(preset: Path, root: Path) -> Path:
     """Final and per-round test accuracy of each federated algorithm and the oracle, by sweep group."""
-    runs = _run_sweep(preset, root, "federated")
+    runs = _run_sweep(preset, root, preset.stem)
     spec = _read_yaml(preset)
     group_keys = [k for k in spec.get("sweep", {}) if k != "seed"]
     algorithms = runs[0]["params"]["federated"]["algorithms"]
