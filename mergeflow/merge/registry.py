@@ -15,6 +15,7 @@ Methods declare what they need besides the weights: ``"base"`` (the shared base 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -36,14 +37,23 @@ class NoOptions(BaseModel):
 
 @dataclass(frozen=True)
 class TensorInputs:
-    """One tensor across clients, in float64. ``weights`` are n_k/N (uniform without sizes)."""
+    """One tensor across clients, in float64. ``weights`` are n_k/N (uniform without sizes).
+
+    ``fisher_norms`` (each client's global Fisher L2 norm) is computed on first use only: it
+    takes a pass over every Fisher tensor, which most methods never need.
+    """
 
     name: str
     tensors: list[torch.Tensor]
     weights: torch.Tensor
     base: torch.Tensor | None = None
     fishers: list[torch.Tensor] | None = None
-    fisher_norms: torch.Tensor | None = None
+    norms: Callable[[], torch.Tensor] | None = None
+
+    @property
+    def fisher_norms(self) -> torch.Tensor | None:
+        """Global L2 norm of each client's Fisher, or None without Fishers."""
+        return self.norms() if self.norms is not None else None
 
 
 @dataclass(frozen=True)
@@ -188,7 +198,11 @@ def merged_tensors(
     """
     norms = None
     if fishers is not None:
-        norms = torch.stack([torch.sqrt(sum((fd[k].double() ** 2).sum() for k in fd)) for fd in fishers])
+
+        @functools.cache
+        def norms() -> torch.Tensor:
+            return torch.stack([torch.sqrt(sum((fd[k].double() ** 2).sum() for k in fd)) for fd in fishers])
+
     for key in states[0]:
         first = states[0][key]
         if not first.is_floating_point() or (fishers is not None and key not in fishers[0]):
@@ -200,7 +214,7 @@ def merged_tensors(
             weights=weights,
             base=base[key].to(torch.float64) if base is not None else None,
             fishers=[f[key].to(torch.float64) for f in fishers] if fishers is not None else None,
-            fisher_norms=norms,
+            norms=norms,
         )
         yield key, spec.fn(inputs, options).to(first.dtype).contiguous()
 

@@ -1,7 +1,7 @@
 """Streaming merges of safetensors files: one tensor at a time in, one tensor at a time out.
 
 Tensor-scope methods (``average``, ``weighted``, ``task_arithmetic``, ``fisher``) read each
-tensor of the K client files with ``safe_open`` only when they merge it, and the result is
+tensor of the K client files only when they merge it (at the offsets of the safetensors header), and the result is
 written straight into the output file, whose header is known up front from the inputs'
 headers. Peak memory is then about K copies of the largest tensor (in float64), not K
 models, as in mergekit. The output is written to a temp file and renamed, so a kill leaves
@@ -11,6 +11,7 @@ no partial file.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
@@ -18,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from mergeflow.checkpoints import atomic_path
 from mergeflow.errors import MergeflowError
@@ -39,26 +39,46 @@ _DTYPES = {
 
 
 class LazyTensors(Mapping[str, torch.Tensor]):
-    """A read-only mapping over one safetensors file that loads a tensor when it is indexed."""
+    """A read-only mapping over one safetensors file that reads a tensor when it is indexed.
 
-    def __init__(self, handle: Any, path: Path) -> None:
-        self._handle = handle
+    Tensors are read with ``os.pread`` at the offsets in the file's header, not through a
+    memory map: pages of a mapped file stay resident while it is open, so K open models
+    would count K models of memory even though each tensor is used once.
+    """
+
+    def __init__(self, path: Path) -> None:
         self.path = path
-        self._keys = list(handle.keys())
+        with path.open("rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            if size > path.stat().st_size - 8:
+                raise ValueError("header length beyond the end of the file")
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        self._header = header
+        self._data_start = 8 + size
+        self._file = path.open("rb")
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        return self._handle.get_tensor(key)
+        entry = self._header[key]
+        start, end = entry["data_offsets"]
+        data = bytearray(os.pread(self._file.fileno(), end - start, self._data_start + start))
+        if len(data) != end - start:
+            raise MergeflowError(f"{self.path}: truncated safetensors file (tensor {key!r})")
+        return torch.frombuffer(data, dtype=_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._keys)
+        return iter(self._header)
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._header)
 
     def layout(self, key: str) -> tuple[str, list[int]]:
         """The dtype code and shape of a tensor, from the header (no data read)."""
-        view = self._handle.get_slice(key)
-        return view.get_dtype(), list(view.get_shape())
+        return self._header[key]["dtype"], list(self._header[key]["shape"])
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
 
 
 def _open(stack: ExitStack, path: str | Path) -> LazyTensors:
@@ -66,9 +86,11 @@ def _open(stack: ExitStack, path: str | Path) -> LazyTensors:
     if not path.is_file():
         raise MergeflowError(f"{path}: checkpoint not found")
     try:
-        return LazyTensors(stack.enter_context(safe_open(str(path), framework="pt")), path)
-    except Exception as error:  # safetensors raises its own error types for bad headers
+        tensors = LazyTensors(path)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as error:
         raise MergeflowError(f"{path}: not a readable safetensors file ({error})") from None
+    stack.callback(tensors.close)
+    return tensors
 
 
 def _check_layouts(files: Sequence[LazyTensors]) -> dict[str, tuple[str, list[int]]]:
