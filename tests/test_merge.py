@@ -329,3 +329,18 @@ def test_merge_step_orders_factor_columns_like_the_model_not_like_the_file(tmp_p
     expected = merge("exact", states, weights=[40, 40], fishers=fishers, factors=factors, **options)
     for key in names:
         torch.testing.assert_close(merged[key], expected[key])
+
+
+def test_linear_gaussian_reproduction_exact_merge_is_the_pooled_posterior_and_ssf_curves_are_logged():
+    from mergeflow.reproductions.linear_gaussian import LinearGaussianSettings, run_linear_gaussian
+
+    settings = LinearGaussianSettings(
+        n=120, n_test=50, dim=4, correlation=1.0, mask_rates=[0.5, 1.0], ssf={"steps": 40, "masks_per_step": 5}
+    )
+    table, curves = run_linear_gaussian(settings)
+    assert table["exact"]["relative_error_to_pooled_posterior"] < 1e-8  # the prior counted once
+    assert table["pooled posterior (closed form)"]["relative_error_to_pooled_posterior"] == 0
+    for metric in ("relative_error_to_pooled_posterior", "parameter_mse_to_truth", "ssf_loss"):
+        assert len(curves[f"ssf 50%/{metric}"]) == 40
+    full = curves["ssf 100%/relative_error_to_pooled_posterior"]
+    assert full[-1] < full[0]  # the full mask's objective is the exact merge's: SSF moves towards it

@@ -163,12 +163,15 @@ def run_linear_gaussian(settings: LinearGaussianSettings) -> tuple[dict[str, dic
         options = validate_options(
             "ssf", {**settings.ssf, "mask_rate": rate, "prior_precision": settings.prior_precision}
         )
-        errors, losses = [], []
+        steps: dict[str, list[float]] = {"relative_error_to_pooled_posterior": [], "parameter_mse_to_truth": []}
+        losses = []
         for theta, loss in ssf_iterates(inputs, options):
-            errors.append(_report(problem, theta.numpy())["relative_error_to_pooled_posterior"])
+            report = _report(problem, theta.numpy())
+            for metric, values in steps.items():
+                values.append(report[metric])
             losses.append(loss)
         table[name] = _report(problem, theta.numpy())
-        curves[f"{name}/relative_error_to_pooled_posterior"] = errors
+        curves |= {f"{name}/{metric}": values for metric, values in steps.items()}
         curves[f"{name}/ssf_loss"] = losses
     table["exact"]["fisher_closed_form_max_relative_error"] = problem.fisher_error
     return table, curves
