@@ -131,8 +131,13 @@ def plan_federated(params: Params) -> list[list[Step]]:
                 )
                 step_params = {**settings, "round": r, "client": k, "state_round": last_round[name][k]}
                 clients.append(
-                    Step(f"federated/{name}/r{r:03d}/client_{k:03d}", "tasks.federated:client_round", step_params,
-                         inputs, _CODE)
+                    Step(
+                        f"federated/{name}/r{r:03d}/client_{k:03d}",
+                        "tasks.federated:client_round",
+                        step_params,
+                        inputs,
+                        _CODE,
+                    )
                 )
                 last_round[name][k] = r
             messages = tuple(f(name, r, k) for k in participants for f in (message_file, client_metrics_file))

@@ -41,9 +41,7 @@ def _copy_project(target: Path) -> Path:
 
 
 def _repro(path: Path, env: dict[str, str]) -> str:
-    done = subprocess.run(
-        [str(BIN / "dvc"), "repro"], cwd=path, env=env, capture_output=True, text=True, timeout=900
-    )
+    done = subprocess.run([str(BIN / "dvc"), "repro"], cwd=path, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return done.stdout
 

@@ -27,8 +27,7 @@ def test_accuracy_and_nll_on_hand_made_probs() -> None:
     y = np.array([0, 2, 2, 1])
     m = classification_metrics(probs, y)
     assert m["accuracy"] == 0.5
-    assert m["nll"] == pytest.approx(-(math.log(0.7) + math.log(0.3) + math.log(0.5)
-                                       + math.log(0.2)) / 4)
+    assert m["nll"] == pytest.approx(-(math.log(0.7) + math.log(0.3) + math.log(0.5) + math.log(0.2)) / 4)
     assert all(type(v) is float for v in m.values())
 
 
@@ -45,12 +44,14 @@ def test_ece_is_zero_when_perfectly_calibrated() -> None:
 
 
 def test_ece_two_bin_hand_computed() -> None:
-    probs = np.array([
-        [0.40, 0.30, 0.30],  # bin [0, .5]: right
-        [0.45, 0.35, 0.20],  # bin [0, .5]: wrong
-        [0.90, 0.05, 0.05],  # bin (.5, 1]: right
-        [0.70, 0.20, 0.10],  # bin (.5, 1]: wrong
-    ])
+    probs = np.array(
+        [
+            [0.40, 0.30, 0.30],  # bin [0, .5]: right
+            [0.45, 0.35, 0.20],  # bin [0, .5]: wrong
+            [0.90, 0.05, 0.05],  # bin (.5, 1]: right
+            [0.70, 0.20, 0.10],  # bin (.5, 1]: wrong
+        ]
+    )
     y = np.array([0, 1, 0, 2])
     # bin 0: acc .5, conf .425; bin 1: acc .5, conf .8
     expected = 0.5 * abs(0.5 - 0.425) + 0.5 * abs(0.5 - 0.8)
@@ -68,10 +69,10 @@ def test_regression_metrics_match_gaussian_formula() -> None:
 def test_evaluate_outputs_dispatches_on_task() -> None:
     logits = np.array([[2.0, 0.0], [0.0, 1.0], [3.0, -1.0]])
     y = np.array([0, 0, 0])
-    assert evaluate_outputs(logits, y, task="classification", n_bins=5) == \
-        classification_metrics(softmax(logits), y, n_bins=5)
-    reg = evaluate_outputs(np.array([[1.0], [3.0]]), np.array([1.0, 1.0]), task="regression",
-                           noise_std=0.5)
+    assert evaluate_outputs(logits, y, task="classification", n_bins=5) == classification_metrics(
+        softmax(logits), y, n_bins=5
+    )
+    reg = evaluate_outputs(np.array([[1.0], [3.0]]), np.array([1.0, 1.0]), task="regression", noise_std=0.5)
     assert reg == regression_metrics(np.array([1.0, 3.0]), np.array([1.0, 1.0]), noise_std=0.5)
     with pytest.raises(ValueError, match="task"):
         evaluate_outputs(logits, y, task="ranking")
@@ -82,7 +83,8 @@ def test_ensemble_of_identical_members_equals_member() -> None:
     ens = ensemble_outputs([logits, logits, logits], task="classification")
     np.testing.assert_allclose(softmax(ens), softmax(logits), atol=1e-12)
     assert evaluate_outputs(ens, np.zeros(6), task="classification") == pytest.approx(
-        evaluate_outputs(logits, np.zeros(6), task="classification"))
+        evaluate_outputs(logits, np.zeros(6), task="classification")
+    )
     preds = np.arange(5.0).reshape(5, 1)
     np.testing.assert_array_equal(ensemble_outputs([preds, preds], task="regression"), preds)
 
@@ -102,8 +104,12 @@ def test_ensemble_averages_probabilities_and_predictions() -> None:
 
 
 def test_best_model_by_task_with_name_tie_break() -> None:
-    cls = {"merged": {"accuracy": 0.9}, "client_1": {"accuracy": 0.95},
-           "b_ens": {"accuracy": 0.95}, "a_low": {"accuracy": 0.5}}
+    cls = {
+        "merged": {"accuracy": 0.9},
+        "client_1": {"accuracy": 0.95},
+        "b_ens": {"accuracy": 0.95},
+        "a_low": {"accuracy": 0.5},
+    }
     assert best_model(cls, task="classification") == "b_ens"
     reg = {"zeta": {"mse": 0.1}, "alpha": {"mse": 0.2}, "beta": {"mse": 0.1}}
     assert best_model(reg, task="regression") == "beta"
@@ -111,8 +117,7 @@ def test_best_model_by_task_with_name_tie_break() -> None:
 
 @pytest.mark.parametrize("task,key", [("classification", "accuracy"), ("regression", "mse")])
 def test_plot_comparison_writes_png(tmp_path: Path, task: str, key: str) -> None:
-    metrics = {f"model_{i:02d}_with_a_long_name": {key: 0.5 + i / 40, "nll": 1.0 - i / 30}
-               for i in range(15)}
+    metrics = {f"model_{i:02d}_with_a_long_name": {key: 0.5 + i / 40, "nll": 1.0 - i / 30} for i in range(15)}
     path = tmp_path / "plots" / "comparison.png"
     plot_comparison(metrics, path, task=task)
     data = path.read_bytes()

@@ -225,12 +225,28 @@ def test_ivon_with_zero_duals_and_zero_prior_mean_is_plain_ivon() -> None:
     with torch.random.fork_rng(devices=[]):  # plain IVON draws from the global RNG: keep it private
         torch.manual_seed(7)
         plain = _ivon_trajectory(
-            lambda m: ivon.IVON(m.parameters(), lr=0.05, ess=ess, hess_init=0.3, beta2=0.99, weight_decay=delta / ess,
-                                mc_samples=2, rescale_lr=False)
+            lambda m: ivon.IVON(
+                m.parameters(),
+                lr=0.05,
+                ess=ess,
+                hess_init=0.3,
+                beta2=0.99,
+                weight_decay=delta / ess,
+                mc_samples=2,
+                rescale_lr=False,
+            )
         )
     ours = _ivon_trajectory(
-        lambda m: IVONWithPrior(m.parameters(), lr=0.05, ess=ess, hess_init=0.3, beta2=0.99, prior_precision=delta,
-                                mc_samples=2, generator=torch.Generator().manual_seed(7))
+        lambda m: IVONWithPrior(
+            m.parameters(),
+            lr=0.05,
+            ess=ess,
+            hess_init=0.3,
+            beta2=0.99,
+            prior_precision=delta,
+            mc_samples=2,
+            generator=torch.Generator().manual_seed(7),
+        )
     )
     assert torch.equal(plain[0], ours[0]) and torch.equal(plain[1], ours[1])
 
@@ -242,9 +258,16 @@ def test_ivon_prior_mean_pulls_the_mean() -> None:
         def build(m):
             numel = sum(p.numel() for p in m.parameters())
             return IVONWithPrior(
-                m.parameters(), lr=0.05, ess=64.0, hess_init=0.3, beta2=0.99, prior_precision=64.0,
-                prior_mean=torch.full((numel,), prior_mean), generator=torch.Generator().manual_seed(1),
+                m.parameters(),
+                lr=0.05,
+                ess=64.0,
+                hess_init=0.3,
+                beta2=0.99,
+                prior_precision=64.0,
+                prior_mean=torch.full((numel,), prior_mean),
+                generator=torch.Generator().manual_seed(1),
             )
+
         return build
 
     at_zero, _ = _ivon_trajectory(make(0.0), steps=60, mc=1)
@@ -259,8 +282,19 @@ def test_ivon_step_uses_the_dual_and_prior_terms() -> None:
     gen = torch.Generator().manual_seed(0)
     c, dm, dp, pm, prec = (torch.randn(numel, generator=gen) for _ in range(5))
     prec, dp, ess, lr, h0 = prec.abs() + 1.0, dp.abs(), 10.0, 0.1, 0.7
-    opt = IVONWithPrior(model.parameters(), lr=lr, ess=ess, beta1=0.0, beta2=1.0, hess_init=h0, prior_mean=pm,
-                        prior_precision=prec, dual_mean=dm, dual_precision=dp, generator=gen)
+    opt = IVONWithPrior(
+        model.parameters(),
+        lr=lr,
+        ess=ess,
+        beta1=0.0,
+        beta2=1.0,
+        hess_init=h0,
+        prior_mean=pm,
+        prior_precision=prec,
+        dual_mean=dm,
+        dual_precision=dp,
+        generator=gen,
+    )
     m0, precision0 = opt.get_posterior()
     assert torch.allclose(precision0, ess * (h0 + prec / ess))
 
@@ -275,8 +309,16 @@ def test_ivon_step_uses_the_dual_and_prior_terms() -> None:
     expected = m0 - lr * (c - dm + dp * m0 + wd * (m0 - pm)) / (h0 + wd)
     assert torch.allclose(opt.get_posterior()[0], expected, rtol=1e-5, atol=1e-6)
     # β2 = 0 with a zero loss: the Hessian target is dual_prec alone.
-    opt2 = IVONWithPrior(model.parameters(), lr=lr, ess=ess, beta2=0.0, hess_init=h0, prior_precision=prec,
-                         dual_precision=dp, generator=gen)
+    opt2 = IVONWithPrior(
+        model.parameters(),
+        lr=lr,
+        ess=ess,
+        beta2=0.0,
+        hess_init=h0,
+        prior_precision=prec,
+        dual_precision=dp,
+        generator=gen,
+    )
     with opt2.sampled_params(train=True):
         opt2.zero_grad()
         (0.0 * linear_loss()).backward()
@@ -295,8 +337,16 @@ def test_ivon_without_data_converges_to_the_prior_mean() -> None:
     model = build_model("linear", [3], 2, seed=0)
     numel = sum(p.numel() for p in model.parameters())
     pm = torch.linspace(-1.0, 1.0, numel)
-    opt = IVONWithPrior(model.parameters(), lr=0.2, ess=5.0, hess_init=0.0, beta2=0.9, prior_mean=pm,
-                        prior_precision=1.0, generator=torch.Generator().manual_seed(0))
+    opt = IVONWithPrior(
+        model.parameters(),
+        lr=0.2,
+        ess=5.0,
+        hess_init=0.0,
+        beta2=0.9,
+        prior_mean=pm,
+        prior_precision=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
     for _ in range(150):
         with opt.sampled_params(train=True):
             opt.zero_grad()
@@ -335,8 +385,10 @@ LOCAL = LocalTraining(epochs=1, lr=0.1, batch_size=32, optimizer="sgd", momentum
 @pytest.mark.parametrize("name", sorted(NEURAL))
 def test_neural_run_improves_and_is_bit_deterministic(name: str, digits) -> None:
     clients, test = digits
-    runs = [run_rounds(name, _builder, clients, 2, options=NEURAL[name], train=LOCAL, eval_data=test, seed=5)
-            for _ in range(2)]
+    runs = [
+        run_rounds(name, _builder, clients, 2, options=NEURAL[name], train=LOCAL, eval_data=test, seed=5)
+        for _ in range(2)
+    ]
     first, second = runs
     assert first.metrics == second.metrics
     assert first.global_state.keys() == second.global_state.keys()
@@ -355,8 +407,9 @@ def test_states_and_messages_are_safetensors_dicts(digits) -> None:
         initial = {k: p.detach() for k, p in model.named_parameters()}
         server = algo.init_server(initial, 3, opts)
         client = algo.init_client(initial, opts)
-        message, client, metrics = algo.client_update(_builder(), server, client, clients[0], LOCAL, opts,
-                                                      client_generator(0, 0, 0))
+        message, client, metrics = algo.client_update(
+            _builder(), server, client, clients[0], LOCAL, opts, client_generator(0, 0, 0)
+        )
         server = algo.server_update(server, {0: message}, {0: client}, {0: len(clients[0])}, 3, opts)
         for state in (server, client, message):
             restored = load(save(state))

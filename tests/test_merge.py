@@ -252,6 +252,24 @@ def test_ssf_with_random_masks_approaches_the_exact_merge():
     assert all(torch.equal(result.state[k], again.state[k]) for k in result.state)  # deterministic
 
 
+def test_ssf_iterates_are_the_same_with_a_formed_precision_and_with_factors(monkeypatch):
+    import mergeflow.merge.ssf as ssf_module
+
+    states, fishers, factors, sizes, _ = _linear_gaussian()
+    inputs = {"weights": sizes, "fishers": fishers, "factors": factors, "prior_precision": 2.0}
+    options = {"mask_rate": 0.4, "window": None, "steps": 30, "masks_per_step": 5, "seed": 1}
+    calls = []
+    form = ssf_module._dense_precision
+    monkeypatch.setattr(ssf_module, "_dense_precision", lambda *args: calls.append(1) or form(*args))
+    formed = run_merge("ssf", states, **inputs, **options)
+    assert len(calls) == len(states)
+    monkeypatch.setattr(ssf_module, "_DENSE_MAX_DIM", 0)
+    factored = run_merge("ssf", states, **inputs, **options)
+    assert len(calls) == len(states)
+    for key in formed.state:
+        torch.testing.assert_close(formed.state[key], factored.state[key], rtol=1e-10, atol=1e-12)
+
+
 def test_ssf_without_factors_optimises_the_diagonal_objective():
     states, fishers, _, sizes, _ = _linear_gaussian()
     exact_diagonal = _flat(merge("exact", states, weights=sizes, fishers=fishers, prior_precision=2.0))
@@ -271,10 +289,13 @@ def test_ssf_without_factors_optimises_the_diagonal_objective():
     np.testing.assert_allclose(_flat(result), exact_diagonal, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [3, 12])  # fewer factor rows than masked coordinates (Woodbury), and more
-def test_ssf_conditional_matches_the_dense_gaussian_conditional(rows):
+@pytest.mark.parametrize(
+    ("rows", "formed"),
+    [(3, False), (12, False), (12, True)],  # Woodbury, direct from factors, gathered from a formed Λ
+)
+def test_ssf_conditional_matches_the_dense_gaussian_conditional(rows, formed):
     from mergeflow.merge.precision import ClientPrecision
-    from mergeflow.merge.ssf import _conditional_quadratic, _masked_system
+    from mergeflow.merge.ssf import _conditional_quadratic, _dense_precision, _masked_system
 
     g = torch.Generator().manual_seed(rows)
     dim, delta = 10, 0.5
@@ -290,8 +311,8 @@ def test_ssf_conditional_matches_the_dense_gaussian_conditional(rows):
     lam_mm, lam_mr = precision[m][:, m], precision[m][:, r]
     mean = client.theta[m] - torch.linalg.solve(lam_mm, lam_mr @ (theta[r] - client.theta[r]))
     dense = (theta[m] - mean) @ lam_mm @ (theta[m] - mean)
-    system = _masked_system(client, delta, masked, rest)
-    assert system.direct == (rows >= 6)
+    system = _masked_system(client, delta, masked, rest, _dense_precision(client, delta) if formed else None)
+    assert formed or system.direct == (rows >= 6)
     torch.testing.assert_close(_conditional_quadratic(theta - client.theta, system, masked, rest), dense)
 
 

@@ -66,8 +66,7 @@ def test_spec_round_trips_through_json() -> None:
     spec = model_spec("mlp", (64,), 10, widths=(32, 16), activation="tanh", seed=5)
     loaded = json.loads(json.dumps(spec))
     assert loaded == spec
-    assert set(spec) >= {"arch", "input_shape", "output_dim", "widths", "activation",
-                         "channels", "seed"}
+    assert set(spec) >= {"arch", "input_shape", "output_dim", "widths", "activation", "channels", "seed"}
     rebuilt = build_from_spec(loaded)
     original = build_model("mlp", (64,), 10, widths=(32, 16), activation="tanh", seed=5)
     assert str(rebuilt) == str(original)

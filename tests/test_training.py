@@ -27,8 +27,9 @@ def _blobs(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def _train_mlp(seed: int = 0) -> tuple[torch.nn.Module, TrainResult]:
     X, y = _blobs()
     model = build_model("mlp", [2], 2, widths=[16], seed=3)
-    result = train(model, X, y, task="classification", epochs=5, lr=0.05,
-                   optimizer="sgd", momentum=0.9, batch_size=16, seed=seed)
+    result = train(
+        model, X, y, task="classification", epochs=5, lr=0.05, optimizer="sgd", momentum=0.9, batch_size=16, seed=seed
+    )
     return model, result
 
 
@@ -36,8 +37,7 @@ def _train_mlp(seed: int = 0) -> tuple[torch.nn.Module, TrainResult]:
 def test_loss_decreases_on_separable_problem(optimizer: str, lr: float) -> None:
     X, y = _blobs()
     model = build_model("mlp", [2], 2, widths=[16], seed=0)
-    result = train(model, X, y, task="classification", epochs=10, lr=lr,
-                   optimizer=optimizer, batch_size=32, seed=0)
+    result = train(model, X, y, task="classification", epochs=10, lr=lr, optimizer=optimizer, batch_size=32, seed=0)
     assert len(result.epoch_losses) == 10
     assert len(result.losses) == 10 * 7  # ceil(200 / 32) steps per epoch
     assert result.epoch_losses[-1] < 0.25 * result.epoch_losses[0]
@@ -92,8 +92,7 @@ def test_progress_bar_does_not_change_training() -> None:
     runs = []
     for progress in (None, "client 0"):
         model = build_model("mlp", [2], 2, seed=0)
-        runs.append(train(model, X, y, task="classification", epochs=2, lr=0.1,
-                          progress=progress).losses)
+        runs.append(train(model, X, y, task="classification", epochs=2, lr=0.1, progress=progress).losses)
     assert runs[0] == runs[1]
 
 

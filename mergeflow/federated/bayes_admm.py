@@ -113,9 +113,7 @@ class BayesADMM(FederatedAlgorithm):
         return state
 
     @staticmethod
-    def dual_step(
-        server: ServerState, client: ClientState, message: Message, options: BayesADMMOptions
-    ) -> ClientState:
+    def dual_step(server: ServerState, client: ClientState, message: Message, options: BayesADMMOptions) -> ClientState:
         """v_k += dρ(S_k m_k − S̄m̄), V_k += dρ(S_k − S̄) for every parameter of the message."""
         step = options.damping * options.rho
         new = dict(client)

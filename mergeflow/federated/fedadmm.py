@@ -101,9 +101,7 @@ class FedADMM(FederatedAlgorithm):
 
     @staticmethod
     def _dual_step(server: ServerState, client: ClientState, theta: dict, options: FedADMMOptions) -> ClientState:
-        return {
-            DUAL + k: client[DUAL + k] + options.rho * (theta[k] - server[MEAN + k]) for k in theta
-        }
+        return {DUAL + k: client[DUAL + k] + options.rho * (theta[k] - server[MEAN + k]) for k in theta}
 
     def server_update(
         self,

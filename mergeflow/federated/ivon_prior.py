@@ -143,9 +143,10 @@ class IVONWithPrior(ivon.IVON):
     def _sample_params(self) -> tuple[Tensor, Tensor]:
         """θ = m + ε with ε ~ N(0, 1/(ess·(h + wd))) drawn from ``self.generator``."""
         group = self.param_groups[0]
-        noise = torch.randn(self._numel, generator=self.generator, device=self._device, dtype=self._dtype) / (
-            group["ess"] * (group["hess"] + group["weight_decay"])
-        ).sqrt()
+        noise = (
+            torch.randn(self._numel, generator=self.generator, device=self._device, dtype=self._dtype)
+            / (group["ess"] * (group["hess"] + group["weight_decay"])).sqrt()
+        )
         means = []
         offset = 0
         for p in self._params():

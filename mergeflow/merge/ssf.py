@@ -50,16 +50,21 @@ class SSFOptions(BaseModel):
     seed: int = 0
 
 
+def _mask_sizes(dim: int, options: SSFOptions) -> tuple[int, int]:
+    """(w, m): the coordinates a mask looks at, and how many of them it masks."""
+    window = min(options.window or dim, dim)
+    return window, max(1, round(options.mask_rate * window))
+
+
 def _masks(dim: int, options: SSFOptions, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(J, m) masked and (J, w − m) conditioning coordinates, fresh for every step."""
-    window = min(options.window or dim, dim)
-    masked = max(1, round(options.mask_rate * window))
+    window, masked = _mask_sizes(dim, options)
     order = torch.stack([torch.randperm(dim, generator=generator)[:window] for _ in range(options.masks_per_step)])
     return order[:, :masked], order[:, masked:]
 
 
 @dataclass(frozen=True)
-class _MaskedSystem:
+class _LowRankSystem:
     """One client's Λ_MM for a batch of J masks, factored once per step (it does not depend on θ).
 
     Λ_MM = A + U_MᵀU_M with A diagonal. With fewer masked coordinates m than factor rows r
@@ -72,6 +77,11 @@ class _MaskedSystem:
     cholesky: torch.Tensor  # (J, m, m) chol(Λ_MM) when direct, else (J, r, r) chol(I + U_M A⁻¹ U_Mᵀ)
     direct: bool
 
+    def rhs(self, d_masked: torch.Tensor, d_rest: torch.Tensor) -> torch.Tensor:
+        """Λ_MM Δ_M + Λ_MR Δ_R for (J, m) and (J, w − m) differences θ − θ_k."""
+        projected = self.u_masked @ d_masked[..., None] + self.u_rest @ d_rest[..., None]  # (J, r, 1)
+        return self.diagonal * d_masked + (self.u_masked.transpose(1, 2) @ projected)[..., 0]
+
     def solve(self, b: torch.Tensor) -> torch.Tensor:
         """Λ_MM⁻¹ b for a (J, m) right-hand side."""
         if self.direct:
@@ -82,7 +92,45 @@ class _MaskedSystem:
         return a_inv_b - (self.u_masked.transpose(1, 2) @ inner)[..., 0] / self.diagonal
 
 
-def _masked_system(client: ClientPrecision, delta: float, masked: torch.Tensor, rest: torch.Tensor) -> _MaskedSystem:
+@dataclass(frozen=True)
+class _DenseSystem:
+    """Λ_MM and Λ_MR gathered from a Λ formed once: for small models, where m × m blocks are
+    factored anyway, indexing replaces the (J, m, r) × (J, r, m) product of every step."""
+
+    lam_masked: torch.Tensor  # (J, m, m)
+    lam_rest: torch.Tensor  # (J, m, w − m)
+    cholesky: torch.Tensor  # (J, m, m)
+
+    def rhs(self, d_masked: torch.Tensor, d_rest: torch.Tensor) -> torch.Tensor:
+        """Λ_MM Δ_M + Λ_MR Δ_R for (J, m) and (J, w − m) differences θ − θ_k."""
+        return (self.lam_masked @ d_masked[..., None] + self.lam_rest @ d_rest[..., None])[..., 0]
+
+    def solve(self, b: torch.Tensor) -> torch.Tensor:
+        """Λ_MM⁻¹ b for a (J, m) right-hand side."""
+        return torch.cholesky_solve(b[..., None], self.cholesky)[..., 0]
+
+
+_MaskedSystem = _LowRankSystem | _DenseSystem
+
+# Models up to this many parameters get their Λ_k formed once (D² float64 per client: 32 MiB).
+_DENSE_MAX_DIM = 2048
+
+
+def _dense_precision(client: ClientPrecision, delta: float) -> torch.Tensor:
+    """Λ_k = UᵀU + diag(D) + δI as a D × D float64 matrix."""
+    factors = client.factors.to(torch.float64)
+    dense = factors.T @ factors
+    dense.diagonal().add_(client.diagonal + delta)
+    return dense
+
+
+def _masked_system(
+    client: ClientPrecision, delta: float, masked: torch.Tensor, rest: torch.Tensor, dense: torch.Tensor | None = None
+) -> _MaskedSystem:
+    """Client k's conditional system for this step's masks; ``dense`` is its formed Λ_k, if any."""
+    if dense is not None:
+        lam_masked = dense[masked[:, :, None], masked[:, None, :]]
+        return _DenseSystem(lam_masked, dense[masked[:, :, None], rest[:, None, :]], torch.linalg.cholesky(lam_masked))
     diagonal = client.diagonal[masked] + delta
     u_masked = client.factors[:, masked].permute(1, 0, 2).to(diagonal.dtype)
     u_rest = client.factors[:, rest].permute(1, 0, 2).to(diagonal.dtype)
@@ -94,7 +142,7 @@ def _masked_system(client: ClientPrecision, delta: float, masked: torch.Tensor, 
         scaled = u_masked * diagonal.rsqrt()[:, None, :]
         matrix = scaled @ scaled.transpose(1, 2)
         matrix.diagonal(dim1=1, dim2=2).add_(1.0)
-    return _MaskedSystem(diagonal, u_masked, u_rest, torch.linalg.cholesky(matrix), direct)
+    return _LowRankSystem(diagonal, u_masked, u_rest, torch.linalg.cholesky(matrix), direct)
 
 
 def _compressed(client: ClientPrecision) -> ClientPrecision:
@@ -110,9 +158,7 @@ def _conditional_quadratic(
     diff: torch.Tensor, system: _MaskedSystem, masked: torch.Tensor, rest: torch.Tensor
 ) -> torch.Tensor:
     """Σ over masks of (θ_M − μ)ᵀ Λ_MM (θ_M − μ) = bᵀ Λ_MM⁻¹ b, with b = Λ_MM Δ_M + Λ_MR Δ_R."""
-    d_masked, d_rest = diff[masked], diff[rest]
-    projected = system.u_masked @ d_masked[..., None] + system.u_rest @ d_rest[..., None]  # (J, r, 1)
-    b = system.diagonal * d_masked + (system.u_masked.transpose(1, 2) @ projected)[..., 0]
+    b = system.rhs(diff[masked], diff[rest])
     return (b * system.solve(b)).sum()
 
 
@@ -140,10 +186,16 @@ def ssf_iterates(x: ModelInputs, options: SSFOptions) -> Iterator[tuple[torch.Te
         if options.schedule == "cosine"
         else None
     )
-    count = len(clients)
+    count, dim = len(clients), theta.numel()
+    masked_count = _mask_sizes(dim, options)[1]
+    # Dense only where every client's Λ_MM would be factored directly (m ≤ rows) anyway.
+    dense = [
+        _dense_precision(c, delta) if dim <= _DENSE_MAX_DIM and c.factors.shape[0] >= masked_count else None
+        for c in clients
+    ]
     for _ in range(options.steps):
-        masked, rest = _masks(theta.numel(), options, generator)
-        systems = [_masked_system(c, delta, masked, rest) for c in clients]
+        masked, rest = _masks(dim, options, generator)
+        systems = [_masked_system(c, delta, masked, rest, d) for c, d in zip(clients, dense, strict=True)]
         optimizer.zero_grad()
         quadratic = sum(
             _conditional_quadratic(theta - c.theta, s, masked, rest) for c, s in zip(clients, systems, strict=True)
