@@ -27,11 +27,10 @@ from mergeflow.align import (
 )
 from mergeflow.checkpoints import atomic_path, load_checkpoint, save_checkpoint, write_json
 from mergeflow.config import Params
-from mergeflow.data import load_dataset_file, to_arrays
 from mergeflow.errors import MergeflowError
 from mergeflow.models import build_from_spec, parameter_names
 from mergeflow.plots import plot_barriers
-from tasks.data import PARTITIONS, PREPARED, client_file, read_info
+from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
 from tasks.fisher import factors_file, fisher_file
 from tasks.steps import Step
 from tasks.training import client_checkpoint
@@ -101,7 +100,7 @@ def _diverged(loaded: list[tuple[dict, dict]], policy: str) -> list[int]:
 def _matching_inputs(root: Path, info: dict[str, Any], reference: int, limit: int) -> np.ndarray:
     server = root / PREPARED / "server.parquet"
     source = server if server.is_file() else root / client_file(reference)
-    X, _ = to_arrays(load_dataset_file(source), info)
+    X, _ = read_arrays(source, info)
     return X[:limit]
 
 
@@ -159,7 +158,7 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
             _save_tensors(out / aligned_factors(c), {"U": permute_flat_columns(spec, names, shapes, factors, perm)})
 
     info = read_info(root)
-    X, y = to_arrays(load_dataset_file(root / PREPARED / "test.parquet"), info)
+    X, y = read_arrays(root / PREPARED / "test.parquet", info)
     others = {c: states[c] for c in clients if c != reference and c not in diverged}
     report: dict[str, Any] = {"method": settings["method"], "reference": reference, "excluded": diverged, "after": {}}
     report["before"] = _barriers(model, X, y, info["task"], states[reference], others, settings["barrier_points"])

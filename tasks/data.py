@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from mergeflow.checkpoints import write_json
 from mergeflow.config import Params
@@ -17,8 +20,10 @@ from mergeflow.data import (
     save_dataset,
     split_dataset,
     standardize,
+    to_arrays,
 )
 from tasks.steps import Step
+from tasks.store import file_signature
 
 PREPARED = "data/prepared"
 PARTITIONS = "data/partitions"
@@ -28,6 +33,30 @@ _CODE = ("mergeflow/data", "tasks/data.py")
 def client_file(client: int) -> str:
     """Relative path of one client's partition."""
     return f"{PARTITIONS}/client_{client:03d}.parquet"
+
+
+# Parsed arrays by file: federated rounds read every client's partition once a round.
+_ARRAYS: dict[str, tuple[tuple, np.ndarray, np.ndarray]] = {}
+_ARRAYS_LOCK = threading.Lock()
+_ARRAYS_MAX_BYTES = 512 << 20
+
+
+def read_arrays(path: Path, info: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """A parquet split as (X, y) arrays, parsed once per process while the file is unchanged.
+
+    Callers get their own copies, so they may modify them.
+    """
+    signature = (file_signature(path), json.dumps(info, sort_keys=True))
+    with _ARRAYS_LOCK:
+        entry = _ARRAYS.get(signature[0][0])
+    if entry is None or entry[0] != signature:
+        X, y = to_arrays(load_dataset_file(path), info)
+        entry = (signature, X, y)
+        with _ARRAYS_LOCK:
+            if sum(e[1].nbytes + e[2].nbytes for e in _ARRAYS.values()) > _ARRAYS_MAX_BYTES:
+                _ARRAYS.clear()
+            _ARRAYS[signature[0][0]] = entry
+    return entry[1].copy(), entry[2].copy()
 
 
 def read_info(root: Path, directory: str = PREPARED) -> dict[str, Any]:

@@ -9,11 +9,10 @@ import numpy as np
 
 from mergeflow.checkpoints import load_checkpoint, load_model, write_json
 from mergeflow.config import Params
-from mergeflow.data import load_dataset_file, to_arrays
 from mergeflow.evaluation import best_model, ensemble_outputs, evaluate_outputs
 from mergeflow.plots import plot_comparison
 from mergeflow.training import predict
-from tasks.data import PREPARED, read_info
+from tasks.data import PREPARED, read_arrays, read_info
 from tasks.federated import final_checkpoint
 from tasks.merging import merged_checkpoint
 from tasks.steps import Step
@@ -60,7 +59,7 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     settings = params["evaluate"]
     info = read_info(root)
     task = info["task"]
-    X, y = to_arrays(load_dataset_file(root / PREPARED / "test.parquet"), info)
+    X, y = read_arrays(root / PREPARED / "test.parquet", info)
     noise_std = info.get("noise_std") or settings["noise_std"]
 
     def score(outputs: np.ndarray) -> dict[str, float]:

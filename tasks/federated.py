@@ -24,7 +24,6 @@ from safetensors.torch import load_file, save_file
 
 from mergeflow.checkpoints import atomic_path, load_checkpoint, save_checkpoint, write_json
 from mergeflow.config import Params
-from mergeflow.data import load_dataset_file, to_arrays
 from mergeflow.federated import (
     ClientData,
     LocalTraining,
@@ -36,7 +35,7 @@ from mergeflow.federated import (
 from mergeflow.federated.loop import evaluate_global
 from mergeflow.models import build_from_spec
 from mergeflow.plots import plot_rounds
-from tasks.data import PARTITIONS, PREPARED, client_file, read_info
+from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
 from tasks.steps import Step
 from tasks.training import BASE
 
@@ -164,7 +163,7 @@ def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 def _test_data(root: Path) -> tuple[ClientData, float | None]:
     info = read_info(root)
-    X, y = to_arrays(load_dataset_file(root / PREPARED / "test.parquet"), info)
+    X, y = read_arrays(root / PREPARED / "test.parquet", info)
     return ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"]), info.get("noise_std")
 
 
@@ -200,7 +199,7 @@ def client_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     name, r, k = params["name"], params["round"], params["client"]
     algorithm = get_algorithm(params["algorithm"])
     info = read_info(root, PARTITIONS)
-    X, y = to_arrays(load_dataset_file(root / client_file(k)), info)
+    X, y = read_arrays(root / client_file(k), info)
     message, state, metrics = algorithm.client_update(
         build_from_spec(load_checkpoint(root / BASE)[1]["spec"]),
         load_file(root / server_file(name, r - 1)),

@@ -10,10 +10,9 @@ from safetensors.torch import save_file
 
 from mergeflow.checkpoints import atomic_path, load_model
 from mergeflow.config import Params
-from mergeflow.data import load_dataset_file, to_arrays
 from mergeflow.fisher import diagonal_fisher, fisher_factors
 from mergeflow.seeding import derive_seed
-from tasks.data import PARTITIONS, client_file, read_info
+from tasks.data import PARTITIONS, client_file, read_arrays, read_info
 from tasks.steps import Step
 from tasks.training import client_checkpoint
 
@@ -56,7 +55,7 @@ def client_fisher(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     """Diagonal Fisher on up to n_examples of the client's data; factors on rank_examples if low_rank."""
     settings, client = params["fisher"], params["client"]
     info = read_info(root, PARTITIONS)
-    X, y = to_arrays(load_dataset_file(root / client_file(client)), info)
+    X, y = read_arrays(root / client_file(client), info)
     model = load_model(root / client_checkpoint(client))
     seed = derive_seed(params["seed"], "fisher", client)
     common = {

@@ -102,26 +102,48 @@ def _results_dir(root: Path) -> Path:
     return root / ".mergeflow" / "results"
 
 
+def _persisted_result(step: Step, key: str, root: Path) -> dict[str, Any] | None:
+    """The step's persisted result when Prefect's cache holds it, read without a task run.
+
+    A hit then costs a file read instead of a Prefect task run (its API calls, states and
+    events), which dominated re-runs of stages with many small steps (federated rounds).
+    ``PREFECT_TASKS_REFRESH_CACHE`` still forces every step to run.
+    """
+    from prefect.filesystems import LocalFileSystem
+    from prefect.results import ResultStore
+    from prefect.serializers import JSONSerializer
+    from prefect.settings import get_current_settings
+
+    if get_current_settings().tasks.refresh_cache:
+        return None
+    store = ResultStore(result_storage=LocalFileSystem(basepath=str(_results_dir(root))), serializer=JSONSerializer())
+    cache_key = _cache_key(None, {"step": step, "key": key})  # type: ignore[arg-type]
+    return store.read(cache_key).result if store.exists(cache_key) else None
+
+
 def run_steps(steps: list[Step], root: Path, torch_threads: int = 1) -> list[StepOutcome]:
-    """Submit steps to the flow's task runner, wait, and materialise their outputs.
+    """Materialise cached steps; submit the others to the flow's task runner and wait.
 
     A cache hit whose blobs were deleted from the store is re-executed.
     """
     store = ArtifactStore(root)
     runner = execute_step.with_options(result_storage=_results_dir(root))
-    submitted = []
+    planned = []
     for step in steps:
         key = step_key(step, root)
-        future = runner.with_options(task_run_name=step.name).submit(step, key, str(root), torch_threads)
-        submitted.append((step, key, future))
+        hit = _persisted_result(step, key, root)
+        if hit is not None and store.has(hit["files"]):
+            planned.append((step, hit))
+        else:
+            refresh = hit is not None  # its blobs are gone: run it again and overwrite the record
+            options = {"task_run_name": step.name, "refresh_cache": True} if refresh else {"task_run_name": step.name}
+            planned.append((step, runner.with_options(**options).submit(step, key, str(root), torch_threads)))
     outcomes = []
-    for step, key, future in submitted:
-        result = future.result()
-        cached = future.state.name == "Cached"
-        if cached and not store.has(result["files"]):
-            rerun = runner.with_options(task_run_name=step.name, refresh_cache=True)
-            result = rerun(step, key, str(root), torch_threads)
-            cached = False
+    for step, pending in planned:
+        if isinstance(pending, dict):
+            result, cached = pending, True
+        else:  # another process may have finished the step meanwhile: Prefect then serves it cached
+            result, cached = pending.result(), pending.state.name == "Cached"
         store.materialise(result["files"])
         seconds = 0.0 if cached else result["seconds"]
         outcomes.append(StepOutcome(step.name, cached, seconds, result["files"], result["summary"]))

@@ -12,6 +12,8 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -21,13 +23,44 @@ STATE_DIR = ".mergeflow"
 _IGNORED_PARTS = {"__pycache__", ".ipynb_checkpoints"}
 
 
+# sha256 by (path, device, inode, size, mtime): like DVC's state database, a file is hashed
+# again only when one of these changes. Every write here replaces a file (a new inode), and
+# the memo is per process, so a long-lived scheduler re-hashes what changed between runs.
+_HASHES: dict[tuple[str, int, int, int, int], str] = {}
+_HASHES_LOCK = threading.Lock()
+_SETTLED_NS = 1_000_000_000
+
+
+def file_signature(path: Path) -> tuple[str, int, int, int, int]:
+    """What identifies a file's content without reading it: path, device, inode, size, mtime."""
+    stat = path.stat()
+    return (str(path.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
 def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes."""
+    """Hex sha256 of a file's bytes (memoised on the file's path, inode, size and mtime)."""
+    signature = file_signature(path)
+    with _HASHES_LOCK:
+        known = _HASHES.get(signature)
+    if known is not None:
+        return known
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    return digest.hexdigest()
+    # "Racy git": a file written within the clock's granularity could change again with the
+    # same size and mtime, so only settled files are remembered.
+    if time.time_ns() - signature[4] < _SETTLED_NS:
+        return digest.hexdigest()
+    return _remember(signature, digest.hexdigest())
+
+
+def _remember(signature: tuple[str, int, int, int, int], digest: str) -> str:
+    with _HASHES_LOCK:
+        if len(_HASHES) > 100_000:  # a bound for long-lived processes; rebuilt on demand
+            _HASHES.clear()
+        _HASHES[signature] = digest
+    return digest
 
 
 def _files_under(path: Path) -> list[Path]:
@@ -98,6 +131,7 @@ class ArtifactStore:
                     continue
             with atomic_path(target) as tmp:
                 shutil.copyfile(self.blob(digest), tmp)
+            _remember(file_signature(target), digest)
 
     def prune_outputs(self, produced: Iterable[str], keep: Iterable[str]) -> list[str]:
         """Delete files under a stage's output paths that no step produced (e.g. a removed client)."""

@@ -241,8 +241,7 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
     import mlflow
     import numpy as np
 
-    from mergeflow.data import load_dataset_file, to_arrays
-    from tasks.data import read_info
+    from tasks.data import read_arrays, read_info
 
     config = params["params"]
     mlflow.set_tracking_uri(tracking_uri(root))
@@ -250,7 +249,7 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
     mlflow.set_experiment(experiment_id=experiment_id)  # nested child runs follow the active experiment
     metrics = json.loads((root / METRICS).read_text())
     info = read_info(root)
-    X, _ = to_arrays(load_dataset_file(root / PREPARED / "test.parquet"), info)
+    X, _ = read_arrays(root / PREPARED / "test.parquet", info)
     example = np.ascontiguousarray(X[:2], dtype=np.float32)
     tags = {
         "mergeflow.kind": "pipeline",

@@ -10,11 +10,10 @@ import torch
 
 from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import Params
-from mergeflow.data import load_dataset_file, to_arrays
 from mergeflow.models import build_from_spec, model_spec
 from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError, TrainResult, train
-from tasks.data import PARTITIONS, PREPARED, client_file, read_info
+from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
 from tasks.steps import Step
 
 BASE = "models/base/base.safetensors"
@@ -60,7 +59,7 @@ def pretrain(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     losses: list[float] = []
     server = root / PREPARED / "server.parquet"
     if settings["enabled"] and server.is_file():
-        X, y = to_arrays(load_dataset_file(server), info)
+        X, y = read_arrays(server, info)
         result = _fit(model, X, y, info["task"], settings, derive_seed(params["seed"], "pretrain"), "pretrain")
         losses = result.epoch_losses
     save_checkpoint(out / BASE, model.state_dict(), {"spec": spec, "role": "base", "epoch_losses": losses})
@@ -121,7 +120,7 @@ def finetune_client(params: dict[str, Any], root: Path, out: Path) -> dict[str, 
     """Fine-tune the base model on one client's partition."""
     client = params["client"]
     info = read_info(root, PARTITIONS)
-    X, y = to_arrays(load_dataset_file(root / client_file(client)), info)
+    X, y = read_arrays(root / client_file(client), info)
     seed = derive_seed(params["seed"], "finetune", client)
     init_seed = derive_seed(params["seed"], "init", client) if params["init"] == "independent" else None
     try:
@@ -171,7 +170,7 @@ def centralized(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]
     """Train from the base model on the union of the client partitions."""
     info = read_info(root, PARTITIONS)
     clients = range(params["num_clients"])
-    arrays = [to_arrays(load_dataset_file(root / client_file(c)), info) for c in clients]
+    arrays = [read_arrays(root / client_file(c), info) for c in clients]
     X = np.concatenate([a[0] for a in arrays])
     y = np.concatenate([a[1] for a in arrays])
     seed = derive_seed(params["seed"], "centralized")

@@ -1,0 +1,103 @@
+"""The cached-step machinery: hash memo, parsed-array memo, and cache hits that skip Prefect task runs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mergeflow.data import save_dataset
+from tasks.steps import Step, run_steps
+from tasks.store import sha256_file
+
+CALLS: list[str] = []
+
+
+def record_step(params: dict, root: Path, out: Path) -> dict:
+    """A step that notes each execution and writes one file."""
+    CALLS.append(params["name"])
+    (out / "outputs").mkdir(parents=True)
+    (out / "outputs" / f"{params['name']}.txt").write_text(params["name"])
+    return {"name": params["name"]}
+
+
+def test_a_file_rewritten_in_place_is_hashed_again(tmp_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"a" * 64)
+    first = sha256_file(path)
+    path.write_bytes(b"b" * 64)  # same size, same inode, within the clock's granularity
+    assert sha256_file(path) != first
+
+
+def test_a_settled_file_is_hashed_once_per_signature(tmp_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"a" * 64)
+    old = (1_000_000_000, 1_000_000_000)
+    os.utime(path, old)
+    first = sha256_file(path)
+    path.write_bytes(b"b" * 64)
+    os.utime(path, old)  # same path, inode, size and mtime: the memo answers without reading
+    assert sha256_file(path) == first
+    os.utime(path, (2_000_000_000, 2_000_000_000))
+    assert sha256_file(path) != first
+
+
+def test_read_arrays_parses_a_replaced_file_again_and_hands_out_copies(tmp_path):
+    import datasets
+
+    from tasks.data import read_arrays
+
+    info = {"task": "classification", "input_shape": [2], "num_classes": 2}
+    path = tmp_path / "split.parquet"
+
+    def write(values):
+        rows = {"x": [[v, v] for v in values], "y": [0, 1]}
+        save_dataset(datasets.Dataset.from_dict(rows), path)
+
+    write([1.0, 2.0])
+    X, y = read_arrays(path, info)
+    X[:] = 0  # a caller's copy: the memo must not see this
+    np.testing.assert_array_equal(read_arrays(path, info)[0], [[1.0, 1.0], [2.0, 2.0]])
+    write([3.0, 4.0])  # atomic replace: a new inode
+    np.testing.assert_array_equal(read_arrays(path, info)[0], [[3.0, 3.0], [4.0, 4.0]])
+    np.testing.assert_array_equal(y, [0, 1])
+
+
+@pytest.fixture
+def prefect_settings(prefect_api, tmp_path):
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api, PREFECT_HOME: str(tmp_path / "prefect")}):
+        yield
+
+
+def test_cache_hits_skip_prefect_task_runs_unless_prefect_refreshes_the_cache(tmp_path, prefect_settings, monkeypatch):
+    import prefect
+    from prefect import flow
+    from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
+
+    steps = [Step(f"s{i}", f"{__name__}:record_step", {"name": f"s{i}"}) for i in range(3)]
+
+    @flow
+    def run() -> list:
+        return run_steps(steps, tmp_path)
+
+    CALLS.clear()
+    assert not any(outcome.cached for outcome in run())
+    assert sorted(CALLS) == ["s0", "s1", "s2"]
+    (tmp_path / "outputs" / "s1.txt").unlink()
+
+    def no_task_runs(*args, **kwargs):
+        raise AssertionError("a cached step was submitted to Prefect")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(prefect.Task, "submit", no_task_runs)
+        outcomes = run()
+    assert all(outcome.cached for outcome in outcomes) and len(CALLS) == 3
+    assert (tmp_path / "outputs" / "s1.txt").read_text() == "s1"  # materialised from the store
+
+    with temporary_settings(updates={PREFECT_TASKS_REFRESH_CACHE: True}):
+        outcomes = run()
+    assert not any(outcome.cached for outcome in outcomes) and len(CALLS) == 6
