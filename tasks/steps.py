@@ -21,6 +21,7 @@ from typing import Any
 
 from prefect import task
 from prefect.context import TaskRunContext
+from prefect.settings import get_current_settings
 
 from tasks.store import ArtifactStore, hash_paths
 
@@ -102,23 +103,25 @@ def _results_dir(root: Path) -> Path:
     return root / ".mergeflow" / "results"
 
 
-def _persisted_result(step: Step, key: str, root: Path) -> dict[str, Any] | None:
+def _result_store(root: Path):
+    """Prefect's store of the steps' persisted results (where ``execute_step`` writes them)."""
+    from prefect.filesystems import LocalFileSystem
+    from prefect.results import ResultStore
+    from prefect.serializers import JSONSerializer
+
+    return ResultStore(result_storage=LocalFileSystem(basepath=str(_results_dir(root))), serializer=JSONSerializer())
+
+
+def _persisted_result(results, step: Step, key: str) -> dict[str, Any] | None:
     """The step's persisted result when Prefect's cache holds it, read without a task run.
 
     A hit then costs a file read instead of a Prefect task run (its API calls, states and
     events), which dominated re-runs of stages with many small steps (federated rounds).
-    ``PREFECT_TASKS_REFRESH_CACHE`` still forces every step to run.
     """
-    from prefect.filesystems import LocalFileSystem
-    from prefect.results import ResultStore
-    from prefect.serializers import JSONSerializer
-    from prefect.settings import get_current_settings
-
-    if get_current_settings().tasks.refresh_cache:
+    try:
+        return results.read(_cache_key(None, {"step": step, "key": key})).result  # type: ignore[arg-type]
+    except Exception:  # missing, or half-written by a killed run: the task runs (and rewrites it)
         return None
-    store = ResultStore(result_storage=LocalFileSystem(basepath=str(_results_dir(root))), serializer=JSONSerializer())
-    cache_key = _cache_key(None, {"step": step, "key": key})  # type: ignore[arg-type]
-    return store.read(cache_key).result if store.exists(cache_key) else None
 
 
 def run_steps(steps: list[Step], root: Path, torch_threads: int = 1) -> list[StepOutcome]:
@@ -128,10 +131,12 @@ def run_steps(steps: list[Step], root: Path, torch_threads: int = 1) -> list[Ste
     """
     store = ArtifactStore(root)
     runner = execute_step.with_options(result_storage=_results_dir(root))
+    # PREFECT_TASKS_REFRESH_CACHE forces every step to run, as it does for Prefect's own lookup.
+    results = None if get_current_settings().tasks.refresh_cache else _result_store(root)
     planned = []
     for step in steps:
         key = step_key(step, root)
-        hit = _persisted_result(step, key, root)
+        hit = None if results is None else _persisted_result(results, step, key)
         if hit is not None and store.has(hit["files"]):
             planned.append((step, hit))
         else:

@@ -23,18 +23,19 @@ STATE_DIR = ".mergeflow"
 _IGNORED_PARTS = {"__pycache__", ".ipynb_checkpoints"}
 
 
-# sha256 by (path, device, inode, size, mtime): like DVC's state database, a file is hashed
-# again only when one of these changes. Every write here replaces a file (a new inode), and
-# the memo is per process, so a long-lived scheduler re-hashes what changed between runs.
-_HASHES: dict[tuple[str, int, int, int, int], str] = {}
+# sha256 by (path, device, inode, size, mtime, ctime): like DVC's state database, a file is
+# hashed again only when one of these changes. Every write here replaces a file (a new
+# inode); ctime also catches in-place writers that restore the mtime (cp -p, rsync --inplace).
+_Signature = tuple[str, int, int, int, int, int]
+_HASHES: dict[_Signature, str] = {}
 _HASHES_LOCK = threading.Lock()
 _SETTLED_NS = 1_000_000_000
 
 
-def file_signature(path: Path) -> tuple[str, int, int, int, int]:
-    """What identifies a file's content without reading it: path, device, inode, size, mtime."""
+def file_signature(path: Path) -> _Signature:
+    """What identifies a file's content without reading it: path, device, inode, size, mtime, ctime."""
     stat = path.stat()
-    return (str(path.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    return (str(path.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
 def sha256_file(path: Path) -> str:
@@ -50,12 +51,12 @@ def sha256_file(path: Path) -> str:
             digest.update(block)
     # "Racy git": a file written within the clock's granularity could change again with the
     # same size and mtime, so only settled files are remembered.
-    if time.time_ns() - signature[4] < _SETTLED_NS:
+    if time.time_ns() - max(signature[4], signature[5]) < _SETTLED_NS:
         return digest.hexdigest()
     return _remember(signature, digest.hexdigest())
 
 
-def _remember(signature: tuple[str, int, int, int, int], digest: str) -> str:
+def _remember(signature: _Signature, digest: str) -> str:
     with _HASHES_LOCK:
         if len(_HASHES) > 100_000:  # a bound for long-lived processes; rebuilt on demand
             _HASHES.clear()
@@ -131,6 +132,7 @@ class ArtifactStore:
                     continue
             with atomic_path(target) as tmp:
                 shutil.copyfile(self.blob(digest), tmp)
+            # Just written from the blob, as a new inode: its digest is known, settled or not.
             _remember(file_signature(target), digest)
 
     def prune_outputs(self, produced: Iterable[str], keep: Iterable[str]) -> list[str]:

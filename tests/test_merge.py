@@ -263,7 +263,7 @@ def test_ssf_iterates_are_the_same_with_a_formed_precision_and_with_factors(monk
     monkeypatch.setattr(ssf_module, "_dense_precision", lambda *args: calls.append(1) or form(*args))
     formed = run_merge("ssf", states, **inputs, **options)
     assert len(calls) == len(states)
-    monkeypatch.setattr(ssf_module, "_DENSE_MAX_DIM", 0)
+    monkeypatch.setattr(ssf_module, "_DENSE_MAX_BYTES", 0)
     factored = run_merge("ssf", states, **inputs, **options)
     assert len(calls) == len(states)
     for key in formed.state:

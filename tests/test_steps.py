@@ -31,16 +31,20 @@ def test_a_file_rewritten_in_place_is_hashed_again(tmp_path):
     assert sha256_file(path) != first
 
 
-def test_a_settled_file_is_hashed_once_per_signature(tmp_path):
+def test_a_settled_file_is_read_once_and_an_in_place_rewrite_keeping_its_mtime_is_seen(tmp_path, monkeypatch):
+    import tasks.store
+
     path = tmp_path / "data.bin"
     path.write_bytes(b"a" * 64)
-    old = (1_000_000_000, 1_000_000_000)
-    os.utime(path, old)
+    old = 1_000_000_000 * 10**9
+    os.utime(path, ns=(old, old))
+    monkeypatch.setattr(tasks.store, "_SETTLED_NS", 0)  # the ctime is recent; treat the file as settled
     first = sha256_file(path)
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "open", lambda *args, **kwargs: pytest.fail("a settled file was read again"))
+        assert sha256_file(path) == first
     path.write_bytes(b"b" * 64)
-    os.utime(path, old)  # same path, inode, size and mtime: the memo answers without reading
-    assert sha256_file(path) == first
-    os.utime(path, (2_000_000_000, 2_000_000_000))
+    os.utime(path, ns=(old, old))  # same path, inode, size and mtime (cp -p, rsync --inplace): the ctime moved
     assert sha256_file(path) != first
 
 
@@ -67,9 +71,15 @@ def test_read_arrays_parses_a_replaced_file_again_and_hands_out_copies(tmp_path)
 
 @pytest.fixture
 def prefect_settings(prefect_api, tmp_path):
-    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
 
-    with temporary_settings(updates={PREFECT_API_URL: prefect_api, PREFECT_HOME: str(tmp_path / "prefect")}):
+    # No log shipping: its background worker would still be sending after the session's server stops.
+    updates = {
+        PREFECT_API_URL: prefect_api,
+        PREFECT_HOME: str(tmp_path / "prefect"),
+        PREFECT_LOGGING_TO_API_ENABLED: False,
+    }
+    with temporary_settings(updates=updates):
         yield
 
 
@@ -101,3 +111,11 @@ def test_cache_hits_skip_prefect_task_runs_unless_prefect_refreshes_the_cache(tm
     with temporary_settings(updates={PREFECT_TASKS_REFRESH_CACHE: True}):
         outcomes = run()
     assert not any(outcome.cached for outcome in outcomes) and len(CALLS) == 6
+
+    from tasks.store import ArtifactStore
+
+    for digest in outcomes[2].files.values():
+        ArtifactStore(tmp_path).blob(digest).unlink()  # the record stays, its blobs are gone
+    outcomes = run()
+    assert [outcome.cached for outcome in outcomes] == [True, True, False] and CALLS[6:] == ["s2"]
+    assert run()[2].cached  # the re-run rewrote the record

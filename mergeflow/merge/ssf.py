@@ -112,8 +112,8 @@ class _DenseSystem:
 
 _MaskedSystem = _LowRankSystem | _DenseSystem
 
-# Models up to this many parameters get their Λ_k formed once (D² float64 per client: 32 MiB).
-_DENSE_MAX_DIM = 2048
+# Λ_k is formed once when all clients' D × D float64 matrices fit in this many bytes.
+_DENSE_MAX_BYTES = 512 << 20
 
 
 def _dense_precision(client: ClientPrecision, delta: float) -> torch.Tensor:
@@ -188,11 +188,9 @@ def ssf_iterates(x: ModelInputs, options: SSFOptions) -> Iterator[tuple[torch.Te
     )
     count, dim = len(clients), theta.numel()
     masked_count = _mask_sizes(dim, options)[1]
-    # Dense only where every client's Λ_MM would be factored directly (m ≤ rows) anyway.
-    dense = [
-        _dense_precision(c, delta) if dim <= _DENSE_MAX_DIM and c.factors.shape[0] >= masked_count else None
-        for c in clients
-    ]
+    # Formed only for clients whose Λ_MM would be factored directly (m ≤ rows) anyway.
+    small = count * dim * dim * 8 <= _DENSE_MAX_BYTES
+    dense = [_dense_precision(c, delta) if small and c.factors.shape[0] >= masked_count else None for c in clients]
     for _ in range(options.steps):
         masked, rest = _masks(dim, options, generator)
         systems = [_masked_system(c, delta, masked, rest, d) for c, d in zip(clients, dense, strict=True)]
