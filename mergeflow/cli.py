@@ -76,8 +76,22 @@ def _run(args: argparse.Namespace, stages: list[str] | None) -> int:
     ran = [o["name"] for o in outcomes if not o["cached"]]
     print(f"mergeflow: {len(outcomes)} steps in {elapsed:.1f}s: {len(ran)} ran, {len(outcomes) - len(ran)} cached")
     if ran:
-        print("  ran: " + ", ".join(ran))
+        print("  ran: " + step_summary(ran))
     return 0
+
+
+def step_summary(names: list[str], limit: int = 8) -> str:
+    """Step names, with more than ``limit`` under one prefix (e.g. federated rounds) told as a count.
+
+    The full list is in ``.mergeflow/last_run.json``.
+    """
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(name.split("/", 1)[0], []).append(name)
+    parts: list[str] = []
+    for prefix, members in groups.items():
+        parts += members if len(members) <= limit else [f"{prefix}/… ({len(members)} steps)"]
+    return ", ".join(parts)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -119,3 +119,11 @@ def test_cache_hits_skip_prefect_task_runs_unless_prefect_refreshes_the_cache(tm
     outcomes = run()
     assert [outcome.cached for outcome in outcomes] == [True, True, False] and CALLS[6:] == ["s2"]
     assert run()[2].cached  # the re-run rewrote the record
+
+
+def test_the_run_summary_lists_few_steps_and_counts_many():
+    from mergeflow.cli import step_summary
+
+    rounds = [f"federated/fedavg/r{r:03d}/client_{k:03d}" for r in range(3) for k in range(4)]
+    assert step_summary(["merge/task_arithmetic"]) == "merge/task_arithmetic"
+    assert step_summary(["prepare", *rounds, "evaluate"]) == "prepare, federated/… (12 steps), evaluate"
