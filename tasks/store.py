@@ -35,7 +35,7 @@ _SETTLED_NS = 1_000_000_000
 def file_signature(path: Path) -> _Signature:
     """What identifies a file's content without reading it: path, device, inode, size, mtime, ctime."""
     stat = path.stat()
-    return (str(path.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    return (os.path.abspath(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
 def sha256_file(path: Path) -> str:
