@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -35,8 +35,15 @@ def client_file(client: int) -> str:
     return f"{PARTITIONS}/client_{client:03d}.parquet"
 
 
-# Parsed arrays by file: federated rounds read every client's partition once a round.
-_ARRAYS: dict[str, tuple[tuple, np.ndarray, np.ndarray]] = {}
+class _Parsed(NamedTuple):
+    signature: tuple
+    info: str
+    X: np.ndarray
+    y: np.ndarray
+
+
+# Parsed arrays by absolute path: federated rounds read every client's partition once a round.
+_ARRAYS: dict[str, _Parsed] = {}
 _ARRAYS_LOCK = threading.Lock()
 _ARRAYS_MAX_BYTES = 512 << 20
 
@@ -46,17 +53,16 @@ def read_arrays(path: Path, info: dict[str, Any]) -> tuple[np.ndarray, np.ndarra
 
     Callers get their own copies, so they may modify them.
     """
-    signature = (file_signature(path), json.dumps(info, sort_keys=True))
+    signature, info_key = file_signature(path), json.dumps(info, sort_keys=True)
     with _ARRAYS_LOCK:
-        entry = _ARRAYS.get(signature[0][0])
-    if entry is None or entry[0] != signature:
-        X, y = to_arrays(load_dataset_file(path), info)
-        entry = (signature, X, y)
+        entry = _ARRAYS.get(signature[0])
+    if entry is None or (entry.signature, entry.info) != (signature, info_key):
+        entry = _Parsed(signature, info_key, *to_arrays(load_dataset_file(path), info))
         with _ARRAYS_LOCK:
-            if sum(e[1].nbytes + e[2].nbytes for e in _ARRAYS.values()) > _ARRAYS_MAX_BYTES:
+            if sum(e.X.nbytes + e.y.nbytes for e in _ARRAYS.values()) > _ARRAYS_MAX_BYTES:
                 _ARRAYS.clear()
-            _ARRAYS[signature[0][0]] = entry
-    return entry[1].copy(), entry[2].copy()
+            _ARRAYS[signature[0]] = entry
+    return entry.X.copy(), entry.y.copy()
 
 
 def read_info(root: Path, directory: str = PREPARED) -> dict[str, Any]:

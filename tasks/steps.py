@@ -23,7 +23,7 @@ from prefect import task
 from prefect.context import TaskRunContext
 from prefect.settings import get_current_settings
 
-from tasks.store import ArtifactStore, hash_paths
+from tasks.store import STATE_DIR, ArtifactStore, hash_paths
 
 StepFunction = Callable[[dict[str, Any], Path, Path], dict[str, Any]]
 
@@ -71,8 +71,13 @@ def step_key(step: Step, root: Path) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _record_name(step: Step, key: str) -> str:
+    """The name of a step's persisted result (Prefect's cache key): readable, and unique by ``key``."""
+    return f"{step.name.replace('/', '-')}-{key}"
+
+
 def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    return f"{parameters['step'].name.replace('/', '-')}-{parameters['key']}"
+    return _record_name(parameters["step"], parameters["key"])
 
 
 def resolve(reference: str) -> StepFunction:
@@ -100,7 +105,7 @@ def execute_step(step: Step, key: str, root: str, torch_threads: int = 1) -> dic
 
 
 def _results_dir(root: Path) -> Path:
-    return root / ".mergeflow" / "results"
+    return root / STATE_DIR / "results"
 
 
 def _result_store(root: Path):
@@ -119,7 +124,7 @@ def _persisted_result(results, step: Step, key: str) -> dict[str, Any] | None:
     events), which dominated re-runs of stages with many small steps (federated rounds).
     """
     try:
-        return results.read(_cache_key(None, {"step": step, "key": key})).result  # type: ignore[arg-type]
+        return results.read(_record_name(step, key)).result
     except Exception:  # missing, or half-written by a killed run: the task runs (and rewrites it)
         return None
 
@@ -140,9 +145,9 @@ def run_steps(steps: list[Step], root: Path, torch_threads: int = 1) -> list[Ste
         if hit is not None and store.has(hit["files"]):
             planned.append((step, hit))
         else:
-            refresh = hit is not None  # its blobs are gone: run it again and overwrite the record
-            options = {"task_run_name": step.name, "refresh_cache": True} if refresh else {"task_run_name": step.name}
-            planned.append((step, runner.with_options(**options).submit(step, key, str(root), torch_threads)))
+            # A hit whose blobs are gone runs again and overwrites its record.
+            task = runner.with_options(task_run_name=step.name, refresh_cache=True if hit is not None else None)
+            planned.append((step, task.submit(step, key, str(root), torch_threads)))
     outcomes = []
     for step, pending in planned:
         if isinstance(pending, dict):
