@@ -68,12 +68,20 @@ def _refuse_non_safetensors(path: Path) -> None:
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load a safetensors checkpoint and its metadata; clear errors for missing or corrupt files."""
-    path = Path(path)
+    return _read_checkpoint(Path(path), tensors=True)
+
+
+def load_checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's metadata (model spec, role, ...) from its header, without reading the tensors."""
+    return _read_checkpoint(Path(path), tensors=False)[1]
+
+
+def _read_checkpoint(path: Path, *, tensors: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     if not path.is_file():
         raise MergeflowError(f"{path}: checkpoint not found")
     _refuse_non_safetensors(path)
     try:
-        state = load_file(str(path))
+        state = load_file(str(path)) if tensors else {}
         with safe_open(str(path), framework="pt") as f:
             header = f.metadata() or {}
     except (SafetensorError, OSError, ValueError) as error:

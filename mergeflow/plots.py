@@ -80,10 +80,14 @@ def plot_rounds(curves: dict[str, list[dict]], path: str | Path) -> None:
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)
-    save_figure(fig, path)
+    # Two plain panels fit the default margins; a tight bounding box would draw the figure twice.
+    save_figure(fig, path, tight=False)
 
 
-def save_figure(fig: Figure, path: str | Path, *, dpi: int = 120) -> None:
-    """Write a figure as PNG atomically (temp file + rename), creating the folder."""
+def save_figure(fig: Figure, path: str | Path, *, dpi: int = 120, tight: bool = True) -> None:
+    """Write a figure as PNG atomically (temp file + rename), creating the folder.
+
+    ``tight`` crops the PNG to what is drawn (rotated tick labels, long legends).
+    """
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight")
+        fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight" if tight else None)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from mergeflow.checkpoints import load_checkpoint, load_model, write_json
+from mergeflow.checkpoints import load_checkpoint_meta, load_model, write_json
 from mergeflow.config import Params
 from mergeflow.evaluation import best_model, ensemble_outputs, evaluate_outputs
 from mergeflow.plots import plot_comparison
@@ -74,7 +74,7 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
         name = f"client_{client:03d}"
         outputs = outputs_of(client_checkpoint(client))
         metrics[name] = score(outputs)
-        if load_checkpoint(root / client_checkpoint(client))[1].get("diverged"):
+        if load_checkpoint_meta(root / client_checkpoint(client)).get("diverged"):
             metrics[name]["diverged"] = True  # its start weights; left out of best client and ensemble
         else:
             client_outputs[name] = outputs

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from mergeflow.checkpoints import atomic_path, load_checkpoint, save_checkpoint, write_json
+from mergeflow.checkpoints import atomic_path, load_checkpoint, load_checkpoint_meta, save_checkpoint, write_json
 from mergeflow.config import Params
 from mergeflow.federated import (
     ClientData,
@@ -201,7 +201,7 @@ def client_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     info = read_info(root, PARTITIONS)
     X, y = read_arrays(root / client_file(k), info)
     message, state, metrics = algorithm.client_update(
-        build_from_spec(load_checkpoint(root / BASE)[1]["spec"]),
+        build_from_spec(load_checkpoint_meta(root / BASE)["spec"]),
         load_file(root / server_file(name, r - 1)),
         load_file(root / client_state_file(name, params["state_round"], k)),
         ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"]),

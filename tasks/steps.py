@@ -86,7 +86,7 @@ def resolve(reference: str) -> StepFunction:
     return getattr(importlib.import_module(module), name)
 
 
-@task(cache_key_fn=_cache_key, persist_result=True, result_serializer="json")
+@task(cache_key_fn=_cache_key, persist_result=True, result_serializer="json", task_run_name="{step.name}")
 def execute_step(step: Step, key: str, root: str, torch_threads: int = 1) -> dict[str, Any]:
     """Run a step into a scratch directory and move its outputs into the artifact store.
 
@@ -135,7 +135,9 @@ def run_steps(steps: list[Step], root: Path, torch_threads: int = 1) -> list[Ste
     A cache hit whose blobs were deleted from the store is re-executed.
     """
     store = ArtifactStore(root)
-    runner = execute_step.with_options(result_storage=_results_dir(root))
+    # The lookup below is the cache check, so the task skips Prefect's own (a result-store read
+    # per step) and only writes its record; one variant for all steps (``with_options`` is slow).
+    runner = execute_step.with_options(result_storage=_results_dir(root), refresh_cache=True)
     # PREFECT_TASKS_REFRESH_CACHE forces every step to run, as it does for Prefect's own lookup.
     results = None if get_current_settings().tasks.refresh_cache else _result_store(root)
     planned = []
@@ -144,16 +146,12 @@ def run_steps(steps: list[Step], root: Path, torch_threads: int = 1) -> list[Ste
         hit = None if results is None else _persisted_result(results, step, key)
         if hit is not None and store.has(hit["files"]):
             planned.append((step, hit))
-        else:
-            # A hit whose blobs are gone runs again and overwrites its record.
-            task = runner.with_options(task_run_name=step.name, refresh_cache=True if hit is not None else None)
-            planned.append((step, task.submit(step, key, str(root), torch_threads)))
+        else:  # a miss, or a hit whose blobs are gone: it runs and (over)writes its record
+            planned.append((step, runner.submit(step, key, str(root), torch_threads)))
     outcomes = []
     for step, pending in planned:
-        if isinstance(pending, dict):
-            result, cached = pending, True
-        else:  # another process may have finished the step meanwhile: Prefect then serves it cached
-            result, cached = pending.result(), pending.state.name == "Cached"
+        cached = isinstance(pending, dict)
+        result = pending if cached else pending.result()
         store.materialise(result["files"])
         seconds = 0.0 if cached else result["seconds"]
         outcomes.append(StepOutcome(step.name, cached, seconds, result["files"], result["summary"]))

@@ -290,9 +290,12 @@ def client_drift(
     distances = []
     for state in items:
         params = take_prefix(state, MEAN) or dict(state)
-        sq = 0.0
-        for name, ref in global_state.items():
-            sq += float(((params[name].to(torch.float64) - ref.to(torch.float64)) ** 2).sum())
+        # fsum is exactly rounded, so the result does not depend on the order of the keys
+        # (model order in memory, alphabetical when read back from safetensors).
+        sq = math.fsum(
+            float(((params[name].to(torch.float64) - ref.to(torch.float64)) ** 2).sum())
+            for name, ref in global_state.items()
+        )
         distances.append(math.sqrt(sq))
     return sum(distances) / len(distances) if distances else 0.0
 
