@@ -1,7 +1,7 @@
 """Wall time of FedAvg (10 clients, 5 rounds): the plain loop vs mergeflow's Prefect flow vs Flower's simulation.
 
 Usage:
-    python bench/federated_speed.py [--epochs 2] [--workers 2 1] [--repeat 3]
+    python bench/federated_speed.py [--epochs 2] [--workers 1 2] [--steps-per-task 1 10] [--repeat 3]
                                     [--flower-python /tmp/flwr-venv/bin/python]
     (Prefect logs go to stderr: append ``2>/dev/null`` to see only the table.)
 
@@ -16,8 +16,9 @@ throw-away flow that starts Prefect's ephemeral server (also outside the timing)
 
 - the plain loop: ``mergeflow.federated.run_rounds`` on the workspace's partitions and base model;
 - the flow: the ``federated`` stage alone through ``flows.pipeline.run_pipeline``, cold (the ``.mergeflow``
-  store and Prefect results deleted first, so no cache hit) for each ``--workers`` value, and a fully cached
-  re-run after the first (each the best of ``--repeat`` runs, like the loop: the machine is shared);
+  store and Prefect results deleted first, so no cache hit) for each ``--workers`` and ``--steps-per-task``
+  value, and a fully cached re-run after the first (each the best of ``--repeat`` runs, like the loop: the
+  machine is shared);
 - Flower: ``bench/flower_fedavg.py`` in the other venv, on the same partitions, base model, per-(round,
   client) shuffling seeds and local training, timed inside that process (``ray.init`` apart).
 
@@ -115,7 +116,7 @@ def best_of(repeat: int, run: Callable[[], Any]) -> Timing:
     return best
 
 
-def bench_params(args: argparse.Namespace, workers: int) -> dict[str, Any]:
+def bench_params(args: argparse.Namespace, workers: int, steps_per_task: int = 1) -> dict[str, Any]:
     """params.yaml with the benchmark's settings."""
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["data"]["source"] = "digits"
@@ -123,7 +124,9 @@ def bench_params(args: argparse.Namespace, workers: int) -> dict[str, Any]:
     raw["model"].update(arch="mlp", widths=[128])
     raw["federated"].update(algorithms=["fedavg"], rounds=args.rounds, fraction=1.0)
     raw["federated"]["local"]["epochs"] = args.epochs
-    raw["orchestration"].update(task_runner="threads", max_workers=workers, torch_threads=1)
+    raw["orchestration"].update(
+        task_runner="threads", max_workers=workers, torch_threads=1, steps_per_task=steps_per_task
+    )
     return raw
 
 
@@ -295,7 +298,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
-    parser.add_argument("--workers", type=int, nargs="+", default=[2, 1], help="flow max_workers, one cold run each")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="flow max_workers, one cold run each")
+    parser.add_argument(
+        "--steps-per-task", type=int, nargs="+", default=[1, 10], help="orchestration.steps_per_task values to time"
+    )
     parser.add_argument("--repeat", type=int, default=3, help="best of N for the loop and the flow runs")
     parser.add_argument("--flower-python", type=Path, default=Path("/tmp/flwr-venv/bin/python"))
     args = parser.parse_args()
@@ -343,20 +349,23 @@ def main() -> None:
 
         from mergeflow.checkpoints import load_checkpoint
 
-        for i, workers in enumerate(args.workers):
-            params = validate_params(bench_params(args, workers))
+        combos = [(w, n) for w in args.workers for n in args.steps_per_task]
+        for i, (workers, per_task) in enumerate(combos):
+            params = validate_params(bench_params(args, workers, per_task))
+            setting = f"max_workers={workers}, steps_per_task={per_task}"
             cold = timed_flow(params, workspace, args.repeat, cold=True)
             final, _ = load_checkpoint(workspace / final_checkpoint(params, "fedavg"))
             accuracy = json.loads((workspace / "metrics/federated.json").read_text())["fedavg"][-1]["accuracy"]
             identical = same_weights(final, run.global_state)
-            rows.append(Row(f"mergeflow flow, cold, max_workers={workers}", cold.wall, cold.cpu, accuracy, identical))
-            notes += overhead_lines(f"flow cold, max_workers={workers}", cold, loop_seconds, workers)
+            rows.append(Row(f"mergeflow flow, cold, {setting}", cold.wall, cold.cpu, accuracy, identical))
+            notes += overhead_lines(f"flow cold, {setting}", cold, loop_seconds, workers)
             if i == 0:
                 cached = timed_flow(params, workspace, args.repeat, cold=False)
-                way = f"mergeflow flow, cached re-run, max_workers={workers}"
-                rows.append(Row(way, cached.wall, cached.cpu, accuracy, identical))
+                rows.append(
+                    Row(f"mergeflow flow, cached re-run, {setting}", cached.wall, cached.cpu, accuracy, identical)
+                )
                 notes.append(
-                    f"- cached re-run, max_workers={workers}: {len(cached.result)} cache hits; CPU "
+                    f"- cached re-run, {setting}: {len(cached.result)} cache hits; CPU "
                     f"{cached.cpu_own:.2f} s in this process, {cached.cpu_children:.2f} s in Prefect's server."
                 )
 

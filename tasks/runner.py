@@ -23,7 +23,7 @@ def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
         # (federated rounds: each wave reads what the one before it wrote).
         waves = planned if planned and isinstance(planned[0], list) else [planned]
         for wave in waves:
-            outcomes += run_steps(wave, root, params.orchestration.torch_threads)
+            outcomes += run_steps(wave, root, params.orchestration.torch_threads, params.orchestration.steps_per_task)
     produced = {name for outcome in outcomes for name in outcome.files}
     for stale in ArtifactStore(root).prune_outputs(stage.produced, produced):
         log.info("removed stale output %s", stale)

@@ -34,7 +34,9 @@ def _participants(r: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, cli_env):
-    params = fast_params(merge={"methods": ["average"]}, federated=FEDERATED)
+    # Two client updates to a Prefect task run: the batched path must give the loop's numbers too.
+    orchestration = {"max_workers": 2, "steps_per_task": 2}
+    params = fast_params(merge={"methods": ["average"]}, federated=FEDERATED, orchestration=orchestration)
     path = make_workspace(tmp_path_factory.mktemp("federated"), params)
     done = run_cli(["run"], path, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]

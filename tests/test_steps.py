@@ -127,3 +127,35 @@ def test_the_run_summary_lists_few_steps_and_counts_many():
     rounds = [f"federated/fedavg/r{r:03d}/client_{k:03d}" for r in range(3) for k in range(4)]
     assert step_summary(["merge/task_arithmetic"]) == "merge/task_arithmetic"
     assert step_summary(["prepare", *rounds, "evaluate"]) == "prepare, federated/… (12 steps), evaluate"
+
+
+def failing_step(params: dict, root: Path, out: Path) -> dict:
+    """``record_step``, except that it fails for the name in the ``FAIL`` file (a crash mid-batch)."""
+    if (root / "FAIL").is_file() and (root / "FAIL").read_text() == params["name"]:
+        raise RuntimeError(f"{params['name']} failed")
+    return record_step(params, root, out)
+
+
+def test_steps_run_several_to_a_task_are_cached_one_by_one(tmp_path, prefect_settings):
+    from prefect import flow
+
+    steps = [Step(f"b{i}", f"{__name__}:failing_step", {"name": f"b{i}"}) for i in range(5)]
+
+    @flow
+    def run(per_task: int) -> list:
+        return run_steps(steps, tmp_path, steps_per_task=per_task)
+
+    CALLS.clear()
+    (tmp_path / "FAIL").write_text("b3")
+    with pytest.raises(Exception, match="b3 failed"):
+        run(2)  # tasks [b0 b1] [b2 b3] [b4]: b3 fails after b2 finished in the same task run
+    assert "b2" in CALLS
+    (tmp_path / "FAIL").unlink()
+    CALLS.clear()
+    outcomes = run(2)
+    # b0, b1, b2 finished before the crash and stay cached; b4's task may have run as well
+    assert [o.cached for o in outcomes[:4]] == [True, True, True, False] and "b3" in CALLS
+    assert [o.summary for o in outcomes] == [{"name": f"b{i}"} for i in range(5)]
+    assert [(tmp_path / "outputs" / f"b{i}.txt").read_text() for i in range(5)] == [f"b{i}" for i in range(5)]
+    # A record written inside a batch is the record a one-step task run would have written.
+    assert all(o.cached for o in run(1))
