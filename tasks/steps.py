@@ -25,7 +25,6 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect.futures import PrefectFuture
 from prefect.settings import get_current_settings
-from prefect.utilities.annotations import quote
 
 from tasks.store import STATE_DIR, ArtifactStore, hash_paths
 
@@ -193,17 +192,17 @@ def _submit(
     if steps_per_task == 1:
         # The lookup in run_steps is the cache check, so the task skips Prefect's own (a
         # result-store read per step) and only writes its record; one variant for all steps
-        # (``with_options`` is slow). quote: Prefect need not walk the step's params for futures.
+        # (``with_options`` is slow).
         runner = execute_step.with_options(result_storage=_results_dir(root), refresh_cache=True)
         for index, step, key in missing:
-            pending[index] = runner.submit(quote(step), key, str(root), torch_threads).result
+            pending[index] = runner.submit(step, key, str(root), torch_threads).result
         return pending
     for start in range(0, len(missing), steps_per_task):
         batch = missing[start : start + steps_per_task]
         names = [step.name for _, step, _ in batch]
         label = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]} ({len(names)} steps)"
         steps, keys = [step for _, step, _ in batch], [key for _, _, key in batch]
-        future = execute_steps.submit(label, quote(steps), keys, str(root), torch_threads)
+        future = execute_steps.submit(label, steps, keys, str(root), torch_threads)
         for position, (index, _, _) in enumerate(batch):
             pending[index] = functools.partial(_nth_result, future, position)
     return pending

@@ -76,9 +76,10 @@ def test_cold_run_executes_every_step_and_writes_outputs(workspace):
 
 
 def test_same_params_and_seed_give_bit_identical_weights_and_metrics_on_a_dask_cluster(cold_run, tmp_path, cli_env):
-    """A second workspace, run on a 2-process Dask LocalCluster instead of threads."""
+    """A second workspace, run on a 2-process Dask LocalCluster, two steps to a task run."""
     path = make_workspace(tmp_path / "again", fast_params(merge=MERGE))
-    done = run_cli(["run", "-S", "orchestration.task_runner=dask", "-S", "orchestration.dask_workers=2"], path, cli_env)
+    dask = ["-S", "orchestration.task_runner=dask", "-S", "orchestration.dask_workers=2"]
+    done = run_cli(["run", *dask, "-S", "orchestration.steps_per_task=2"], path, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert ran_steps(path) == ALL_STEPS  # its own store: nothing came from the first run's cache
     hashes = _result_hashes(path)
