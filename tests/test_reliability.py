@@ -66,6 +66,50 @@ def test_kill_9_during_finetuning_keeps_finished_clients_and_the_result(tmp_path
     assert not list(path.rglob("*.tmp"))  # no half-written file anywhere
 
 
+# FedAvg over 6 rounds of slow client updates, so that a kill lands between rounds.
+FEDERATED_PARAMS = {
+    "merge": {"methods": ["average"], "options": {}},
+    "federated": {"algorithms": ["fedavg"], "rounds": 6, "local": {"epochs": 150}},
+    "orchestration": {"max_workers": 1},
+}
+
+
+def _finished_rounds(path: Path) -> list[int]:
+    results = path / ".mergeflow" / "results"
+    records = results.glob("federated-fedavg-r*-server-*") if results.is_dir() else []
+    return sorted(int(p.name.split("-")[2][1:]) for p in records)
+
+
+def test_kill_9_during_federated_rounds_resumes_at_the_last_finished_round(tmp_path, cli_env):
+    reference = make_workspace(tmp_path / "reference", fast_params(**FEDERATED_PARAMS))
+    assert run_cli(["run"], reference, cli_env).returncode == 0
+
+    path = make_workspace(tmp_path / "killed", fast_params(**FEDERATED_PARAMS))
+    process = subprocess.Popen(
+        [str(BIN / "mergeflow"), "run"],
+        cwd=path,
+        env=cli_env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    while len(_finished_rounds(path)) < 2 and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    finished = _finished_rounds(path)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert 2 <= len(finished) < 6, f"the kill came too late or too early: {finished}"
+
+    done = run_cli(["run"], path, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rerun = {int(step.split("/")[2][1:]) for step in ran_steps(path) if step.startswith("federated/fedavg/r")}
+    assert rerun and min(rerun) > finished[-1]  # no finished round ran again
+    final = "models/federated/fedavg/round_006/global.safetensors"
+    assert (path / final).read_bytes() == (reference / final).read_bytes()
+    assert not list(path.rglob("*.tmp"))
+
+
 def test_two_concurrent_runs_with_different_params_leave_both_results_intact(tmp_path, cli_env):
     path = make_workspace(tmp_path / "shared", fast_params(**{**PARAMS, "finetune": {"epochs": 2}}))
     first = ["run", "-S", "merge.methods=[average]"]
