@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,17 @@ def _finished_clients(path: Path) -> list[str]:
     return sorted(p.name for p in results.glob("finetune-client_*")) if results.is_dir() else []
 
 
-def test_kill_9_during_finetuning_keeps_finished_clients_and_the_result(tmp_path, cli_env):
-    reference = make_workspace(tmp_path / "reference", fast_params(**PARAMS))
-    assert run_cli(["run"], reference, cli_env).returncode == 0
+def _reference_and_killed_run(
+    tmp_path: Path, cli_env: dict, params: dict, finished: Callable[[Path], list], enough: int, settle: float
+) -> tuple[Path, Path, list]:
+    """A reference workspace run to the end, and one whose run is killed (-9, with its whole
+    process group) once ``finished(path)`` lists ``enough`` entries and ``settle`` seconds passed.
 
-    path = make_workspace(tmp_path / "killed", fast_params(**PARAMS))
+    Returns both workspaces and what ``finished`` listed just before the kill.
+    """
+    reference = make_workspace(tmp_path / "reference", fast_params(**params))
+    assert run_cli(["run"], reference, cli_env).returncode == 0
+    path = make_workspace(tmp_path / "killed", fast_params(**params))
     process = subprocess.Popen(
         [str(BIN / "mergeflow"), "run"],
         cwd=path,
@@ -48,12 +55,18 @@ def test_kill_9_during_finetuning_keeps_finished_clients_and_the_result(tmp_path
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 300
-    while not _finished_clients(path) and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.2)
-    time.sleep(0.5)  # past the result write: a kill between clients, not inside Prefect's own write
-    finished = _finished_clients(path)
+    while len(finished(path)) < enough and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    time.sleep(settle)
+    done = finished(path)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+    return reference, path, done
+
+
+def test_kill_9_during_finetuning_keeps_finished_clients_and_the_result(tmp_path, cli_env):
+    # settle: past the result write, so the kill lands between clients, not inside Prefect's own write
+    reference, path, finished = _reference_and_killed_run(tmp_path, cli_env, PARAMS, _finished_clients, 1, 0.5)
     assert 1 <= len(finished) < 4, f"the kill came too late or too early: {finished}"
 
     done = run_cli(["run"], path, cli_env)
@@ -81,24 +94,7 @@ def _finished_rounds(path: Path) -> list[int]:
 
 
 def test_kill_9_during_federated_rounds_resumes_at_the_last_finished_round(tmp_path, cli_env):
-    reference = make_workspace(tmp_path / "reference", fast_params(**FEDERATED_PARAMS))
-    assert run_cli(["run"], reference, cli_env).returncode == 0
-
-    path = make_workspace(tmp_path / "killed", fast_params(**FEDERATED_PARAMS))
-    process = subprocess.Popen(
-        [str(BIN / "mergeflow"), "run"],
-        cwd=path,
-        env=cli_env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 300
-    while len(_finished_rounds(path)) < 2 and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.1)
-    finished = _finished_rounds(path)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    reference, path, finished = _reference_and_killed_run(tmp_path, cli_env, FEDERATED_PARAMS, _finished_rounds, 2, 0.0)
     assert 2 <= len(finished) < 6, f"the kill came too late or too early: {finished}"
 
     done = run_cli(["run"], path, cli_env)
