@@ -142,32 +142,14 @@ def set_environment(home: Path) -> None:
 
 def workspace_inputs(workspace: Path) -> tuple[Any, list[Any], Any, dict[str, Any]]:
     """The loop's model builder, client data, test data and base-model spec, read from the workspace files."""
-    import torch
-
-    from mergeflow.checkpoints import load_checkpoint
-    from mergeflow.data import load_dataset_file, to_arrays
-    from mergeflow.federated import ClientData
-    from mergeflow.models import build_from_spec
-    from tasks.data import PARTITIONS, PREPARED, client_file, read_info
+    from mergeflow.checkpoints import load_checkpoint_meta
+    from tasks.data import PARTITIONS
+    from tasks.federated import loop_inputs
     from tasks.training import BASE
 
-    base_state, base_meta = load_checkpoint(workspace / BASE)
-    spec = base_meta["spec"]
-
-    def model_builder() -> torch.nn.Module:
-        model = build_from_spec(spec)
-        model.load_state_dict(base_state)
-        return model
-
-    info = read_info(workspace, PARTITIONS)
     num_clients = len(list((workspace / PARTITIONS).glob("client_*.parquet")))
-
-    def data(path: Path) -> ClientData:
-        X, y = to_arrays(load_dataset_file(path), info)
-        return ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"])
-
-    clients = [data(workspace / client_file(k)) for k in range(num_clients)]
-    return model_builder, clients, data(workspace / PREPARED / "test.parquet"), spec
+    model_builder, clients, test = loop_inputs(workspace, num_clients)
+    return model_builder, clients, test, load_checkpoint_meta(workspace / BASE)["spec"]
 
 
 def export_for_flower(

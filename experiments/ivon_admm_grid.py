@@ -37,31 +37,11 @@ def point_params(preset: dict[str, Any], point: list[str]) -> Any:
 
 def workspace_data(params: Any, workspace: Path) -> tuple[Any, list[Any], Any]:
     """Prepare, partition and pre-train (cached), then the loop's model builder, client and test data."""
-    import torch
-
     from flows.pipeline import run_pipeline
-    from mergeflow.checkpoints import load_checkpoint
-    from mergeflow.federated import ClientData
-    from mergeflow.models import build_from_spec
-    from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
-    from tasks.training import BASE
+    from tasks.federated import loop_inputs
 
     run_pipeline(params, workspace, ["prepare", "partition", "pretrain"])
-    state, meta = load_checkpoint(workspace / BASE)
-
-    def model_builder() -> torch.nn.Module:
-        model = build_from_spec(meta["spec"])
-        model.load_state_dict(state)
-        return model
-
-    info = read_info(workspace, PARTITIONS)
-
-    def data(path: Path) -> ClientData:
-        X, y = read_arrays(path, info)
-        return ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"])
-
-    clients = [data(workspace / client_file(k)) for k in range(params.partition.num_clients)]
-    return model_builder, clients, data(workspace / PREPARED / "test.parquet")
+    return loop_inputs(workspace, params.partition.num_clients)
 
 
 def settings(args: argparse.Namespace, base: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -16,6 +16,7 @@ the plain loop bit for bit.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,27 @@ def _test_data(root: Path) -> tuple[ClientData, float | None]:
     info = read_info(root)
     X, y = read_arrays(root / PREPARED / "test.parquet", info)
     return ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"]), info.get("noise_std")
+
+
+def loop_inputs(root: Path, num_clients: int) -> tuple[Callable[[], torch.nn.Module], list[ClientData], ClientData]:
+    """What ``mergeflow.federated.run_rounds`` needs to redo this stage from a workspace's files.
+
+    The base model's builder, every client's data and the test data, read as the stage's steps
+    read them, so the plain loop on these inputs reproduces the stage's numbers bit for bit.
+    """
+    base_state, base_meta = load_checkpoint(root / BASE)
+
+    def model_builder() -> torch.nn.Module:
+        model = build_from_spec(base_meta["spec"])
+        model.load_state_dict(base_state)
+        return model
+
+    info = read_info(root, PARTITIONS)
+    clients = []
+    for k in range(num_clients):
+        X, y = read_arrays(root / client_file(k), info)
+        clients.append(ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"]))
+    return model_builder, clients, _test_data(root)[0]
 
 
 def _write_global(root: Path, out: Path, params: dict[str, Any], server: dict, round_index: int, row: dict) -> None:

@@ -45,31 +45,15 @@ def workspace(tmp_path_factory, cli_env):
 
 def test_the_flow_reproduces_the_plain_round_loop_bit_for_bit(workspace):
     from mergeflow.checkpoints import load_checkpoint
-    from mergeflow.data import load_dataset_file, to_arrays
-    from mergeflow.federated import ClientData, LocalTraining, run_rounds
-    from mergeflow.models import build_from_spec
-    from tasks.data import PARTITIONS, PREPARED, client_file, read_info
+    from mergeflow.federated import LocalTraining, run_rounds
+    from tasks.federated import loop_inputs
 
     steps = ran_steps(workspace)
     for name in FEDERATED["algorithms"]:
         assert _round_steps(name, range(1, 3), _participants) <= steps
     assert len(_participants(1)) == 2
 
-    base_state, base_meta = load_checkpoint(workspace / "models/base/base.safetensors")
-
-    def model_builder():
-        model = build_from_spec(base_meta["spec"])
-        model.load_state_dict(base_state)
-        return model
-
-    info = read_info(workspace, PARTITIONS)
-
-    def data(path):
-        X, y = to_arrays(load_dataset_file(path), info)
-        return ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"])
-
-    clients = [data(workspace / client_file(k)) for k in range(3)]
-    test = data(workspace / PREPARED / "test.parquet")
+    model_builder, clients, test = loop_inputs(workspace, 3)
     curves = json.loads((workspace / "metrics/federated.json").read_text())
     local = LocalTraining(**fast_params()["federated"]["local"])
     threads = torch.get_num_threads()
