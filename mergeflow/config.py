@@ -255,11 +255,17 @@ class FederatedConfig(_Section):
     Each name in ``algorithms`` is a registered algorithm, or a variant declared in ``options``
     with an ``algorithm`` key (e.g. ``fedprox_01: {algorithm: fedprox, mu: 0.1}``).
     ``fraction`` of the clients (at least one) take part in each round, sampled with the seed.
+    A client whose local training diverges is recorded; ``on_divergence: fail`` then stops the
+    run, ``exclude`` drops its message for that round (its state is kept). Gaussian global models
+    (Bayes-ADMM) are also scored by their Monte-Carlo predictive with ``predictive_samples``
+    draws (0 = off), as ``bma_*`` metrics beside those of the mean.
     """
 
     algorithms: list[str] = []
     rounds: int = Field(10, ge=1)
     fraction: float = Field(1.0, gt=0, le=1)
+    on_divergence: Literal["fail", "exclude"] = "fail"
+    predictive_samples: int = Field(32, ge=0)
     local: LocalTrainConfig = LocalTrainConfig()
     options: dict[str, dict[str, Any]] = {}
 

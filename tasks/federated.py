@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from mergeflow.checkpoints import atomic_path, load_checkpoint, load_checkpoint_meta, save_checkpoint, write_json
 from mergeflow.config import Params
+from mergeflow.errors import MergeflowError
 from mergeflow.federated import (
     ClientData,
     LocalTraining,
@@ -33,9 +34,11 @@ from mergeflow.federated import (
     get_algorithm,
     sample_participants,
 )
-from mergeflow.federated.loop import evaluate_global
+from mergeflow.federated.divergence import guarded_client_update, surviving_messages
+from mergeflow.federated.loop import evaluate_global, predictive_metrics, weighted_loss
 from mergeflow.models import build_from_spec
 from mergeflow.plots import plot_rounds
+from mergeflow.training import DivergenceError
 from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
 from tasks.steps import Step
 from tasks.training import BASE
@@ -100,6 +103,11 @@ def _settings(params: Params, name: str) -> dict[str, Any]:
     }
 
 
+def _evaluation_settings(params: Params) -> dict[str, Any]:
+    """What only the init and server steps read: client updates do not depend on these."""
+    return {"predictive_samples": params.federated.predictive_samples, "on_divergence": params.federated.on_divergence}
+
+
 def _participants(params: Params, round_index: int) -> list[int]:
     federated = params.federated
     return sample_participants(params.partition.num_clients, federated.fraction, params.seed, round_index - 1)
@@ -111,7 +119,13 @@ def plan_federated(params: Params) -> list[list[Step]]:
     evaluation = (BASE, f"{PREPARED}/test.parquet", f"{PREPARED}/info.json")
     waves = [
         [
-            Step(f"federated/{name}/init", "tasks.federated:init_rounds", _settings(params, name), evaluation, _CODE)
+            Step(
+                f"federated/{name}/init",
+                "tasks.federated:init_rounds",
+                {**_settings(params, name), **_evaluation_settings(params)},
+                evaluation,
+                _CODE,
+            )
             for name in names
         ]
     ]
@@ -145,7 +159,7 @@ def plan_federated(params: Params) -> list[list[Step]]:
                 Step(
                     f"federated/{name}/r{r:03d}/server",
                     "tasks.federated:server_round",
-                    {**settings, "round": r, "participants": participants},
+                    {**settings, **_evaluation_settings(params), "round": r, "participants": participants},
                     (*evaluation, server_file(name, r - 1), PARTITION_METRICS, *messages),
                     _CODE,
                 )
@@ -199,6 +213,8 @@ def _write_global(root: Path, out: Path, params: dict[str, Any], server: dict, r
     model = build_from_spec(base_meta["spec"])
     data, noise = _test_data(root)
     scores = evaluate_global(model, algorithm.global_state(server), data, noise_std=noise or params["noise_std"])
+    samples, seed = params["predictive_samples"], params["seed"]
+    scores |= predictive_metrics(algorithm, server, model, data, samples, seed, round_index)
     write_json(out / round_metrics_file(params["name"], round_index), {"round": round_index, **row, **scores})
 
 
@@ -222,7 +238,8 @@ def client_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     algorithm = get_algorithm(params["algorithm"])
     info = read_info(root, PARTITIONS)
     X, y = read_arrays(root / client_file(k), info)
-    message, state, metrics = algorithm.client_update(
+    message, state, metrics = guarded_client_update(
+        algorithm,
         build_from_spec(load_checkpoint_meta(root / BASE)["spec"]),
         load_file(root / server_file(name, r - 1)),
         load_file(root / client_state_file(name, params["state_round"], k)),
@@ -231,7 +248,9 @@ def client_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
         algorithm.parse_options(params["options"]),
         client_generator(params["seed"], r - 1, k),
     )
-    _save(out / message_file(name, r, k), message)
+    # A diverged client (message None) sends an empty message and keeps its state: the server
+    # step applies federated.on_divergence, so changing the policy re-runs no client update.
+    _save(out / message_file(name, r, k), message or {})
     _save(out / client_state_file(name, r, k), state)
     write_json(out / client_metrics_file(name, r, k), metrics)
     return {"num_examples": len(y), **metrics}
@@ -243,16 +262,24 @@ def server_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     algorithm = get_algorithm(params["algorithm"])
     options = algorithm.parse_options(params["options"])
     server = load_file(root / server_file(name, r - 1))
-    messages = {k: load_file(root / message_file(name, r, k)) for k in participants}
+    client_metrics = {k: json.loads((root / client_metrics_file(name, r, k)).read_text()) for k in participants}
+    reasons = {k: m["divergence"] for k, m in client_metrics.items() if "divergence" in m}
+    outcomes = {k: None if k in reasons else load_file(root / message_file(name, r, k)) for k in participants}
     sizes = dict(enumerate(json.loads((root / PARTITION_METRICS).read_text())["sizes"]))
-    updated = algorithm.server_update(server, messages, {}, sizes, params["num_clients"], options)
+    try:
+        messages = surviving_messages(outcomes, reasons, params["on_divergence"], r)
+        updated = (
+            algorithm.server_update(server, messages, {}, sizes, params["num_clients"], options) if messages else server
+        )
+    except DivergenceError as error:
+        raise MergeflowError(f"federated.algorithms: {name}: {error}") from None
     _save(out / server_file(name, r), updated)
-    losses = {k: json.loads((root / client_metrics_file(name, r, k)).read_text()) for k in participants}
-    total = sum(sizes[k] for k in participants)
+    losses = {k: m.get("train_loss", float("nan")) for k, m in client_metrics.items()}
     row = {
         "participants": float(len(participants)),
-        "train_loss": sum(sizes[k] * losses[k].get("train_loss", float("nan")) for k in participants) / total,
+        "train_loss": weighted_loss(losses, sizes, messages),
         "drift": client_drift(algorithm.global_state(server), messages),
+        "diverged": sorted(reasons),
     }
     _write_global(root, out, params, updated, r, row)
     return {"round": r}

@@ -211,9 +211,11 @@ def _log_rounds(mlflow, rounds: list[dict]) -> None:
     history = [
         Metric(f"round_{key}", float(row[key]), 0, int(row["round"]))
         for row in rounds
-        for key in ("accuracy", "nll", "ece", "mse", "drift", "train_loss")
+        for key in ("accuracy", "nll", "ece", "mse", "drift", "train_loss", "bma_accuracy", "bma_nll", "bma_ece")
         if key in row
     ]
+    diverged = [Metric("round_diverged_clients", float(len(r["diverged"])), 0, int(r["round"])) for r in rounds[1:]]
+    history += diverged
     mlflow.tracking.MlflowClient().log_batch(mlflow.active_run().info.run_id, metrics=history)
 
 

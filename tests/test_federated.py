@@ -12,6 +12,7 @@ from safetensors.torch import load, save
 from sklearn.datasets import load_digits
 
 from mergeflow.errors import ConfigError
+from mergeflow.evaluation import softmax
 from mergeflow.federated import (
     ALGORITHMS,
     ClientData,
@@ -22,6 +23,8 @@ from mergeflow.federated import (
     exact_posterior,
     get_algorithm,
     linear_gaussian_problem,
+    load_parameters,
+    model_parameters,
     run_quadratic_rounds,
     run_rounds,
     sample_participants,
@@ -30,6 +33,8 @@ from mergeflow.federated import (
 from mergeflow.federated.local import local_train
 from mergeflow.federated.quadratic import QuadraticProblem
 from mergeflow.models import build_model
+from mergeflow.seeding import derive_seed
+from mergeflow.training import DivergenceError, predict
 from mergeflow.training import train as central_train
 
 TOY = [[1.0, 2.0, 3.0], [4.0, 6.0, 5.0, 5.0, 10.0]]
@@ -430,6 +435,118 @@ def test_partial_participation_in_the_loop(digits) -> None:
     clients, test = digits
     run = run_rounds("fedavg", _builder, clients, 2, train=LOCAL, eval_data=test, fraction=0.5, seed=2)
     assert [m.get("participants") for m in run.metrics[1:]] == [2.0, 2.0]
+
+
+class _NoSignal(torch.nn.Module):
+    """A regression model whose loss on zero inputs and targets is 0 for every weight: no data signal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 4).reshape(1, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T
+
+
+def test_ivon_admm_restarts_each_round_at_the_server_posterior() -> None:
+    # β2 = 1 freezes IVON's h at its start value, so S_k − S̄ = ess·h_start exactly. Restarting at
+    # hess_init every round (the bug) sent S̄ + ess·hess_init; the reference restarts at h = 0.
+    data = ClientData(torch.zeros(20, 4), torch.zeros(20), task="regression")
+    options = {"rho": 0.5, "damping": 0.1, "temperature": 1.0, "prior_precision": 2.0, "hess_init": 1.0, "beta2": 1.0}
+    run = run_rounds(
+        "bayes_admm", _NoSignal, [data, data], 3, options=options, train=LocalTraining(epochs=2, batch_size=8)
+    )
+    ess = len(data) / (1.0 * 0.5)
+    algo = get_algorithm("bayes_admm")
+    opts = algo.parse_options(options)
+    server = algo.init_server(dict(_NoSignal().named_parameters()), 2, opts)
+    client = algo.init_client(dict(_NoSignal().named_parameters()), opts)
+    gen = client_generator(0, 0, 0)
+    first, client, _ = algo.client_update(
+        _NoSignal(), server, client, data, LocalTraining(epochs=2, batch_size=8), opts, gen
+    )
+    assert torch.allclose(first["precision.weight"], torch.full((1, 4), 2.0 + ess * 1.0, dtype=torch.float64))
+    server = algo.server_update(server, {0: first, 1: first}, {}, {0: 20, 1: 20}, 2, opts)
+    later, client, _ = algo.client_update(
+        _NoSignal(), server, client, data, LocalTraining(epochs=2, batch_size=8), opts, client_generator(0, 1, 0)
+    )
+    assert torch.allclose(later["precision.weight"], server["precision.weight"], rtol=1e-6)
+    assert float((later["precision.weight"] - server["precision.weight"]).abs().max()) < 1e-3 * ess
+    # IVON's momentum and step count are the client's own and carry over: 2 epochs × 3 batches a round.
+    assert float(client["ivon_steps"]) == 12.0 and "ivon_momentum.weight" in client
+    assert "ivon_steps" not in later  # local state, never sent
+    assert [float(v) for v in run.client_states[0]["ivon_steps"].reshape(1)] == [18.0]
+    assert run.metrics[-1]["diverged"] == []
+
+
+def _with_a_diverging_client(digits) -> list[ClientData]:
+    clients, _ = digits
+    bad = ClientData(clients[1].X * 1e30, clients[1].y)
+    return [clients[0], bad, clients[2]]
+
+
+@pytest.mark.parametrize("name", ["fedavg", "bayes_admm"])
+def test_a_diverged_client_fails_the_run_or_is_excluded(name: str, digits) -> None:
+    clients, test = _with_a_diverging_client(digits), digits[1]
+    with pytest.raises(DivergenceError, match="round 1: local training diverged.*client 1: .*on_divergence: exclude"):
+        run_rounds(name, _builder, clients, 1, options=NEURAL[name], train=LOCAL, eval_data=test)
+    run = run_rounds(
+        name, _builder, clients, 2, options=NEURAL[name], train=LOCAL, eval_data=test, on_divergence="exclude"
+    )
+    assert [row["diverged"] for row in run.metrics[1:]] == [[1], [1]]
+    assert run.metrics[-1]["accuracy"] > run.metrics[0]["accuracy"] + 0.3
+    initial = get_algorithm(name).init_client(
+        model_parameters(_builder()), get_algorithm(name).parse_options(NEURAL[name])
+    )
+    assert run.client_states[1].keys() == initial.keys()  # the diverged client's state is kept as it was
+    assert all(torch.equal(run.client_states[1][k], initial[k]) for k in initial)
+
+
+def test_bayes_admm_server_raises_divergence_on_a_non_positive_posterior() -> None:
+    algo = get_algorithm("bayes_admm")
+    opts = algo.parse_options({"rho": 0.5})
+    initial = {"w": torch.zeros(3)}
+    server = algo.init_server(initial, 2, opts)
+    message = {"mean.w": torch.zeros(3, dtype=torch.float64), "precision.w": torch.tensor([1.0, -50.0, 1.0])}
+    with pytest.raises(DivergenceError, match="posterior of 'w' is not finite and positive"):
+        algo.server_update(server, {0: message}, {}, {0: 10}, 2, opts)
+    message["precision.w"] = torch.tensor([1.0, float("nan"), 1.0], dtype=torch.float64)
+    with pytest.raises(DivergenceError):
+        algo.server_update(server, {0: message}, {}, {0: 10}, 2, opts)
+
+
+def test_the_monte_carlo_predictive_averages_sampled_models(digits) -> None:
+    clients, test = digits
+    options = NEURAL["bayes_admm"]
+    runs = [
+        run_rounds(
+            "bayes_admm", _builder, clients, 1, options=options, train=LOCAL, eval_data=test, predictive_samples=s
+        )
+        for s in (0, 8)
+    ]
+    assert "bma_accuracy" not in runs[0].metrics[-1]
+    row = runs[1].metrics[-1]
+    assert row["accuracy"] == runs[0].metrics[-1]["accuracy"]  # the mean's metrics are unchanged
+    assert 0.2 < row["bma_accuracy"] <= 1.0 and math.isfinite(row["bma_nll"])  # chance is 0.1
+    # By hand: the same draws from the same derived generator give the same average.
+    algo = get_algorithm("bayes_admm")
+    means, precisions = algo.posterior(runs[1].server)
+    gen = torch.Generator().manual_seed(derive_seed(0, "predictive", 1))
+    model, probs = _builder(), 0.0
+    for _ in range(8):
+        draw = {
+            n: m + torch.randn(m.shape, generator=gen, dtype=torch.float64) / precisions[n].sqrt()
+            for n, m in sorted(means.items())
+        }
+        load_parameters(model, draw)
+        probs = probs + softmax(predict(model, test.X)) / 8
+    assert row["bma_accuracy"] == pytest.approx(float((probs.argmax(1) == test.y.numpy()).mean()))
+    assert (
+        run_rounds("fedavg", _builder, clients, 1, train=LOCAL, eval_data=test, predictive_samples=8)
+        .metrics[-1]
+        .get("bma_accuracy")
+        is None
+    )
 
 
 def test_local_train_without_penalty_is_mergeflow_train() -> None:

@@ -52,6 +52,7 @@ def test_the_flow_reproduces_the_plain_round_loop_bit_for_bit(workspace):
     for name in FEDERATED["algorithms"]:
         assert _round_steps(name, range(1, 3), _participants) <= steps
     assert len(_participants(1)) == 2
+    assert "bma_accuracy" in json.loads((workspace / "metrics/federated.json").read_text())["bayes_admm"][-1]
 
     model_builder, clients, test = loop_inputs(workspace, 3)
     curves = json.loads((workspace / "metrics/federated.json").read_text())
@@ -71,6 +72,7 @@ def test_the_flow_reproduces_the_plain_round_loop_bit_for_bit(workspace):
                 fraction=FEDERATED["fraction"],
                 seed=0,
                 eval_data=test,
+                predictive_samples=fast_params()["federated"]["predictive_samples"],
             )
     finally:
         torch.set_num_threads(threads)
@@ -79,6 +81,7 @@ def test_the_flow_reproduces_the_plain_round_loop_bit_for_bit(workspace):
         assert [row["accuracy"] for row in flow_rows] == [row["accuracy"] for row in run.metrics]
         assert [row["nll"] for row in flow_rows] == [row["nll"] for row in run.metrics]
         assert [row.get("drift") for row in flow_rows[1:]] == [row["drift"] for row in run.metrics[1:]]
+        assert [row.get("bma_nll") for row in flow_rows] == [row.get("bma_nll") for row in run.metrics]
         final, meta = load_checkpoint(workspace / f"models/federated/{name}/round_002/global.safetensors")
         assert meta["round"] == 2
         for key, value in final.items():
@@ -123,3 +126,23 @@ def test_mlflow_has_a_federated_child_run_with_per_round_metrics(workspace):
     assert latest["metrics.test_accuracy"] == pytest.approx(by_round[3])
     drift = mlflow.tracking.MlflowClient().get_metric_history(latest.run_id, "round_drift")
     assert sorted(m.step for m in drift) == [1, 2, 3] and all(m.value > 0 for m in drift)
+
+
+def test_a_diverged_client_stops_the_run_or_is_excluded_without_retraining(workspace, cli_env):
+    diverging = ["-S", "federated.algorithms=[fedavg]", "-S", "federated.local.lr=1e12", "-S", "federated.rounds=3"]
+    done = run_cli(["run", *diverging], workspace, cli_env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    message = done.stderr.strip().splitlines()[-1]
+    assert "federated.algorithms: fedavg: round 1: local training diverged (client" in message
+    assert "federated.on_divergence: exclude" in message
+
+    done = run_cli(["run", *diverging, "-S", "federated.on_divergence=exclude"], workspace, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The policy is applied by the server steps: round 1's client updates (run before the stop) are
+    # not run again; the later rounds' run for the first time.
+    steps = ran_steps(workspace)
+    assert not any(step.startswith("federated/fedavg/r001/client_") for step in steps)
+    assert "federated/fedavg/r001/server" in steps and "federated/fedavg/r002/client_000" in steps
+    rows = json.loads((workspace / "metrics/federated.json").read_text())["fedavg"]
+    assert [row["diverged"] for row in rows[1:]] == [_participants(r) for r in range(1, 4)]
+    assert {row["accuracy"] for row in rows} == {rows[0]["accuracy"]}  # nothing was aggregated

@@ -166,6 +166,10 @@ class FederatedAlgorithm:
         """The model parameters to evaluate (float64; cast when loading into a model)."""
         return take_prefix(server, MEAN)
 
+    def posterior(self, server: ServerState) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
+        """The global model as a diagonal Gaussian (means, precisions), or None for a point estimate."""
+        return None
+
     def exact_client_update(
         self,
         server: ServerState,

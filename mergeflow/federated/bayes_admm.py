@@ -21,9 +21,17 @@ p0, a quadratic problem is solved exactly in one round.
 
 Neural clients run :class:`~mergeflow.federated.ivon_prior.IVONWithPrior` on the mean mini-batch
 loss with ess = N_k/(τρ), prior (m̄, S̄) and dual factor (−v_k, −V_k)/(N_k/τ) (dividing out the
-client's own site), starting from m̄ with h = ``hess_init`` and fresh momentum in every round; the
-message is the IVON posterior (m_k, S_k = ess·(h + S̄/ess)). With the stochastic IVON solve the dual
-step needs damping (d ≈ 0.1; d = 1 diverged in the notes' runs). Evaluation uses the mean m̄.
+client's own site). As in the reference code (team-approx-bayes/bayes-admm, ``train.py``), every
+round starts at the server's Gaussian: mean m̄ and posterior = prior = S̄, i.e. h = S̄/ess − S̄/ess = 0.
+Only before the first server update, while q̄ is still the broad prior N(θ0, δ⁻¹I), does IVON start
+at h = ``hess_init``. Restarting at ``hess_init`` every round would add about ess·``hess_init`` of
+precision per client per round that no data supports: S̄ ratchets up and the clients freeze. The
+reference resets every client after every server step, so a client that first takes part in a
+later round (partial participation) also starts at h = 0. IVON's momentum and step count are kept
+in the client state (local, never sent), as the reference keeps its optimizer across rounds. The
+message is the IVON posterior (m_k, S_k = ess·(h + S̄/ess)). With the stochastic IVON solve the
+dual step needs damping (d ≈ 0.1; d = 1 diverged in the notes' runs). Evaluation uses the mean m̄;
+:meth:`BayesADMM.posterior` gives (m̄, S̄) for a Monte-Carlo predictive.
 """
 
 from __future__ import annotations
@@ -60,6 +68,9 @@ DUAL_MEAN = "dual_mean."
 DUAL_PREC = "dual_prec."
 DUAL_MEAN_SUM = "dual_mean_sum."
 DUAL_PREC_SUM = "dual_prec_sum."
+SERVER_ROUNDS = "server_rounds"
+IVON_MOMENTUM = "ivon_momentum."
+IVON_STEPS = "ivon_steps"
 
 
 class BayesADMMOptions(StrictOptions):
@@ -102,6 +113,7 @@ class BayesADMM(FederatedAlgorithm):
             server[PRIOR_MEAN + name] = mean.clone() if options.prior_mean == "init" else torch.zeros_like(mean)
             server[DUAL_MEAN_SUM + name] = torch.zeros_like(mean)
             server[DUAL_PREC_SUM + name] = torch.zeros_like(mean)
+        server[SERVER_ROUNDS] = torch.zeros((), dtype=torch.float64)
         return server
 
     def init_client(self, global_state, options: BayesADMMOptions) -> ClientState:
@@ -134,7 +146,11 @@ class BayesADMM(FederatedAlgorithm):
         options: BayesADMMOptions,
         generator: torch.Generator,
     ) -> tuple[Message, ClientState, dict[str, float]]:
-        """IVON-ADMM: IVON with prior q̄ and the dual factor on the client data, then the dual step."""
+        """IVON-ADMM: IVON with prior q̄ and the dual factor on the client data, then the dual step.
+
+        IVON starts at q̄ (h = 0), or at h = ``hess_init`` before the first server update; its
+        momentum and step count carry over from the client's previous round.
+        """
         names = [name for name, _ in model.named_parameters()]
         load_parameters(model, take_prefix(server, MEAN))
         scale = len(data) / options.temperature  # N_k / τ
@@ -151,12 +167,14 @@ class BayesADMM(FederatedAlgorithm):
             prior_mean=flat(server, MEAN),
             dual_mean=-flat(client, DUAL_MEAN) / scale,
             dual_precision=-flat(client, DUAL_PREC) / scale,
-            hess_init=options.hess_init,
+            hess_init=options.hess_init if float(server[SERVER_ROUNDS]) == 0 else 0.0,
             beta1=options.beta1,
             beta2=options.beta2,
             mc_samples=options.mc_samples,
             clip_radius=options.clip_radius,
         )
+        if IVON_STEPS in client:
+            opt.set_momentum(flat(client, IVON_MOMENTUM), int(client[IVON_STEPS]))
         inputs, targets, loss_fn = prepared(data)
         n = inputs.shape[0]
         epoch_loss, steps = float("nan"), 0
@@ -192,7 +210,15 @@ class BayesADMM(FederatedAlgorithm):
             "ess": scale / options.rho,
             "mean_precision": float(precision.double().mean()),
         }
-        return message, self.dual_step(server, client, message, options), metrics
+        state = self.dual_step(server, client, message, options)
+        momentum, ivon_steps = opt.get_momentum()
+        state[IVON_STEPS] = torch.tensor(float(ivon_steps), dtype=torch.float64)
+        offset = 0
+        for name, p in model.named_parameters():
+            size = p.numel()
+            state[IVON_MOMENTUM + name] = momentum[offset : offset + size].reshape(p.shape).to(torch.float64, copy=True)
+            offset += size
+        return message, state, metrics
 
     def server_update(
         self,
@@ -229,7 +255,15 @@ class BayesADMM(FederatedAlgorithm):
             new[MEAN + name] = psolve(s_new, eta_new)
             new[DUAL_MEAN_SUM + name] = sum_v
             new[DUAL_PREC_SUM + name] = sum_V
+            variances = s_new if s_new.shape == m_bar.shape else torch.diagonal(s_new)  # diagonal or full S̄
+            if not (torch.isfinite(s_new).all() and (variances > 0).all() and torch.isfinite(new[MEAN + name]).all()):
+                raise DivergenceError(f"Bayes-ADMM server posterior of {name!r} is not finite and positive")
+        new[SERVER_ROUNDS] = server[SERVER_ROUNDS] + 1
         return new
+
+    def posterior(self, server: ServerState) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The global Gaussian q̄: (means m̄, diagonal precisions S̄) by parameter name."""
+        return take_prefix(server, MEAN), take_prefix(server, PRECISION)
 
     def exact_client_update(
         self, server: ServerState, client: ClientState, problem: QuadraticProblem, options: BayesADMMOptions

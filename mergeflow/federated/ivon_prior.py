@@ -138,6 +138,15 @@ class IVONWithPrior(ivon.IVON):
             offset += p.numel()
         group["hess"] = self._flat(precision) / group["ess"] - group["weight_decay"]
 
+    def get_momentum(self) -> tuple[Tensor, int]:
+        """(gradient momentum as a flat vector, number of steps taken): the state that debiases it."""
+        return self.param_groups[0]["momentum"].clone(), self.current_step
+
+    def set_momentum(self, momentum: Tensor, steps: int) -> None:
+        """Restore the momentum and step count of an earlier optimizer (e.g. a client's last round)."""
+        self.param_groups[0]["momentum"] = self._flat(momentum)
+        self.current_step = int(steps)
+
     # --------------------------------------------------------------------------- the algorithm
 
     def _sample_params(self) -> tuple[Tensor, Tensor]:

@@ -15,7 +15,7 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
-from mergeflow.evaluation import evaluate_outputs
+from mergeflow.evaluation import classification_metrics, evaluate_outputs, softmax
 from mergeflow.federated.base import (
     ClientData,
     ClientState,
@@ -29,6 +29,8 @@ from mergeflow.federated.base import (
     model_parameters,
     sample_participants,
 )
+from mergeflow.federated.divergence import guarded_client_update, surviving_messages
+from mergeflow.seeding import derive_seed
 from mergeflow.training import predict
 
 
@@ -43,7 +45,7 @@ class FederatedRun:
         global_state: the final model parameters (float64).
     """
 
-    metrics: list[dict[str, float]] = field(default_factory=list)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
     server: ServerState = field(default_factory=dict)
     client_states: dict[int, ClientState] = field(default_factory=dict)
     global_state: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -56,6 +58,41 @@ def evaluate_global(
     load_parameters(model, params)
     outputs = predict(model, data.X)
     return evaluate_outputs(outputs, data.y.numpy(), task=data.task, noise_std=noise_std)
+
+
+def predictive_metrics(
+    algorithm: FederatedAlgorithm,
+    server: ServerState,
+    model: nn.Module,
+    data: ClientData,
+    samples: int,
+    seed: int,
+    round_index: int,
+) -> dict[str, float]:
+    """``bma_accuracy``/``bma_nll``/``bma_ece`` of the Monte-Carlo predictive of a Gaussian global model.
+
+    Class probabilities are averaged over ``samples`` draws θ ~ N(m̄, S̄⁻¹) of the algorithm's
+    :meth:`~mergeflow.federated.base.FederatedAlgorithm.posterior` (a Bayesian model average),
+    drawn from a generator derived from (seed, round). Empty for point-estimate algorithms,
+    regression, or ``samples`` = 0.
+    """
+    posterior = algorithm.posterior(server)
+    if posterior is None or samples < 1 or data.task != "classification":
+        return {}
+    means, precisions = posterior
+    generator = torch.Generator().manual_seed(derive_seed(seed, "predictive", round_index))
+    probs = 0.0
+    for _ in range(samples):
+        # Sorted names: the same draws whether the state came from memory or from safetensors.
+        draw = {
+            name: means[name]
+            + torch.randn(means[name].shape, generator=generator, dtype=torch.float64) / precisions[name].sqrt()
+            for name in sorted(means)
+        }
+        load_parameters(model, draw)
+        probs = probs + softmax(predict(model, data.X)) / samples
+    scores = classification_metrics(probs, data.y.numpy())
+    return {f"bma_{key}": value for key, value in scores.items()}
 
 
 def _concatenate(clients_data: Sequence[ClientData]) -> ClientData:
@@ -78,7 +115,9 @@ def run_rounds(
     seed: int = 0,
     eval_data: ClientData | None = None,
     noise_std: float = 1.0,
-    callback: Callable[[dict[str, float]], None] | None = None,
+    on_divergence: str = "fail",
+    predictive_samples: int = 0,
+    callback: Callable[[dict[str, Any]], None] | None = None,
 ) -> FederatedRun:
     """Run ``rounds`` federated rounds sequentially in this process.
 
@@ -94,13 +133,19 @@ def run_rounds(
         seed: seed of participant sampling and of every client's generator.
         eval_data: data on which the global model is evaluated (all clients' data when None).
         noise_std: noise of the regression NLL.
+        on_divergence: ``fail`` raises :class:`~mergeflow.training.DivergenceError` when a client
+            diverges; ``exclude`` drops its message for that round (see
+            :mod:`mergeflow.federated.divergence`).
+        predictive_samples: also evaluate the Monte-Carlo predictive of a Gaussian global model
+            with this many samples (:func:`predictive_metrics`; 0 = off).
         callback: called with each round's metrics as soon as they exist.
 
     Returns:
         A :class:`FederatedRun`. Each round's metrics hold ``round``, ``participants``,
         ``train_loss`` (participants' last-epoch losses weighted by n_k), ``drift`` (mean ‖θ_k − θ̄‖
-        from the global model the clients started at) and the evaluation metrics of the new global
-        model (accuracy/nll/ece or mse/nll).
+        from the global model the clients started at), ``diverged`` (ids of the participants whose
+        message was dropped) and the evaluation metrics of the new global model (accuracy/nll/ece
+        or mse/nll, plus ``bma_*`` with ``predictive_samples``).
     """
     algo = get_algorithm(algorithm)
     opts = algo.parse_options(options)
@@ -115,30 +160,47 @@ def run_rounds(
     clients = {k: algo.init_client(initial, opts) for k in range(num_clients)}
     sizes = {k: len(d) for k, d in enumerate(clients_data)}
     run = FederatedRun(server=server, client_states=clients)
-    first = {"round": 0.0, **evaluate_global(eval_model, algo.global_state(server), evaluation, noise_std=noise_std)}
+
+    def scores(round_index: int) -> dict[str, float]:
+        return {
+            **evaluate_global(eval_model, algo.global_state(server), evaluation, noise_std=noise_std),
+            **predictive_metrics(algo, server, eval_model, evaluation, predictive_samples, seed, round_index),
+        }
+
+    first = {"round": 0.0, **scores(0)}
     run.metrics.append(first)
     if callback is not None:
         callback(first)
     for r in range(rounds):
         participants = sample_participants(num_clients, fraction, seed, r)
-        messages, losses = {}, {}
+        outcomes, losses, reasons = {}, {}, {}
         for k in participants:
-            messages[k], clients[k], client_metrics = algo.client_update(
-                model_builder(), server, clients[k], clients_data[k], train, opts, client_generator(seed, r, k)
+            outcomes[k], clients[k], client_metrics = guarded_client_update(
+                algo, model_builder(), server, clients[k], clients_data[k], train, opts, client_generator(seed, r, k)
             )
             losses[k] = client_metrics.get("train_loss", float("nan"))
+            if "divergence" in client_metrics:
+                reasons[k] = client_metrics["divergence"]
+        messages = surviving_messages(outcomes, reasons, on_divergence, r + 1)
         started_from = algo.global_state(server)
-        server = algo.server_update(server, messages, dict(clients), sizes, num_clients, opts)
-        total = sum(sizes[k] for k in participants)
+        if messages:
+            server = algo.server_update(server, messages, dict(clients), sizes, num_clients, opts)
         row = {
             "round": float(r + 1),
             "participants": float(len(participants)),
-            "train_loss": sum(sizes[k] * losses[k] for k in participants) / total,
+            "train_loss": weighted_loss(losses, sizes, messages),
             "drift": client_drift(started_from, messages),
-            **evaluate_global(eval_model, algo.global_state(server), evaluation, noise_std=noise_std),
+            "diverged": sorted(reasons),
+            **scores(r + 1),
         }
         run.metrics.append(row)
         if callback is not None:
             callback(row)
     run.server, run.client_states, run.global_state = server, clients, algo.global_state(server)
     return run
+
+
+def weighted_loss(losses: Mapping[int, float], sizes: Mapping[int, int], kept: Mapping[int, Any]) -> float:
+    """The clients' last-epoch losses weighted by n_k, over the clients in ``kept`` (nan if none)."""
+    total = sum(sizes[k] for k in kept)
+    return sum(sizes[k] * losses[k] for k in kept) / total if total else float("nan")
