@@ -55,6 +55,7 @@ class DataConfig(_Section):
     source: Literal["digits", "wine", "pinwheel", "linreg", "hf"] = "digits"
     test_fraction: float = Field(0.2, gt=0, lt=1)
     server_fraction: float = Field(0.1, ge=0, lt=1)
+    validation_fraction: float = Field(0.0, ge=0, lt=1)
     standardize: bool = False
     pinwheel: PinwheelOptions = PinwheelOptions()
     linreg: LinregOptions = LinregOptions()
@@ -62,8 +63,10 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _fractions_leave_training_data(self) -> DataConfig:
-        if self.test_fraction + self.server_fraction >= 0.95:
-            raise ValueError("test_fraction + server_fraction must leave at least 5% for the clients")
+        if self.test_fraction + self.server_fraction + self.validation_fraction >= 0.95:
+            raise ValueError(
+                "test_fraction + server_fraction + validation_fraction must leave at least 5% for the clients"
+            )
         if self.source == "hf" and not self.hf.path:
             raise ValueError("source 'hf' needs data.hf.path (e.g. 'csv' with data.hf.data_files)")
         if self.source == "hf":
@@ -386,7 +389,7 @@ def _known_training_rows(data: DataConfig) -> int | None:
         return None
     options = {"pinwheel": data.pinwheel.model_dump(), "linreg": data.linreg.model_dump()}.get(data.source, {})
     total = builtin_size(data.source, **options)
-    return int(total * (1 - data.test_fraction - data.server_fraction))
+    return int(total * (1 - data.test_fraction - data.server_fraction - data.validation_fraction))
 
 
 def parse_override(text: str) -> tuple[str, Any]:

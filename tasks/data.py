@@ -81,9 +81,8 @@ def prepare(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     source = data["source"]
     options = data.get(source, {}) if source in ("pinwheel", "linreg", "hf") else {}
     dataset, info = load_source(source, seed=params["seed"], options=options)
-    splits = split_dataset(
-        dataset, info, test_fraction=data["test_fraction"], server_fraction=data["server_fraction"], seed=params["seed"]
-    )
+    fractions = {key: data[key] for key in ("test_fraction", "server_fraction", "validation_fraction")}
+    splits = split_dataset(dataset, info, **fractions, seed=params["seed"])
     if data["standardize"]:
         splits, info["standardization"] = standardize(splits)
     for name, split in splits.items():

@@ -35,7 +35,7 @@ from mergeflow.federated import (
     sample_participants,
 )
 from mergeflow.federated.divergence import guarded_client_update, surviving_messages
-from mergeflow.federated.loop import evaluate_global, predictive_metrics, weighted_loss
+from mergeflow.federated.loop import global_scores, weighted_loss
 from mergeflow.models import build_from_spec
 from mergeflow.plots import plot_rounds
 from mergeflow.training import DivergenceError
@@ -105,7 +105,11 @@ def _settings(params: Params, name: str) -> dict[str, Any]:
 
 def _evaluation_settings(params: Params) -> dict[str, Any]:
     """What only the init and server steps read: client updates do not depend on these."""
-    return {"predictive_samples": params.federated.predictive_samples, "on_divergence": params.federated.on_divergence}
+    return {
+        "predictive_samples": params.federated.predictive_samples,
+        "on_divergence": params.federated.on_divergence,
+        "validation": params.data.validation_fraction > 0,
+    }
 
 
 def _participants(params: Params, round_index: int) -> list[int]:
@@ -117,6 +121,8 @@ def plan_federated(params: Params) -> list[list[Step]]:
     """Waves: init, then (clients, server) per round, then the summary."""
     names = params.federated.algorithms
     evaluation = (BASE, f"{PREPARED}/test.parquet", f"{PREPARED}/info.json")
+    if params.data.validation_fraction > 0:
+        evaluation += (f"{PREPARED}/validation.parquet",)
     waves = [
         [
             Step(
@@ -182,6 +188,14 @@ def _test_data(root: Path) -> tuple[ClientData, float | None]:
     return ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"]), info.get("noise_std")
 
 
+def validation_data(root: Path) -> ClientData:
+    """The prepared validation split (written when ``data.validation_fraction`` > 0)."""
+    path = root / PREPARED / "validation.parquet"
+    info = read_info(root)
+    X, y = read_arrays(path, info)
+    return ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"])
+
+
 def loop_inputs(root: Path, num_clients: int) -> tuple[Callable[[], torch.nn.Module], list[ClientData], ClientData]:
     """What ``mergeflow.federated.run_rounds`` needs to redo this stage from a workspace's files.
 
@@ -212,9 +226,9 @@ def _write_global(root: Path, out: Path, params: dict[str, Any], server: dict, r
     save_checkpoint(out / global_checkpoint(params["name"], round_index), weights, meta)
     model = build_from_spec(base_meta["spec"])
     data, noise = _test_data(root)
-    scores = evaluate_global(model, algorithm.global_state(server), data, noise_std=noise or params["noise_std"])
-    samples, seed = params["predictive_samples"], params["seed"]
-    scores |= predictive_metrics(algorithm, server, model, data, samples, seed, round_index)
+    noise_std, samples, seed = noise or params["noise_std"], params["predictive_samples"], params["seed"]
+    validation = validation_data(root) if params["validation"] else None
+    scores = global_scores(algorithm, server, model, data, validation, noise_std, samples, seed, round_index)
     write_json(out / round_metrics_file(params["name"], round_index), {"round": round_index, **row, **scores})
 
 

@@ -203,6 +203,25 @@ def test_split_fractions_stratification_and_determinism(digits):
     assert "server" not in split_dataset(ds, info, test_fraction=0.2, seed=5)
 
 
+def test_validation_split_is_held_out_and_leaves_test_and_server_as_they_were(digits):
+    ds, info = digits
+    plain = split_dataset(ds, info, test_fraction=0.2, server_fraction=0.1, seed=5)
+    splits = split_dataset(ds, info, test_fraction=0.2, server_fraction=0.1, validation_fraction=0.15, seed=5)
+    assert {k: v.num_rows for k, v in splits.items()} == {
+        "train": 1797 - 360 - 180 - 270,
+        "test": 360,
+        "server": 180,
+        "validation": 270,
+    }
+    for name in ("test", "server"):
+        assert to_arrays(splits[name], info)[0].tobytes() == to_arrays(plain[name], info)[0].tobytes()
+    rows = {name: {x.tobytes() for x in to_arrays(split, info)[0]} for name, split in splits.items()}
+    assert not rows["validation"] & (rows["train"] | rows["test"] | rows["server"])
+    assert rows["validation"] | rows["train"] == {x.tobytes() for x in to_arrays(plain["train"], info)[0]}
+    share = np.bincount(_labels(splits["validation"]), minlength=10) / 270
+    assert np.abs(share - np.bincount(_labels(ds)) / 1797).max() < 0.01  # stratified
+
+
 def test_split_keeps_row_order_and_falls_back_unstratified():
     x = np.arange(20, dtype=np.float32)[:, None]
     y = np.array([0] * 19 + [1])  # class 1 has a single member: no stratification possible

@@ -556,3 +556,15 @@ def test_local_train_without_penalty_is_mergeflow_train() -> None:
     local_train(a, ClientData(X, y), train, torch.Generator().manual_seed(11))
     central_train(b, X, y, task="classification", epochs=3, lr=0.05, optimizer="adam", batch_size=10, seed=11)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_validation_metrics_are_scored_beside_test(digits) -> None:
+    clients, test = digits
+    validation = ClientData(test.X[:200], test.y[:200])
+    run = run_rounds("fedavg", _builder, clients[:2], 1, train=LOCAL, eval_data=test, validation_data=validation)
+    plain = run_rounds("fedavg", _builder, clients[:2], 1, train=LOCAL, eval_data=validation)
+    assert [row["val_accuracy"] for row in run.metrics] == [row["accuracy"] for row in plain.metrics]
+    assert (
+        run.metrics[-1]["val_nll"] == plain.metrics[-1]["nll"]
+        and run.metrics[-1]["accuracy"] != plain.metrics[-1]["accuracy"]
+    )

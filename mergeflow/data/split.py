@@ -36,36 +36,41 @@ def split_dataset(
     *,
     test_fraction: float,
     server_fraction: float = 0.0,
+    validation_fraction: float = 0.0,
     seed: int = 0,
 ) -> dict[str, datasets.Dataset]:
-    """Split into ``"train"``, ``"test"`` and, when ``server_fraction > 0``, ``"server"``.
+    """Split into ``"train"``, ``"test"`` and, when their fractions are > 0, ``"server"`` and ``"validation"``.
 
     Fractions are of the whole dataset (rounded up to whole rows). Classification data
     is stratified by ``"y"`` unless some class has fewer than two rows. The result is
-    deterministic for a seed and every split keeps the original row order.
+    deterministic for a seed and every split keeps the original row order. The validation
+    split is held out from everything else (hyperparameters are chosen on it, never on test);
+    test and server rows are the same with or without it.
     """
     n = ds.num_rows
     if not 0.0 < test_fraction < 1.0:
         raise DataError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    if not 0.0 <= server_fraction < 1.0:
-        raise DataError(f"server_fraction must be in [0, 1), got {server_fraction}")
+    for key, fraction in (("server_fraction", server_fraction), ("validation_fraction", validation_fraction)):
+        if not 0.0 <= fraction < 1.0:
+            raise DataError(f"{key} must be in [0, 1), got {fraction}")
     n_test = math.ceil(test_fraction * n)
     n_server = math.ceil(server_fraction * n)
-    if n - n_test - n_server < 1:
+    n_validation = math.ceil(validation_fraction * n)
+    if n - n_test - n_server - n_validation < 1:
         raise DataError(
-            f"test_fraction {test_fraction} + server_fraction {server_fraction} leave no training rows out of {n}"
+            f"test_fraction {test_fraction} + server_fraction {server_fraction} + validation_fraction "
+            f"{validation_fraction} leave no training rows out of {n}"
         )
     labels = None
     if info["task"] == "classification":
         labels = arrow_table(ds).column("y").to_numpy()
     rest, test = _split_off(np.arange(n), labels, n_test, seed)
-    server = None
-    if n_server:
-        rest, server = _split_off(rest, labels, n_server, seed)
-    splits = {"train": _subset(ds, rest), "test": _subset(ds, test)}
-    if server is not None:
-        splits["server"] = _subset(ds, server)
-    return splits
+    splits = {"test": _subset(ds, test)}
+    for name, size in (("server", n_server), ("validation", n_validation)):
+        if size:
+            rest, taken = _split_off(rest, labels, size, seed)
+            splits[name] = _subset(ds, taken)
+    return {"train": _subset(ds, rest), **splits}
 
 
 def standardize(

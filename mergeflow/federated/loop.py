@@ -95,6 +95,27 @@ def predictive_metrics(
     return {f"bma_{key}": value for key, value in scores.items()}
 
 
+def global_scores(
+    algorithm: FederatedAlgorithm,
+    server: ServerState,
+    model: nn.Module,
+    data: ClientData,
+    validation: ClientData | None,
+    noise_std: float,
+    predictive_samples: int,
+    seed: int,
+    round_index: int,
+) -> dict[str, float]:
+    """The global model's metrics on ``data`` (and ``val_*`` on ``validation``), with its predictive's."""
+    splits = {"": data} if validation is None else {"": data, "val_": validation}
+    scores = {}
+    for prefix, split in splits.items():
+        values = evaluate_global(model, algorithm.global_state(server), split, noise_std=noise_std)
+        values |= predictive_metrics(algorithm, server, model, split, predictive_samples, seed, round_index)
+        scores |= {prefix + key: value for key, value in values.items()}
+    return scores
+
+
 def _concatenate(clients_data: Sequence[ClientData]) -> ClientData:
     return ClientData(
         torch.cat([torch.as_tensor(d.X) for d in clients_data]),
@@ -114,6 +135,7 @@ def run_rounds(
     fraction: float = 1.0,
     seed: int = 0,
     eval_data: ClientData | None = None,
+    validation_data: ClientData | None = None,
     noise_std: float = 1.0,
     on_divergence: str = "fail",
     predictive_samples: int = 0,
@@ -132,6 +154,8 @@ def run_rounds(
         fraction: fraction of clients per round (:func:`~mergeflow.federated.base.sample_participants`).
         seed: seed of participant sampling and of every client's generator.
         eval_data: data on which the global model is evaluated (all clients' data when None).
+        validation_data: held-out data on which it is also evaluated, as ``val_*`` metrics (to choose
+            settings on, never on ``eval_data``).
         noise_std: noise of the regression NLL.
         on_divergence: ``fail`` raises :class:`~mergeflow.training.DivergenceError` when a client
             diverges; ``exclude`` drops its message for that round (see
@@ -162,10 +186,9 @@ def run_rounds(
     run = FederatedRun(server=server, client_states=clients)
 
     def scores(round_index: int) -> dict[str, float]:
-        return {
-            **evaluate_global(eval_model, algo.global_state(server), evaluation, noise_std=noise_std),
-            **predictive_metrics(algo, server, eval_model, evaluation, predictive_samples, seed, round_index),
-        }
+        return global_scores(
+            algo, server, eval_model, evaluation, validation_data, noise_std, predictive_samples, seed, round_index
+        )
 
     first = {"round": 0.0, **scores(0)}
     run.metrics.append(first)
