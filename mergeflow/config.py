@@ -256,7 +256,9 @@ class FederatedConfig(_Section):
     """Federated rounds beside the one-shot merges, each algorithm from the base model.
 
     Each name in ``algorithms`` is a registered algorithm, or a variant declared in ``options``
-    with an ``algorithm`` key (e.g. ``fedprox_01: {algorithm: fedprox, mu: 0.1}``).
+    with an ``algorithm`` key (e.g. ``fedprox_01: {algorithm: fedprox, mu: 0.1}``). An entry's
+    ``local`` key changes the local training for that entry only (e.g. ``fedavg_adam: {algorithm:
+    fedavg, local: {optimizer: adam, lr: 0.001}}``).
     ``fraction`` of the clients (at least one) take part in each round, sampled with the seed.
     A client whose local training diverges is recorded; ``on_divergence: fail`` then stops the
     run, ``exclude`` drops its message for that round (its state is kept). Gaussian global models
@@ -274,15 +276,29 @@ class FederatedConfig(_Section):
 
     def resolve(self, name: str) -> tuple[str, dict[str, Any]]:
         """The registered algorithm and its options for one entry of ``algorithms``."""
-        return _resolve_variant(self.options, name, "algorithm")
+        algorithm, options = _resolve_variant(self.options, name, "algorithm")
+        options.pop("local", None)
+        return algorithm, options
+
+    def local_for(self, name: str) -> LocalTrainConfig:
+        """The local training of one entry: ``local`` with the entry's own ``local`` changes."""
+        changes = TrainOverride.model_validate(self.options.get(name, {}).get("local", {}))
+        return self.local.with_override(changes)
 
     @model_validator(mode="after")
     def _known_algorithms_and_options(self) -> FederatedConfig:
         from mergeflow.federated import ALGORITHMS, validate_options
 
+        for name, chosen in self.options.items():
+            try:
+                TrainOverride.model_validate(chosen.get("local", {}))
+            except ValidationError as error:
+                first = error.errors()[0]
+                key = ".".join(str(part) for part in first["loc"])
+                raise ValueError(f"options.{name}.local.{key}: {first['msg']}") from None
         _check_variants(
             self.algorithms,
-            self.options,
+            {name: {k: v for k, v in chosen.items() if k != "local"} for name, chosen in self.options.items()},
             list_key="algorithms",
             kind_key="algorithm",
             known=ALGORITHMS,

@@ -96,7 +96,7 @@ def _settings(params: Params, name: str) -> dict[str, Any]:
         "name": name,
         "algorithm": algorithm,
         "options": options,
-        "local": params.section("federated.local"),
+        "local": params.federated.local_for(name).model_dump(mode="json"),
         "num_clients": params.partition.num_clients,
         "seed": params.seed,
         "noise_std": params.evaluate.noise_std,
