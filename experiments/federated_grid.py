@@ -101,6 +101,16 @@ def run_one(
     }
 
 
+_JOBS: list[tuple[Any, ...]] = []
+
+
+def _run_job(index: int) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    return run_one(*_JOBS[index])
+
+
 def choose(records: list[dict[str, Any]]) -> dict[str, str]:
     """Each entry's combination with the best mean validation score over every point (no divergence)."""
     scores: dict[str, dict[str, list[float]]] = {}
@@ -173,11 +183,10 @@ def main() -> None:
             run_pipeline(params, workspace, ["prepare", "partition", "pretrain"])
             inputs = (*loop_inputs(workspace, params.partition.num_clients), validation_data(workspace))
             rounds = args.rounds or params.federated.rounds
-            jobs = [(entry, options, params, inputs, rounds) for entry, options in combinations.values()]
-            with multiprocessing.get_context("fork").Pool(
-                args.workers, initializer=torch.set_num_threads, initargs=(1,)
-            ) as pool:
-                results = pool.starmap(run_one, jobs, chunksize=1)
+            _JOBS[:] = [(entry, options, params, inputs, rounds) for entry, options in combinations.values()]
+            # Forked workers inherit the jobs (the model builder is a closure, which cannot be pickled).
+            with multiprocessing.get_context("fork").Pool(args.workers) as pool:
+                results = pool.map(_run_job, range(len(_JOBS)), chunksize=1)
             for (label, (entry, options)), result in zip(combinations.items(), results, strict=True):
                 record = {"point": dict(zip(sweep, map(str, values), strict=True)), "combination": label}
                 record |= {"entry": entry, "options": options, **result}
