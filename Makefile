@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# CPU build of torch first, so nothing pulls the CUDA wheels.
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
+	# PyPI's torchvision (pulled in by backpack, which needs it only for its examples) does not
+	# load beside the CPU torch wheel, and transformers imports it whenever it is installed.
+	$(BIN)/python -m pip uninstall -q -y torchvision
 	rm -f $(VENV)/.installed-* && touch $@
 
 run: $(STAMP)

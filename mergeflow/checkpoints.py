@@ -45,8 +45,17 @@ def write_json(path: str | Path, data: Any) -> None:
 
 
 def save_checkpoint(path: str | Path, state: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
-    """Save a state dict as safetensors with ``meta`` (JSON) in the header, atomically."""
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    """Save a state dict as safetensors with ``meta`` (JSON) in the header, atomically.
+
+    Tensors that share memory (tied weights, e.g. GPT-2's ``lm_head`` and ``wte``) are stored as
+    copies: safetensors refuses shared storage, and loading gives each key its own tensor.
+    """
+    tensors, seen = {}, set()
+    for key, value in state.items():
+        tensor = value.detach().cpu().contiguous()
+        address = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        tensors[key] = tensor.clone() if address in seen else tensor
+        seen.add(address)
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(dict(meta), sort_keys=True)})
 

@@ -51,8 +51,45 @@ class HFOptions(_Section):
     input_shape: list[int] | None = None
 
 
+class TextOptions(_Section):
+    """A text classification table for ``datasets.load_dataset``: local csv/json/parquet, or a hub name
+    when online. ``text_pair_column`` makes it a sentence-pair task (NLI-style)."""
+
+    path: str | None = None
+    name: str | None = None
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    split: str = "train"
+    text_column: str = "text"
+    text_pair_column: str | None = None
+    label_column: str = "label"
+    group_column: str | None = None
+
+
+class WordNetOptions(_Section):
+    """WordNet glosses → supersense (``noun.animal``, ``verb.motion``, …), read from a local database.
+    ``root`` None looks in /usr/share/wordnet (Debian's wordnet-base) and nltk_data."""
+
+    root: str | None = None
+    pos: list[Literal["noun", "verb", "adj", "adv"]] = ["noun", "verb"]
+    max_examples: int | None = Field(None, ge=10)
+
+
+class TokenizerConfig(_Section):
+    """Tokenization of text sources. A pretrained model (``model.hf.pretrained``) brings its own
+    tokenizer; otherwise one of ``kind`` is trained on the training split. Inputs are cut or
+    padded to ``max_length`` tokens."""
+
+    kind: Literal["wordpiece", "bpe"] = "wordpiece"
+    vocab_size: int = Field(8192, ge=100)
+    min_frequency: int = Field(2, ge=1)
+    max_length: int = Field(64, ge=1)
+
+
+TEXT_SOURCES = ("text", "wordnet")
+
+
 class DataConfig(_Section):
-    source: Literal["digits", "wine", "pinwheel", "linreg", "hf"] = "digits"
+    source: Literal["digits", "wine", "pinwheel", "linreg", "hf", "text", "wordnet"] = "digits"
     test_fraction: float = Field(0.2, gt=0, lt=1)
     server_fraction: float = Field(0.1, ge=0, lt=1)
     validation_fraction: float = Field(0.0, ge=0, lt=1)
@@ -60,6 +97,21 @@ class DataConfig(_Section):
     pinwheel: PinwheelOptions = PinwheelOptions()
     linreg: LinregOptions = LinregOptions()
     hf: HFOptions = HFOptions()
+    text: TextOptions = TextOptions()
+    wordnet: WordNetOptions = WordNetOptions()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+
+    @property
+    def is_text(self) -> bool:
+        """Whether the source is text (tokenized before partitioning)."""
+        return self.source in TEXT_SOURCES
+
+    @property
+    def group_column(self) -> str | None:
+        """The column that names each row's group, if the source has one."""
+        if self.source == "wordnet":
+            return "pos"
+        return {"hf": self.hf.group_column, "text": self.text.group_column}.get(self.source)
 
     @model_validator(mode="after")
     def _fractions_leave_training_data(self) -> DataConfig:
@@ -69,10 +121,15 @@ class DataConfig(_Section):
             )
         if self.source == "hf" and not self.hf.path:
             raise ValueError("source 'hf' needs data.hf.path (e.g. 'csv' with data.hf.data_files)")
-        if self.source == "hf":
-            for file in _local_files(self.hf.data_files):
+        if self.source == "text" and not self.text.path:
+            raise ValueError("source 'text' needs data.text.path (e.g. 'csv' with data.text.data_files)")
+        if self.source in ("hf", "text"):
+            options = self.hf if self.source == "hf" else self.text
+            for file in _local_files(options.data_files):
                 if not Path(file).is_file():
-                    raise ValueError(f"hf.data_files: file not found: {file}")
+                    raise ValueError(f"{self.source}.data_files: file not found: {file}")
+        if self.is_text and self.standardize:
+            raise ValueError("standardize: text is tokenized, not standardized; set it to false")
         return self
 
 
@@ -94,10 +151,62 @@ class PartitionConfig(_Section):
     min_partition_size: int = Field(10, ge=0)
 
 
+class HFModelConfig(_Section):
+    """A Hugging Face transformers model (``model.arch: hf``).
+
+    ``pretrained``: a local model directory or a hub name (downloaded only when online); its own
+    tokenizer is used and ``config`` overrides fields of its config. Without it, a model is built
+    from ``config``: ``model_type`` (``bert``, ``gpt2``, ``roberta``, …) and its sizes, with a
+    tokenizer trained on the training split (``data.tokenizer``). ``dropout`` sets every dropout
+    probability of the config; dropout draws from torch's global RNG, so runs are bit-reproducible
+    with it only when steps run one at a time (``orchestration.max_workers: 1``).
+    """
+
+    pretrained: str | None = None
+    config: dict[str, Any] = {
+        "model_type": "bert",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 128,
+    }
+    task: Literal["sequence_classification"] = "sequence_classification"
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _model_source(self) -> HFModelConfig:
+        if not self.pretrained and "model_type" not in self.config:
+            raise ValueError("config.model_type: needed without a pretrained model (e.g. bert or gpt2)")
+        if self.pretrained:
+            check_pretrained(self.pretrained)
+        return self
+
+
+def check_pretrained(name: str) -> None:
+    """A local directory must hold a transformers model; a hub name must be cached when offline."""
+    import os
+
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")):
+        if not (path / "config.json").is_file():
+            raise ValueError(f"pretrained: {name} is not a transformers model directory (no config.json)")
+        return
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    if offline:
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+            raise ValueError(
+                f"pretrained: {name!r} is not a local directory, and it cannot be downloaded (HF_HUB_OFFLINE "
+                "is set); give the path of a local model directory"
+            )
+
+
 class ModelConfig(_Section):
-    arch: Literal["linear", "mlp", "cnn"] = "mlp"
+    arch: Literal["linear", "mlp", "cnn", "hf"] = "mlp"
     widths: list[int] = [64]
     activation: Literal["relu", "tanh"] = "relu"
+    hf: HFModelConfig = HFModelConfig()
 
     @field_validator("widths")
     @classmethod
@@ -369,8 +478,18 @@ class Params(_Section):
             raise ValueError(
                 f"align.reference: no client {reference} (partition.num_clients is {self.partition.num_clients})"
             )
-        if self.partition.method == "natural" and not (self.data.source == "hf" and self.data.hf.group_column):
-            raise ValueError("partition.method: 'natural' needs a group column; set data.hf.group_column")
+        if self.partition.method == "natural" and not self.data.group_column:
+            where = f"data.{self.data.source}.group_column"
+            raise ValueError(f"partition.method: 'natural' needs a group column; set {where}")
+        if self.data.is_text != (self.model.arch == "hf"):
+            raise ValueError(
+                f"model.arch: text sources need model.arch 'hf', and 'hf' needs a text source "
+                f"(data.source is {self.data.source!r}, model.arch {self.model.arch!r})"
+            )
+        if self.model.arch == "hf" and self.align.method != "none":
+            raise ValueError("align.method: permutation alignment of transformers is not implemented; set it to none")
+        if self.model.arch == "hf" and self.fisher.backend == "backpack":
+            raise ValueError("fisher.backend: BackPACK does not cover transformers modules; use auto or functorch")
         if self.pretrain.enabled and self.data.server_fraction == 0:
             raise ValueError(
                 "pretrain.enabled: pre-training needs a server split; set data.server_fraction > 0 "
@@ -401,7 +520,7 @@ class Params(_Section):
 def _known_training_rows(data: DataConfig) -> int | None:
     from mergeflow.data import builtin_size
 
-    if data.source == "hf":
+    if data.source == "hf" or data.is_text:
         return None
     options = {"pinwheel": data.pinwheel.model_dump(), "linreg": data.linreg.model_dump()}.get(data.source, {})
     total = builtin_size(data.source, **options)

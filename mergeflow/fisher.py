@@ -33,8 +33,10 @@ _BACKPACK_LOCK = threading.Lock()
 
 def _as_tensors(model: nn.Module, X, y, task: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs in the model's dtype (float64 models give float64 Fishers)."""
+    from mergeflow.training import as_inputs
+
     dtype = next(model.parameters()).dtype
-    X = torch.as_tensor(X).to(dtype)
+    X = as_inputs(X, dtype)
     y = torch.as_tensor(y).to(torch.long if task == "classification" else dtype)
     return X, y
 

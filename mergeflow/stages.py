@@ -37,7 +37,7 @@ class Stage:
         return self.outs + self.metrics + self.plots
 
 
-_TRAINING_CODE = ("mergeflow/models.py", "mergeflow/training.py", "mergeflow/checkpoints.py", "tasks/training.py")
+_TRAINING_CODE = ("mergeflow/models", "mergeflow/training.py", "mergeflow/checkpoints.py", "tasks/training.py")
 _CENTRALIZED_PARAMS = tuple(
     f"finetune.{key}" for key in ("epochs", "lr", "optimizer", "momentum", "weight_decay", "batch_size")
 )
@@ -45,10 +45,10 @@ _CENTRALIZED_PARAMS = tuple(
 STAGES: tuple[Stage, ...] = (
     Stage(
         name="prepare",
-        summary="Load the data source, split train/test/server, save as parquet datasets.",
-        phases=("tasks.data:plan_prepare",),
+        summary="Load the data source, split train/test/server (tokenize text), save as parquet datasets.",
+        phases=("tasks.data:plan_prepare", "tasks.data:plan_tokenize"),
         code=("mergeflow/data", "tasks/data.py"),
-        params=("seed", "data"),
+        params=("seed", "data", "model.hf.pretrained"),
         outs=("data/prepared",),
     ),
     Stage(

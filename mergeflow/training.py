@@ -67,8 +67,11 @@ def make_optimizer(
     return OPTIMIZERS[name](params, lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
-def _as_inputs(X: np.ndarray | torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(X).to(torch.float32)
+def as_inputs(X: np.ndarray | torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Model inputs as a tensor: features in ``dtype``, token ids (integers) as int64."""
+    inputs = torch.as_tensor(X)
+    is_ids = not (inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool)
+    return inputs.to(torch.long if is_ids else dtype)
 
 
 def _loss_fn(task: str, targets: torch.Tensor) -> tuple[torch.Tensor, Callable]:
@@ -125,7 +128,7 @@ def train(
         DivergenceError: as soon as a mini-batch loss is non-finite.
         ValueError: on an unknown task or optimizer.
     """
-    inputs = _as_inputs(X)
+    inputs = as_inputs(X)
     targets, loss_fn = _loss_fn(task, torch.as_tensor(y))
     opt = make_optimizer(optimizer, model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     gen = torch.Generator().manual_seed(int(seed))
@@ -160,7 +163,7 @@ def predict(model: nn.Module, X: np.ndarray | torch.Tensor, *, batch_size: int =
     Runs in eval mode without gradients; the model's previous train/eval mode
     is restored afterwards.
     """
-    inputs = _as_inputs(X)
+    inputs = as_inputs(X)
     was_training = model.training
     model.eval()
     try:

@@ -126,36 +126,20 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     reference = _reference(settings["reference"], [meta["num_examples"] for _, meta in loaded], diverged)
     spec_json = loaded[reference][1]["spec"]
     model = build_from_spec(spec_json)
-    spec = permutation_spec(model, spec_json["input_shape"])
     states = [state for state, _ in loaded]
-    if settings["method"] == "none":
-        perms = [spec.identity() for _ in clients]
-    else:
-        info = read_info(root, PARTITIONS)
-        by_activations = settings["method"] == "activations"
-        inputs = _matching_inputs(root, info, reference, settings["examples"]) if by_activations else None
-        aligned = align_models(
-            spec,
-            states[reference],
-            states,
-            method=settings["method"],
-            inputs=inputs,
-            model=model,
-            seed=params["seed"],
-            max_iter=settings["max_iter"],
-            metric=settings["metric"],
-        )
-        perms = [p for _, p in aligned]
     names = parameter_names(spec_json)
-    for c, ((state, meta), perm) in enumerate(zip(loaded, perms, strict=True)):
+    if settings["method"] == "none":
+        permuted = _permuted
+    else:
+        permuted = _aligned_permutations(params, root, model, spec_json["input_shape"], states, reference)
+    for c, (state, meta) in enumerate(loaded):
         aligned_meta = {**meta, "aligned_to": reference}
-        save_checkpoint(out / aligned_checkpoint(c), apply_permutation(spec, state, perm), aligned_meta)
-        fisher = apply_permutation(spec, load_file(root / fisher_file(c)), perm)
-        _save_tensors(out / aligned_fisher(c), fisher)
+        save_checkpoint(out / aligned_checkpoint(c), permuted(c, state), aligned_meta)
+        _save_tensors(out / aligned_fisher(c), permuted(c, load_file(root / fisher_file(c))))
         if params["factors"]:
             factors = load_file(root / factors_file(c))["U"]
             shapes = [tuple(state[n].shape) for n in names]
-            _save_tensors(out / aligned_factors(c), {"U": permute_flat_columns(spec, names, shapes, factors, perm)})
+            _save_tensors(out / aligned_factors(c), {"U": permuted(c, factors, names, shapes)})
 
     info = read_info(root)
     X, y = read_arrays(root / PREPARED / "test.parquet", info)
@@ -163,11 +147,47 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     report: dict[str, Any] = {"method": settings["method"], "reference": reference, "excluded": diverged, "after": {}}
     report["before"] = _barriers(model, X, y, info["task"], states[reference], others, settings["barrier_points"])
     if settings["method"] != "none":
-        moved = {c: apply_permutation(spec, states[c], perms[c]) for c in others}
+        moved = {c: permuted(c, states[c]) for c in others}
         report["after"] = _barriers(model, X, y, info["task"], states[reference], moved, settings["barrier_points"])
     write_json(out / ALIGN_METRICS, report)
     plot_barriers(report, out / BARRIER_PLOT)
     return {"reference": reference, **{f"barrier_{k}": _mean_barrier(report[k]) for k in ("before", "after")}}
+
+
+def _permuted(client: int, tensors: Any, names: list[str] | None = None, shapes: list | None = None) -> Any:
+    """No alignment (``align.method: none``): every client's tensors (or Fisher factors) as they are."""
+    return tensors
+
+
+def _aligned_permutations(
+    params: dict[str, Any], root: Path, model, input_shape: list[int], states: list[dict], reference: int
+):
+    """Align every client to the reference; return ``permuted(client, tensors[, names, shapes])``, which
+    applies that client's permutation to a state dict or Fisher (or, given names and shapes, to factors)."""
+    settings = params["align"]
+    spec = permutation_spec(model, input_shape)
+    info = read_info(root, PARTITIONS)
+    by_activations = settings["method"] == "activations"
+    inputs = _matching_inputs(root, info, reference, settings["examples"]) if by_activations else None
+    aligned = align_models(
+        spec,
+        states[reference],
+        states,
+        method=settings["method"],
+        inputs=inputs,
+        model=model,
+        seed=params["seed"],
+        max_iter=settings["max_iter"],
+        metric=settings["metric"],
+    )
+    perms = [p for _, p in aligned]
+
+    def permuted(client: int, tensors: Any, names: list[str] | None = None, shapes: list | None = None) -> Any:
+        if names is not None:
+            return permute_flat_columns(spec, names, shapes, tensors, perms[client])
+        return apply_permutation(spec, tensors, perms[client])
+
+    return permuted
 
 
 def _mean_barrier(curves: dict[str, Any]) -> float | None:

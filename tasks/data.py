@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mergeflow.checkpoints import write_json
-from mergeflow.config import Params
+from mergeflow.config import TEXT_SOURCES, Params
 from mergeflow.data import (
     load_dataset_file,
     load_source,
@@ -22,10 +22,14 @@ from mergeflow.data import (
     standardize,
     to_arrays,
 )
+from mergeflow.data.text import load_text
+from mergeflow.data.tokenize import encode_dataset, load_tokenizer, tokenizer_facts, train_tokenizer, training_texts
 from tasks.steps import Step
 from tasks.store import file_signature
 
 PREPARED = "data/prepared"
+TEXT = f"{PREPARED}/text"
+TOKENIZER = f"{PREPARED}/tokenizer"
 PARTITIONS = "data/partitions"
 _CODE = ("mergeflow/data", "tasks/data.py")
 
@@ -76,20 +80,66 @@ def plan_prepare(params: Params) -> list[Step]:
 
 
 def prepare(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
-    """Load the source, split it (stratified, seeded), optionally standardise, save parquet files."""
+    """Load the source, split it (stratified, seeded), optionally standardise, save parquet files.
+
+    Text sources are saved as text under ``data/prepared/text``, for the tokenize step.
+    """
     data = params["data"]
     source = data["source"]
-    options = data.get(source, {}) if source in ("pinwheel", "linreg", "hf") else {}
-    dataset, info = load_source(source, seed=params["seed"], options=options)
+    options = data.get(source, {}) if source in ("pinwheel", "linreg", "hf", "text", "wordnet") else {}
+    is_text = source in TEXT_SOURCES
+    load = load_text if is_text else load_source
+    dataset, info = load(source, seed=params["seed"], options=options)
     fractions = {key: data[key] for key in ("test_fraction", "server_fraction", "validation_fraction")}
     splits = split_dataset(dataset, info, **fractions, seed=params["seed"])
     if data["standardize"]:
         splits, info["standardization"] = standardize(splits)
+    directory = out / (TEXT if is_text else PREPARED)
     for name, split in splits.items():
-        save_dataset(split, out / PREPARED / f"{name}.parquet")
+        save_dataset(split, directory / f"{name}.parquet")
     info["sizes"] = {name: len(split) for name, split in splits.items()}
-    write_json(out / PREPARED / "info.json", info)
+    write_json(directory / "info.json", info)
     return info["sizes"]
+
+
+def plan_tokenize(params: Params) -> list[Step]:
+    """For text sources, one step: the tokenizer (pretrained, or trained on the training split) and token ids."""
+    if not params.data.is_text:
+        return []
+    step_params = {
+        "tokenizer": params.section("data.tokenizer"),
+        "pretrained": params.model.hf.pretrained,
+    }
+    return [Step("tokenize", "tasks.data:tokenize", step_params, inputs=(TEXT,), code=_CODE)]
+
+
+def tokenize(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """Tokenize every text split into right-padded token ids; save the tokenizer beside them."""
+    settings = params["tokenizer"]
+    info = read_info(root, TEXT)
+    splits = {path.stem: load_dataset_file(path) for path in sorted((root / TEXT).glob("*.parquet"))}
+    if params["pretrained"]:
+        tokenizer = load_tokenizer(params["pretrained"])
+    else:
+        texts = training_texts(splits["train"])
+        tokenizer = train_tokenizer(
+            texts, kind=settings["kind"], vocab_size=settings["vocab_size"], min_frequency=settings["min_frequency"]
+        )
+    tokenizer.save_pretrained(str(out / TOKENIZER))
+    lengths = {}
+    for name, split in splits.items():
+        encoded = encode_dataset(split, tokenizer, settings["max_length"])
+        save_dataset(encoded, out / PREPARED / f"{name}.parquet")
+        lengths[name] = _mean_length(encoded, tokenizer.pad_token_id)
+    info["input_shape"] = [settings["max_length"]]
+    info["tokenizer"] = tokenizer_facts(tokenizer, settings["max_length"]) | {"directory": TOKENIZER}
+    write_json(out / PREPARED / "info.json", info)
+    return {"vocab_size": info["tokenizer"]["vocab_size"], "mean_tokens": lengths}
+
+
+def _mean_length(encoded, pad_token_id: int) -> float:
+    ids = to_arrays(encoded, {"input_shape": [-1], "task": "classification"})[0]
+    return round(float((ids != pad_token_id).sum(1).mean()), 2)
 
 
 def plan_partition(params: Params) -> list[Step]:

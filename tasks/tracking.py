@@ -252,7 +252,7 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
     metrics = json.loads((root / METRICS).read_text())
     info = read_info(root)
     X, _ = read_arrays(root / PREPARED / "test.parquet", info)
-    example = np.ascontiguousarray(X[:2], dtype=np.float32)
+    example = np.ascontiguousarray(X[:2], dtype=np.int64 if X.dtype.kind == "i" else np.float32)
     tags = {
         "mergeflow.kind": "pipeline",
         "mergeflow.git_commit": _git_commit(root),

@@ -19,7 +19,7 @@ from tasks.steps import Step
 BASE = "models/base/base.safetensors"
 CLIENTS = "models/clients"
 CENTRALIZED = "models/centralized/centralized.safetensors"
-_CODE = ("mergeflow/models.py", "mergeflow/training.py", "mergeflow/checkpoints.py", "tasks/training.py")
+_CODE = ("mergeflow/models", "mergeflow/training.py", "mergeflow/checkpoints.py", "tasks/training.py")
 _TRAIN_KEYS = ("epochs", "lr", "optimizer", "momentum", "weight_decay", "batch_size")
 
 
@@ -45,16 +45,7 @@ def plan_pretrain(params: Params) -> list[Step]:
 def pretrain(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     """Initialise the base model from the shared seed and train it on the server split if enabled."""
     info = read_info(root)
-    model_cfg = params["model"]
-    spec = model_spec(
-        model_cfg["arch"],
-        info["input_shape"],
-        _output_dim(info),
-        widths=model_cfg["widths"],
-        activation=model_cfg["activation"],
-        seed=derive_seed(params["seed"], "init"),
-    )
-    model = build_from_spec(spec)
+    model, spec = _base_model(params["model"], info, derive_seed(params["seed"], "init"))
     settings = params["pretrain"]
     losses: list[float] = []
     server = root / PREPARED / "server.parquet"
@@ -64,6 +55,35 @@ def pretrain(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
         losses = result.epoch_losses
     save_checkpoint(out / BASE, model.state_dict(), {"spec": spec, "role": "base", "epoch_losses": losses})
     return {"trained": bool(losses)}
+
+
+def _base_model(model_cfg: dict[str, Any], info: dict[str, Any], seed: int) -> tuple[torch.nn.Module, dict]:
+    """The untrained base model of ``model_cfg`` for the data ``info`` describes, and its spec."""
+    if model_cfg["arch"] == "hf":
+        from mergeflow.models.hf import build_base
+
+        tokens = info["tokenizer"]
+        hf = model_cfg["hf"]
+        return build_base(
+            pretrained=hf["pretrained"],
+            config=hf["config"],
+            num_labels=info["num_classes"],
+            vocab_size=tokens["vocab_size"],
+            max_length=tokens["max_length"],
+            pad_token_id=tokens["pad_token_id"],
+            sep_token_id=tokens["sep_token_id"] if info.get("pair") else None,
+            dropout=hf["dropout"],
+            seed=seed,
+        )
+    spec = model_spec(
+        model_cfg["arch"],
+        info["input_shape"],
+        _output_dim(info),
+        widths=model_cfg["widths"],
+        activation=model_cfg["activation"],
+        seed=seed,
+    )
+    return build_from_spec(spec), spec
 
 
 def _client_settings(params: Params, client: int) -> dict[str, Any]:

@@ -21,10 +21,12 @@ def arrow_table(ds: datasets.Dataset) -> pa.Table:
 
 
 def feature_matrix(ds: datasets.Dataset | pa.Table) -> np.ndarray:
-    """The ``"x"`` column as a float32 ``(N, D)`` array, read from arrow without Python lists."""
+    """The ``"x"`` column as an ``(N, D)`` array read from arrow without Python lists: float32, or
+    int64 for integer columns (token ids)."""
     table = ds if isinstance(ds, pa.Table) else arrow_table(ds)
     column = table.column("x").combine_chunks()
-    values = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+    values = column.flatten().to_numpy(zero_copy_only=False)
+    values = values.astype(np.int64 if np.issubdtype(values.dtype, np.integer) else np.float32, copy=False)
     width = values.size // len(column) if len(column) else 0
     return values.reshape(len(column), width)
 
@@ -61,7 +63,8 @@ def load_dataset_file(path: str | Path) -> datasets.Dataset:
 
 
 def to_arrays(ds: datasets.Dataset, info: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    """Features as float32 ``(N, *input_shape)`` and targets as int64 (classes) or float32."""
+    """Features as float32 ``(N, *input_shape)`` (int64 token ids for text) and targets as int64
+    (classes) or float32."""
     table = arrow_table(ds)
     x = feature_matrix(table).reshape(table.num_rows, *info["input_shape"])
     y_dtype = np.int64 if info["task"] == "classification" else np.float32

@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from mergeflow.federated.base import ClientData, LocalTraining
-from mergeflow.training import DivergenceError, _as_inputs, _loss_fn, make_optimizer
+from mergeflow.training import DivergenceError, _loss_fn, as_inputs, make_optimizer
 
 
 def prepared(data: ClientData) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """Inputs, targets and loss function of a client, as :func:`mergeflow.training.train` uses them."""
     targets, loss_fn = _loss_fn(data.task, torch.as_tensor(data.y))
-    return _as_inputs(data.X), targets, loss_fn
+    return as_inputs(data.X), targets, loss_fn
 
 
 def minibatches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:

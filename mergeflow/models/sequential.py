@@ -1,4 +1,4 @@
-"""Model zoo: linear, MLP and small CNN models as plain ``nn.Sequential``.
+"""Linear, MLP and small CNN models as plain ``nn.Sequential``.
 
 Every model is a plain :class:`torch.nn.Sequential` so that alignment code can
 walk its Linear/Conv2d chain and MLflow can reload it.  Weights are initialised
@@ -153,21 +153,7 @@ def model_spec(
     }
 
 
-def build_from_spec(spec: dict[str, Any]) -> nn.Sequential:
+def build_sequential_from_spec(spec: dict[str, Any]) -> nn.Sequential:
     """Build the model described by a :func:`model_spec` dict."""
     options = {key: spec[key] for key in _SPEC_DEFAULTS if key in spec}
     return build_model(spec["arch"], spec["input_shape"], spec["output_dim"], **options)
-
-
-def parameter_names(spec: dict[str, Any]) -> list[str]:
-    """The parameter names of a spec's model in ``named_parameters`` order.
-
-    Flattened vectors and Fisher factor columns follow this order; safetensors files list
-    tensors alphabetically (``"10.weight"`` before ``"2.weight"``), so use it, not file order.
-    """
-    return [name for name, _ in build_from_spec(spec).named_parameters()]
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Total number of parameters of ``model``."""
-    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,219 @@
+"""Text sources: any ``datasets`` table with a text column (or a sentence pair), and WordNet.
+
+Loaders return ``(dataset, info)`` like the numeric sources, with string columns ``"text"``
+(and ``"text_pair"`` for sentence-pair tasks) in place of ``"x"``, int64 class ids in ``"y"``
+and optionally ``"group"``. The ``tokenize`` step turns them into token ids
+(:mod:`mergeflow.data.tokenize`). No corpus text ships with mergeflow: WordNet is read at run
+time from a local database.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+
+from mergeflow.data.sources import DataError, _check_local_files, _labels, _missing_column, wrap_table
+
+# Where a WordNet database is looked for when none is configured: Debian's wordnet-base, then nltk_data.
+WORDNET_ROOTS = ("/usr/share/wordnet", "~/nltk_data/corpora/wordnet", "/usr/share/nltk_data/corpora/wordnet")
+WORDNET_POS = {"noun": "n", "verb": "v", "adj": "a", "adv": "r"}
+_WORDNET_FILES = ("data.noun", "index.noun")
+# The lexicographer files of WordNet 3.0, numbered as in lexnames(5WN). nltk's reader needs a
+# ``lexnames`` file, which Debian's wordnet-base does not install.
+LEXNAMES = (
+    "adj.all adj.pert adv.all noun.Tops noun.act noun.animal noun.artifact noun.attribute noun.body "
+    "noun.cognition noun.communication noun.event noun.feeling noun.food noun.group noun.location "
+    "noun.motive noun.object noun.person noun.phenomenon noun.plant noun.possession noun.process "
+    "noun.quantity noun.relation noun.shape noun.state noun.substance noun.time verb.body verb.change "
+    "verb.cognition verb.communication verb.competition verb.consumption verb.contact verb.creation "
+    "verb.emotion verb.motion verb.perception verb.possession verb.social verb.stative verb.weather adj.ppl"
+).split()
+_POS_NUMBER = {"noun": 1, "verb": 2, "adj": 3, "adv": 4}
+
+
+def _text_column(raw: datasets.Dataset, column: str, kind: str) -> pa.Array:
+    if column not in raw.column_names:
+        raise _missing_column(kind, column, list(raw.column_names))
+    values = raw.data.column(column).combine_chunks()
+    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+        raise DataError(f"{kind} column {column!r} has type {values.type}; it must hold strings")
+    if values.null_count:
+        raise DataError(f"{kind} column {column!r} has missing values")
+    return values.cast(pa.string())
+
+
+def make_text_dataset(
+    texts: list[str] | pa.Array,
+    labels: np.ndarray,
+    *,
+    pairs: list[str] | pa.Array | None = None,
+    groups: list[str] | None = None,
+) -> datasets.Dataset:
+    """An in-memory dataset in the text layout: ``text`` (``text_pair``), ``y`` and ``group``."""
+    columns: dict[str, pa.Array] = {"text": pa.array(texts, type=pa.string())}
+    if pairs is not None:
+        columns["text_pair"] = pa.array(pairs, type=pa.string())
+    columns["y"] = pa.array(np.asarray(labels, dtype=np.int64))
+    if groups is not None:
+        columns["group"] = pa.array([str(g) for g in groups], type=pa.string())
+    return wrap_table(pa.table(columns))
+
+
+def load_text_source(
+    path: str,
+    *,
+    name: str | None = None,
+    data_files: str | list[str] | dict | None = None,
+    split: str = "train",
+    text_column: str = "text",
+    text_pair_column: str | None = None,
+    label_column: str = "label",
+    group_column: str | None = None,
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """A text classification table read with ``datasets.load_dataset``.
+
+    ``path`` is a builder (``csv``, ``json``, ``parquet``) with local ``data_files``, or a hub
+    dataset name (needs network). ``text_pair_column`` makes it a sentence-pair task (NLI-style).
+    String or non-contiguous labels map to ``0..C-1`` in sorted order.
+    """
+    _check_local_files(data_files)
+    try:
+        raw = datasets.load_dataset(path, name=name, data_files=data_files, split=split)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"could not load dataset {path!r}: {exc}") from exc
+    if raw.num_rows == 0:
+        raise DataError(f"dataset {path!r} split {split!r} has no rows")
+    if label_column not in raw.column_names:
+        raise _missing_column("label", label_column, list(raw.column_names))
+    texts = _text_column(raw, text_column, "text")
+    pairs = _text_column(raw, text_pair_column, "text pair") if text_pair_column else None
+    groups = None
+    if group_column is not None:
+        if group_column not in raw.column_names:
+            raise _missing_column("group", group_column, list(raw.column_names))
+        groups = [str(g) for g in raw.data.column(group_column).to_pylist()]
+    y, class_names = _labels(raw, label_column, "classification")
+    num_classes = len(class_names) if class_names else int(y.max()) + 1
+    info = _text_info(f"text:{path}", num_classes, class_names, pair=pairs is not None)
+    return make_text_dataset(texts, y, pairs=pairs, groups=groups), info
+
+
+def _text_info(source: str, num_classes: int, class_names: list[str] | None, *, pair: bool) -> dict[str, Any]:
+    return {
+        "source": source,
+        "modality": "text",
+        "task": "classification",
+        "num_classes": int(num_classes),
+        "class_names": class_names,
+        "pair": pair,
+        "input_shape": None,  # set by the tokenize step: [max_length]
+    }
+
+
+def find_wordnet(root: str | None = None) -> Path:
+    """The directory of a WordNet database (``data.noun``, ``index.noun``, ``lexnames``, …).
+
+    Raises:
+        DataError: saying how to get one, when none is found.
+    """
+    candidates = [root] if root else list(WORDNET_ROOTS)
+    for candidate in candidates:
+        directory = Path(candidate).expanduser()
+        if all((directory / name).is_file() for name in _WORDNET_FILES):
+            return directory
+    where = f"data.wordnet.root {root!r} holds" if root else f"none of {', '.join(WORDNET_ROOTS)} holds"
+    raise DataError(
+        f"no WordNet database found: {where} data.noun and index.noun. Install one with "
+        "'apt-get install wordnet-base' (Debian/Ubuntu), or online with "
+        "python -c \"import nltk; nltk.download('wordnet')\", or set data.wordnet.root to its directory"
+    )
+
+
+@contextmanager
+def _wordnet_reader(directory: Path) -> Iterator[Any]:
+    """nltk's reader over ``directory``, through a copy with a ``lexnames`` file when it lacks one."""
+    import warnings
+
+    import nltk
+    from nltk.corpus.reader.wordnet import WordNetCorpusReader
+
+    class Reader(WordNetCorpusReader):
+        def map_wn(self, version: str = "wordnet") -> None:
+            # nltk maps any other database to its own downloaded copy, for multilingual look-ups only.
+            return None
+
+    with tempfile.TemporaryDirectory(prefix="wordnet-") as overlay, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The multilingual functions are not available")
+        # nltk reads only below the roots in nltk.data.path (its path sandbox): authorise these two.
+        roots = [str(directory.resolve()), str(Path(overlay).resolve())]
+        nltk.data.path.extend(roots)
+        try:
+            if (directory / "lexnames").is_file():
+                yield Reader(str(directory), None)
+                return
+            # Copies, not links: the sandbox refuses a link that leaves the reader's root.
+            for name in WordNetCorpusReader._FILES:
+                if (directory / name).is_file():
+                    shutil.copyfile(directory / name, Path(overlay) / name)
+            lines = [f"{i:02d}\t{name}\t{_POS_NUMBER[name.split('.')[0]]}\n" for i, name in enumerate(LEXNAMES)]
+            (Path(overlay) / "lexnames").write_text("".join(lines))
+            yield Reader(overlay, None)
+        finally:
+            for root in roots:
+                nltk.data.path.remove(root)
+
+
+def load_wordnet_source(
+    root: str | None = None,
+    pos: list[str] | tuple[str, ...] = ("noun", "verb"),
+    max_examples: int | None = None,
+    seed: int = 0,
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """WordNet glosses labelled with their supersense (lexicographer file, e.g. ``noun.animal``).
+
+    Every synset of the chosen parts of speech gives one example: its gloss (definition), and as
+    group its part of speech. Read with nltk's WordNet reader from a local database
+    (:func:`find_wordnet`). ``max_examples`` keeps a seeded random subset.
+    """
+    unknown = [p for p in pos if p not in WORDNET_POS]
+    if unknown or not pos:
+        raise DataError(f"wordnet pos must be a non-empty list of {', '.join(WORDNET_POS)}; got {list(pos)}")
+    texts, supersenses, groups = [], [], []
+    with _wordnet_reader(find_wordnet(root)) as reader:
+        for part in pos:
+            for synset in reader.all_synsets(WORDNET_POS[part]):
+                gloss = synset.definition()
+                if gloss:
+                    texts.append(gloss)
+                    supersenses.append(synset.lexname())
+                    groups.append(part)
+    if not texts:
+        raise DataError(f"the WordNet database at {find_wordnet(root)} has no glosses for {list(pos)}")
+    if max_examples is not None and max_examples < len(texts):
+        keep = np.sort(np.random.default_rng(seed).choice(len(texts), size=max_examples, replace=False))
+        texts, supersenses, groups = ([values[i] for i in keep] for values in (texts, supersenses, groups))
+    class_names = sorted(set(supersenses))
+    index = {name: i for i, name in enumerate(class_names)}
+    labels = np.array([index[s] for s in supersenses], dtype=np.int64)
+    info = _text_info("wordnet", len(class_names), class_names, pair=False)
+    return make_text_dataset(texts, labels, groups=groups), info
+
+
+def load_text(source: str, *, seed: int = 0, options: dict[str, Any] | None = None) -> tuple[datasets.Dataset, dict]:
+    """Load a text source by name: ``text`` (options of :func:`load_text_source`) or ``wordnet``."""
+    options = dict(options or {})
+    if source == "text":
+        if not options.get("path"):
+            raise DataError("source 'text' needs options.path (e.g. 'csv' or a hub name)")
+        return load_text_source(**options)
+    if source == "wordnet":
+        return load_wordnet_source(**options, seed=seed)
+    raise DataError(f"unknown text source {source!r}; choose text or wordnet")

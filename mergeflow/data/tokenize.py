@@ -1,0 +1,123 @@
+"""Tokenization of text datasets: a pretrained model's own tokenizer, or one trained on the training split.
+
+:func:`encode_dataset` turns the text layout (``text``, ``text_pair``, ``y``, ``group``) into the
+numeric one (``x``, ``y``, ``group``) with ``x`` the right-padded token ids, ``max_length`` per row,
+so every split, partition and trainer of mergeflow handles text like any other table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+
+from mergeflow.data.sources import DataError, wrap_table
+
+TOKENIZER_KINDS = ("wordpiece", "bpe")
+_BATCH = 4096
+
+
+def train_tokenizer(texts: Iterable[str], *, kind: str = "wordpiece", vocab_size: int = 8192, min_frequency: int = 2):
+    """A tokenizer trained with ``tokenizers`` on ``texts``, as a transformers fast tokenizer.
+
+    ``wordpiece`` is BERT's (lower-cased, ``[CLS] a [SEP] b [SEP]``); ``bpe`` is GPT-2's byte-level
+    BPE (``<s> a </s> b </s>``). The padding token has id 0 in both.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if kind == "wordpiece":
+        specials = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]"}
+        specials["mask_token"] = "[MASK]"
+        tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tokenizer.decoder = decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(
+            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(specials.values())
+        )
+        first, sep = "[CLS]", "[SEP]"
+    elif kind == "bpe":
+        specials = {"pad_token": "<pad>", "unk_token": "<unk>", "cls_token": "<s>", "sep_token": "</s>"}
+        specials["mask_token"] = "<mask>"
+        tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=list(specials.values()),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+        first, sep = "<s>", "</s>"
+    else:
+        raise DataError(f"tokenizer kind must be one of {', '.join(TOKENIZER_KINDS)}, got {kind!r}")
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    ids = {token: tokenizer.token_to_id(token) for token in (first, sep)}
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{first} $A {sep}", pair=f"{first} $A {sep} $B:1 {sep}:1", special_tokens=list(ids.items())
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **specials)
+
+
+def load_tokenizer(path: str | Path):
+    """A saved or pretrained tokenizer (a local directory, or a hub name when online)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as error:
+        raise DataError(f"{path}: no tokenizer could be loaded ({error})".splitlines()[0]) from None
+    if tokenizer.pad_token_id is None:  # GPT-2-style tokenizers have no padding token: pad with end-of-text
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def training_texts(ds: datasets.Dataset) -> Iterable[str]:
+    """Every text of a text-layout dataset (both sides of a pair), in row order."""
+    yield from ds["text"]
+    if "text_pair" in ds.column_names:
+        yield from ds["text_pair"]
+
+
+def encode_dataset(ds: datasets.Dataset, tokenizer: Any, max_length: int) -> datasets.Dataset:
+    """The numeric layout of a text dataset: ``x`` = token ids padded (right) or cut to ``max_length``."""
+    if max_length < 1:
+        raise DataError(f"max_length must be >= 1, got {max_length}")
+    pairs = "text_pair" in ds.column_names
+    rows = []
+    for start in range(0, ds.num_rows, _BATCH):
+        batch = ds[start : start + _BATCH]
+        encoded = tokenizer(
+            batch["text"],
+            batch["text_pair"] if pairs else None,
+            truncation=True,
+            max_length=max_length,
+            padding="max_length",
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        )
+        rows.append(np.asarray(encoded["input_ids"], dtype=np.int32))
+    ids = np.concatenate(rows) if rows else np.zeros((0, max_length), dtype=np.int32)
+    offsets = np.arange(len(ids) + 1, dtype=np.int32) * max_length
+    columns: dict[str, pa.Array] = {
+        "x": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids.ravel())),
+        "y": ds.data.column("y").combine_chunks(),
+    }
+    if "group" in ds.column_names:
+        columns["group"] = ds.data.column("group").combine_chunks()
+    return wrap_table(pa.table(columns))
+
+
+def tokenizer_facts(tokenizer: Any, max_length: int) -> dict[str, Any]:
+    """What a model needs from its tokenizer: vocabulary size and the special ids, for ``info.json``."""
+    return {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": int(tokenizer.pad_token_id),
+        "sep_token_id": None if tokenizer.sep_token_id is None else int(tokenizer.sep_token_id),
+        "max_length": int(max_length),
+    }

@@ -1,0 +1,183 @@
+"""Hugging Face transformers as mergeflow models: a sequence classifier over token-id tensors.
+
+:class:`SequenceClassifier` wraps an ``AutoModelForSequenceClassification`` so that it takes one
+``(N, L)`` tensor of right-padded token ids and returns ``(N, C)`` logits, like the MLPs. Every
+trainer, Fisher, merge and federated algorithm of mergeflow then runs on it unchanged. The wrapper
+builds the 4-D additive float attention mask itself: transformers' own 2-D mask path has
+data-dependent control flow that ``torch.func.vmap`` cannot trace, so per-example Fishers work.
+
+A spec (JSON, stored in every checkpoint's header) holds the full ``config.to_dict()``, so a
+checkpoint rebuilds without the directory or hub name the base model came from.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+HF_TASKS = ("sequence_classification",)
+# Config fields that hold a dropout probability, across BERT-, RoBERTa-, DistilBERT- and GPT-2-style configs.
+_DROPOUT_FIELDS = (
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "classifier_dropout",
+    "dropout",
+    "attention_dropout",
+    "seq_classif_dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "summary_first_dropout",
+)
+_INIT_LOCK = threading.Lock()
+
+
+class SequenceClassifier(nn.Module):
+    """A transformers sequence-classification model over right-padded token ids.
+
+    Attributes:
+        model: the wrapped ``…ForSequenceClassification`` (its ``state_dict`` keys carry the
+            prefix ``model.``; :func:`transformers_state` strips it).
+        pad_token_id: the id that marks padding; padded positions are masked out.
+        sep_token_id: for sentence pairs with segment embeddings, the separator id after which
+            tokens get segment 1 (None: every token is segment 0).
+    """
+
+    def __init__(self, model: nn.Module, pad_token_id: int, sep_token_id: int | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.pad_token_id = int(pad_token_id)
+        self.sep_token_id = None if sep_token_id is None else int(sep_token_id)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.long()
+        # Data-dependent shapes break vmap (per-example Fishers) and torch.export (MLflow): trim only eagerly.
+        if not (torch._C._functorch.is_functorch_wrapped_tensor(ids) or torch.compiler.is_compiling()):
+            ids = trim_padding(ids, self.pad_token_id)
+        keep = ids != self.pad_token_id
+        dtype = next(self.model.parameters()).dtype
+        mask = (1.0 - keep[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+        extra = {}
+        if self.sep_token_id is not None:
+            is_sep = (ids == self.sep_token_id).long()
+            extra["token_type_ids"] = ((is_sep.cumsum(1) - is_sep) >= 1).long()
+        return self.model(input_ids=ids, attention_mask=mask, **extra).logits
+
+
+def trim_padding(ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Drop the trailing columns that are padding in every row (a batch runs at its own longest)."""
+    used = (ids != pad_token_id).any(0).nonzero()
+    return ids[:, : int(used.max()) + 1] if len(used) else ids[:, :1]
+
+
+@contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """transformers initialises weights from the global RNG: fork it, seed it, one build at a time."""
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        yield
+
+
+def _config_from_dict(values: dict[str, Any]):
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[values["model_type"]].from_dict(values)
+
+
+def _set_dropout(config: Any, dropout: float) -> None:
+    for name in _DROPOUT_FIELDS:
+        if hasattr(config, name):
+            setattr(config, name, float(dropout))
+
+
+def build_base(
+    *,
+    pretrained: str | None,
+    config: dict[str, Any],
+    num_labels: int,
+    vocab_size: int,
+    max_length: int,
+    pad_token_id: int,
+    sep_token_id: int | None,
+    dropout: float,
+    seed: int,
+) -> tuple[SequenceClassifier, dict[str, Any]]:
+    """The base model and its spec: pretrained weights with a new, seeded head, or a seeded random init.
+
+    Args:
+        pretrained: a local model directory or hub name; None builds from ``config``.
+        config: for a from-scratch model, ``model_type`` (``bert``, ``gpt2``, …) and its sizes;
+            with ``pretrained``, fields to override in the pretrained config.
+        num_labels: classes of the head.
+        vocab_size: the tokenizer's vocabulary (sizes the embeddings of a from-scratch model).
+        max_length: the longest input, in tokens (sizes position embeddings of a from-scratch model).
+        pad_token_id, sep_token_id: as in :class:`SequenceClassifier`.
+        dropout: every dropout probability of the config (0 keeps training reproducible in threads:
+            dropout draws from the global RNG).
+        seed: seed of the random init (the head of a pretrained model, everything otherwise).
+    """
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    overrides = {k: v for k, v in config.items() if k != "model_type"}
+    if pretrained:
+        hf_config = AutoConfig.from_pretrained(pretrained, num_labels=num_labels, **overrides)
+    else:
+        sizes = {"vocab_size": vocab_size, "max_position_embeddings": max_length, "n_positions": max_length}
+        hf_config = AutoConfig.for_model(config["model_type"], num_labels=num_labels, **sizes, **overrides)
+    hf_config.pad_token_id = int(pad_token_id)
+    hf_config._attn_implementation = "eager"
+    _set_dropout(hf_config, dropout)
+    with _seeded(seed):
+        if pretrained:
+            model = AutoModelForSequenceClassification.from_pretrained(pretrained, config=hf_config)
+        else:
+            model = AutoModelForSequenceClassification.from_config(hf_config)
+    spec = {
+        "arch": "hf",
+        "input_shape": [int(max_length)],
+        "output_dim": int(num_labels),
+        "hf_config": hf_config.to_dict(),
+        "pad_token_id": int(pad_token_id),
+        "sep_token_id": sep_token_id,
+        "seed": int(seed),
+    }
+    return SequenceClassifier(model.float(), pad_token_id, sep_token_id), spec
+
+
+def build_from_hf_spec(spec: dict[str, Any]) -> SequenceClassifier:
+    """The architecture of an ``arch: hf`` spec (seeded init; a checkpoint's weights then load over it)."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = _config_from_dict(spec["hf_config"])
+    config._attn_implementation = "eager"
+    with _seeded(spec["seed"]):
+        model = AutoModelForSequenceClassification.from_config(config)
+    return SequenceClassifier(model.float(), spec["pad_token_id"], spec["sep_token_id"])
+
+
+def transformers_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A :class:`SequenceClassifier` state dict with transformers' own key names."""
+    return {key.removeprefix("model."): value for key, value in state.items()}
+
+
+def save_pretrained(
+    spec: dict[str, Any], state: dict[str, torch.Tensor], directory: str | Path, tokenizer_dir: str | Path | None
+) -> None:
+    """Write a directory that ``AutoModelForSequenceClassification.from_pretrained`` reloads.
+
+    The weights (safetensors), the config, and the tokenizer beside them when given.
+    """
+    model = build_from_hf_spec(spec)
+    model.load_state_dict(state)
+    directory = Path(directory)
+    model.model.save_pretrained(directory, safe_serialization=True)
+    if tokenizer_dir is not None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(directory)
