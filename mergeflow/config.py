@@ -76,10 +76,11 @@ class WordNetOptions(_Section):
 
 class TokenizerConfig(_Section):
     """Tokenization of text sources. A pretrained model (``model.hf.pretrained``) brings its own
-    tokenizer; otherwise one of ``kind`` is trained on the training split. Inputs are cut or
+    tokenizer; otherwise a byte-level BPE tokenizer of ``vocab_size`` is trained on the training
+    split (``tokenizers``' WordPiece trainer is not reproducible run to run). Inputs are cut or
     padded to ``max_length`` tokens."""
 
-    kind: Literal["wordpiece", "bpe"] = "wordpiece"
+    kind: Literal["bpe"] = "bpe"
     vocab_size: int = Field(8192, ge=100)
     min_frequency: int = Field(2, ge=1)
     max_length: int = Field(64, ge=1)

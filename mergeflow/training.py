@@ -8,7 +8,7 @@ threads stay bit-reproducible.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,6 +74,42 @@ def as_inputs(X: np.ndarray | torch.Tensor, dtype: torch.dtype = torch.float32) 
     return inputs.to(torch.long if is_ids else dtype)
 
 
+# Length buckets: each window of this many batches is sorted by length before it is cut.
+_BUCKET_BATCHES = 50
+
+
+def token_lengths(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
+    """Non-padding tokens per row for a model over token ids (one with a ``pad_token_id``), else None."""
+    pad = getattr(model, "pad_token_id", None)
+    if pad is None or inputs.is_floating_point():
+        return None
+    return (inputs != pad).sum(1)
+
+
+def minibatches(
+    n: int, batch_size: int, generator: torch.Generator, lengths: torch.Tensor | None = None
+) -> Iterator[torch.Tensor]:
+    """Index batches of one epoch from a fresh permutation drawn from ``generator``.
+
+    With ``lengths`` (tokens per row), batches are length-bucketed: each window of 50 batches of
+    the permutation is sorted by length before it is cut, and the batches are then shuffled, so a
+    batch of short texts is not padded to the longest text of the epoch.
+    """
+    order = torch.randperm(n, generator=generator)
+    if lengths is None:
+        for start in range(0, n, batch_size):
+            yield order[start : start + batch_size]
+        return
+    window = batch_size * _BUCKET_BATCHES
+    batches = []
+    for start in range(0, n, window):
+        chunk = order[start : start + window]
+        chunk = chunk[torch.argsort(lengths[chunk], stable=True)]
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    for i in torch.randperm(len(batches), generator=generator).tolist():
+        yield batches[i]
+
+
 def _loss_fn(task: str, targets: torch.Tensor) -> tuple[torch.Tensor, Callable]:
     """Return the targets in the dtype the task needs and its loss function."""
     if task == "classification":
@@ -133,14 +169,13 @@ def train(
     opt = make_optimizer(optimizer, model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     gen = torch.Generator().manual_seed(int(seed))
     n = inputs.shape[0]
+    lengths = token_lengths(model, inputs)
     result = TrainResult()
     bar = tqdm(range(epochs), desc=progress, leave=False, disable=None) if progress else None
     model.train()
     for epoch in bar if bar is not None else range(epochs):
-        order = torch.randperm(n, generator=gen)
         total = 0.0
-        for step, start in enumerate(range(0, n, batch_size)):
-            idx = order[start : start + batch_size]
+        for step, idx in enumerate(minibatches(n, batch_size, gen, lengths)):
             loss = loss_fn(model(inputs[idx]), targets[idx])
             value = loss.item()
             if not math.isfinite(value):

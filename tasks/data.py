@@ -125,6 +125,7 @@ def tokenize(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
         tokenizer = train_tokenizer(
             texts, kind=settings["kind"], vocab_size=settings["vocab_size"], min_frequency=settings["min_frequency"]
         )
+    tokenizer.model_max_length = settings["max_length"]  # so a reloaded tokenizer cuts where the model was trained
     tokenizer.save_pretrained(str(out / TOKENIZER))
     lengths = {}
     for name, split in splits.items():

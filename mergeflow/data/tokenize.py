@@ -17,49 +17,38 @@ import pyarrow as pa
 
 from mergeflow.data.sources import DataError, wrap_table
 
-TOKENIZER_KINDS = ("wordpiece", "bpe")
+TOKENIZER_KINDS = ("bpe",)
 _BATCH = 4096
 
 
-def train_tokenizer(texts: Iterable[str], *, kind: str = "wordpiece", vocab_size: int = 8192, min_frequency: int = 2):
-    """A tokenizer trained with ``tokenizers`` on ``texts``, as a transformers fast tokenizer.
+def train_tokenizer(texts: Iterable[str], *, kind: str = "bpe", vocab_size: int = 8192, min_frequency: int = 2):
+    """A byte-level BPE tokenizer (GPT-2's and RoBERTa's kind) trained with ``tokenizers`` on ``texts``.
 
-    ``wordpiece`` is BERT's (lower-cased, ``[CLS] a [SEP] b [SEP]``); ``bpe`` is GPT-2's byte-level
-    BPE (``<s> a </s> b </s>``). The padding token has id 0 in both.
+    Returns a transformers fast tokenizer that frames a text as ``<s> a </s>`` and a pair as
+    ``<s> a </s> b </s>``, with padding id 0. Byte-level BPE covers every input (no unknown
+    token) and trains reproducibly; the WordPiece trainer of ``tokenizers`` does not (its vocabulary
+    changes from run to run on the same texts), which would break same params, same weights.
     """
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if kind == "wordpiece":
-        specials = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]"}
-        specials["mask_token"] = "[MASK]"
-        tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
-        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        tokenizer.decoder = decoders.WordPiece()
-        trainer = trainers.WordPieceTrainer(
-            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(specials.values())
-        )
-        first, sep = "[CLS]", "[SEP]"
-    elif kind == "bpe":
-        specials = {"pad_token": "<pad>", "unk_token": "<unk>", "cls_token": "<s>", "sep_token": "</s>"}
-        specials["mask_token"] = "<mask>"
-        tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-        tokenizer.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            min_frequency=min_frequency,
-            special_tokens=list(specials.values()),
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        )
-        first, sep = "<s>", "</s>"
-    else:
+    if kind not in TOKENIZER_KINDS:
         raise DataError(f"tokenizer kind must be one of {', '.join(TOKENIZER_KINDS)}, got {kind!r}")
+    specials = {"pad_token": "<pad>", "unk_token": "<unk>", "cls_token": "<s>", "sep_token": "</s>"}
+    specials |= {"bos_token": "<s>", "eos_token": "</s>", "mask_token": "<mask>"}
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(dict.fromkeys(specials.values())),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    ids = {token: tokenizer.token_to_id(token) for token in (first, sep)}
+    ids = {token: tokenizer.token_to_id(token) for token in ("<s>", "</s>")}
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{first} $A {sep}", pair=f"{first} $A {sep} $B:1 {sep}:1", special_tokens=list(ids.items())
+        single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1", special_tokens=list(ids.items())
     )
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **specials)
 

@@ -62,7 +62,7 @@ from mergeflow.federated.base import (
 from mergeflow.federated.ivon_prior import IVONWithPrior
 from mergeflow.federated.local import check_finite, minibatches, prepared
 from mergeflow.federated.quadratic import THETA, QuadraticProblem, eye_like, pmul, psolve
-from mergeflow.training import DivergenceError
+from mergeflow.training import DivergenceError, token_lengths
 
 DUAL_MEAN = "dual_mean."
 DUAL_PREC = "dual_prec."
@@ -180,11 +180,12 @@ class BayesADMM(FederatedAlgorithm):
             opt.set_momentum(flat(client, IVON_MOMENTUM), int(client[IVON_STEPS]))
         inputs, targets, loss_fn = prepared(data)
         n = inputs.shape[0]
+        lengths = token_lengths(model, inputs)
         epoch_loss, steps = float("nan"), 0
         model.train()
         for epoch in range(train.epochs):
             total = 0.0
-            for step, idx in enumerate(minibatches(n, train.batch_size, generator)):
+            for step, idx in enumerate(minibatches(n, train.batch_size, generator, lengths)):
                 value = 0.0
                 for _ in range(options.mc_samples):
                     with opt.sampled_params(train=True):

@@ -9,26 +9,19 @@ FedADMM need.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from mergeflow.federated.base import ClientData, LocalTraining
-from mergeflow.training import DivergenceError, _loss_fn, as_inputs, make_optimizer
+from mergeflow.training import DivergenceError, _loss_fn, as_inputs, make_optimizer, minibatches, token_lengths
 
 
 def prepared(data: ClientData) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """Inputs, targets and loss function of a client, as :func:`mergeflow.training.train` uses them."""
     targets, loss_fn = _loss_fn(data.task, torch.as_tensor(data.y))
     return as_inputs(data.X), targets, loss_fn
-
-
-def minibatches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
-    """Index batches of one epoch: a fresh permutation from ``generator``, cut into ``batch_size``."""
-    order = torch.randperm(n, generator=generator)
-    for start in range(0, n, batch_size):
-        yield order[start : start + batch_size]
 
 
 def check_finite(value: float, epoch: int, step: int) -> None:
@@ -54,11 +47,12 @@ def local_train(
         train.optimizer, model.parameters(), lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay
     )
     n = inputs.shape[0]
+    lengths = token_lengths(model, inputs)
     epoch_loss, steps = float("nan"), 0
     model.train()
     for epoch in range(train.epochs):
         total = 0.0
-        for step, idx in enumerate(minibatches(n, train.batch_size, generator)):
+        for step, idx in enumerate(minibatches(n, train.batch_size, generator, lengths)):
             loss = loss_fn(model(inputs[idx]), targets[idx])
             value = loss.item()
             check_finite(value, epoch, step)

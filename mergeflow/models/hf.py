@@ -49,20 +49,26 @@ class SequenceClassifier(nn.Module):
             tokens get segment 1 (None: every token is segment 0).
     """
 
-    def __init__(self, model: nn.Module, pad_token_id: int, sep_token_id: int | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, pad_token_id: int, sep_token_id: int | None = None, causal: bool = False
+    ) -> None:
         super().__init__()
         self.model = model
         self.pad_token_id = int(pad_token_id)
         self.sep_token_id = None if sep_token_id is None else int(sep_token_id)
+        self.causal = causal
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.long()
         # Data-dependent shapes break vmap (per-example Fishers) and torch.export (MLflow): trim only eagerly.
         if not (torch._C._functorch.is_functorch_wrapped_tensor(ids) or torch.compiler.is_compiling()):
             ids = trim_padding(ids, self.pad_token_id)
-        keep = ids != self.pad_token_id
+        keep = (ids != self.pad_token_id)[:, None, None, :]
+        if self.causal:  # a 4-D mask replaces the model's own, so a decoder's causal part goes in too
+            length = ids.shape[1]
+            keep = keep & torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
         dtype = next(self.model.parameters()).dtype
-        mask = (1.0 - keep[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+        mask = (1.0 - keep.to(dtype)) * torch.finfo(dtype).min
         extra = {}
         if self.sep_token_id is not None:
             is_sep = (ids == self.sep_token_id).long()
@@ -117,7 +123,8 @@ def build_base(
         num_labels: classes of the head.
         vocab_size: the tokenizer's vocabulary (sizes the embeddings of a from-scratch model).
         max_length: the longest input, in tokens (sizes position embeddings of a from-scratch model).
-        pad_token_id, sep_token_id: as in :class:`SequenceClassifier`.
+        pad_token_id, sep_token_id: as in :class:`SequenceClassifier`; the config's other special
+            ids (beginning and end of text) become ``sep_token_id`` or the padding id.
         dropout: every dropout probability of the config (0 keeps training reproducible in threads:
             dropout draws from the global RNG).
         seed: seed of the random init (the head of a pretrained model, everything otherwise).
@@ -128,7 +135,10 @@ def build_base(
     if pretrained:
         hf_config = AutoConfig.from_pretrained(pretrained, num_labels=num_labels, **overrides)
     else:
+        # A from-config model's default special ids (GPT-2's 50256) may lie outside the trained vocabulary.
+        special = int(pad_token_id if sep_token_id is None else sep_token_id)
         sizes = {"vocab_size": vocab_size, "max_position_embeddings": max_length, "n_positions": max_length}
+        sizes |= {"pad_token_id": pad_token_id, "bos_token_id": special, "eos_token_id": special}
         hf_config = AutoConfig.for_model(config["model_type"], num_labels=num_labels, **sizes, **overrides)
     hf_config.pad_token_id = int(pad_token_id)
     hf_config._attn_implementation = "eager"
@@ -145,9 +155,10 @@ def build_base(
         "hf_config": hf_config.to_dict(),
         "pad_token_id": int(pad_token_id),
         "sep_token_id": sep_token_id,
+        "causal": is_causal(hf_config.model_type),
         "seed": int(seed),
     }
-    return SequenceClassifier(model.float(), pad_token_id, sep_token_id), spec
+    return SequenceClassifier(model.float(), pad_token_id, sep_token_id, spec["causal"]), spec
 
 
 def build_from_hf_spec(spec: dict[str, Any]) -> SequenceClassifier:
@@ -158,7 +169,14 @@ def build_from_hf_spec(spec: dict[str, Any]) -> SequenceClassifier:
     config._attn_implementation = "eager"
     with _seeded(spec["seed"]):
         model = AutoModelForSequenceClassification.from_config(config)
-    return SequenceClassifier(model.float(), spec["pad_token_id"], spec["sep_token_id"])
+    return SequenceClassifier(model.float(), spec["pad_token_id"], spec["sep_token_id"], spec["causal"])
+
+
+def is_causal(model_type: str) -> bool:
+    """Whether a model type attends only to the left (GPT-2, Llama, …): every type with no masked-LM head."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
 def transformers_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

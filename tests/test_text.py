@@ -1,0 +1,175 @@
+"""Text data, tokenizers and transformers models on their own: offline, on data the tests write."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from text_fixtures import write_topic_csv, write_wordnet
+
+from mergeflow.data import DataError
+from mergeflow.data.storage import to_arrays
+from mergeflow.data.text import load_text_source, load_wordnet_source
+from mergeflow.data.tokenize import encode_dataset, train_tokenizer, training_texts
+from mergeflow.fisher import diagonal_fisher
+from mergeflow.merge import merge
+from mergeflow.models import build_from_spec
+from mergeflow.models.hf import build_base, save_pretrained
+from mergeflow.training import minibatches, train
+
+TINY = {
+    "bert": {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "intermediate_size": 64},
+    "gpt2": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def topics(tmp_path_factory):
+    """The topic CSV as a text dataset, a WordPiece tokenizer trained on it, and its token ids."""
+    path = write_topic_csv(tmp_path_factory.mktemp("text") / "topics.csv", rows=200)
+    ds, info = load_text_source("csv", data_files=str(path), text_column="sentence", label_column="topic")
+    tokenizer = train_tokenizer(training_texts(ds), vocab_size=300)
+    X, y = to_arrays(encode_dataset(ds, tokenizer, 20), {"input_shape": [20], "task": "classification"})
+    return ds, info, tokenizer, X, y
+
+
+def _model(arch: str, vocab: int = 300, seed: int = 0, num_labels: int = 4):
+    return build_base(
+        pretrained=None,
+        config=TINY[arch],
+        num_labels=num_labels,
+        vocab_size=vocab,
+        max_length=20,
+        pad_token_id=0,
+        sep_token_id=None,
+        dropout=0.0,
+        seed=seed,
+    )
+
+
+def test_wordnet_glosses_are_labelled_with_their_supersense(tmp_path):
+    root = write_wordnet(tmp_path / "wordnet")
+    ds, info = load_wordnet_source(str(root))
+    rows = dict(zip(ds["text"], (info["class_names"][y] for y in ds["y"]), strict=True))
+    assert rows["a domesticated carnivorous mammal"] == "noun.animal"
+    assert rows["use the feet to advance"] == "verb.motion"
+    assert rows["take in solid food"] == "verb.consumption"
+    assert ds["group"].count("verb") == 2 and info["modality"] == "text"
+    only_nouns, _ = load_wordnet_source(str(root), pos=["noun"])
+    assert only_nouns.num_rows == 4
+
+
+def test_a_missing_wordnet_database_says_how_to_get_one(tmp_path):
+    with pytest.raises(DataError, match="apt-get install wordnet-base.*nltk.download"):
+        load_wordnet_source(str(tmp_path / "nowhere"))
+
+
+def test_text_csv_maps_string_labels_and_names_a_missing_column(topics, tmp_path):
+    ds, info, *_ = topics
+    assert info["class_names"] == ["animal", "food", "sport", "weather"]
+    assert set(ds.column_names) == {"text", "y"} and ds.num_rows == 200
+    path = write_topic_csv(tmp_path / "t.csv", rows=20)
+    with pytest.raises(DataError, match="text column 'body' not found.*sentence"):
+        load_text_source("csv", data_files=str(path), text_column="body", label_column="topic")
+
+
+def test_a_trained_tokenizer_is_deterministic_pads_right_and_cuts_at_max_length(topics):
+    ds = topics[0]
+    first, second = (train_tokenizer(training_texts(ds), vocab_size=400) for _ in range(2))
+    assert first.get_vocab() == second.get_vocab() and first.pad_token_id == 0
+    assert first.backend_tokenizer.to_str() == second.backend_tokenizer.to_str()
+    ids, _ = to_arrays(encode_dataset(ds, first, 8), {"input_shape": [8], "task": "classification"})
+    assert ids.shape == (200, 8) and ids.dtype == np.int64
+    lengths = (ids != 0).sum(1)
+    assert lengths.max() == 8  # long sentences are cut
+    short = ids[lengths < 8]
+    assert all((row[n:] == 0).all() for row, n in zip(short, lengths[lengths < 8], strict=True))
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+def test_padded_batches_give_the_logits_of_each_text_alone(topics, arch):
+    X = torch.tensor(topics[3][:6])
+    model, _ = _model(arch)
+    model.eval()
+    batch = model(X)
+    for row, ids in zip(batch, X, strict=True):
+        alone = model.model(input_ids=ids[ids != 0][None]).logits[0]
+        torch.testing.assert_close(row, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_a_spec_rebuilds_the_same_model_and_seeds_are_reproducible():
+    model, spec = _model("bert", seed=3)
+    again, _ = _model("bert", seed=3)
+    rebuilt = build_from_spec(spec)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, again.state_dict()[name]) and torch.equal(value, rebuilt.state_dict()[name])
+    other, _ = _model("bert", seed=4)
+    assert not torch.equal(model.state_dict()["model.classifier.weight"], other.state_dict()["model.classifier.weight"])
+
+
+def _per_example_fisher(model, X, y) -> dict[str, torch.Tensor]:
+    totals = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    for ids, label in zip(X, y, strict=True):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(ids[None]), label[None]).backward()
+        for name, p in model.named_parameters():
+            totals[name] += p.grad**2
+    return {name: value / len(X) for name, value in totals.items()}
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+def test_fisher_by_vmap_equals_a_per_example_loop(topics, arch):
+    X, y = torch.tensor(topics[3][:24]), torch.tensor(topics[4][:24])
+    model, _ = _model(arch)
+    model.eval()
+    fisher = diagonal_fisher(model, X, y, kind="empirical", batch_size=8, backend="functorch")
+    expected = _per_example_fisher(model, X, y)
+    for name, value in expected.items():
+        torch.testing.assert_close(fisher[name], value, rtol=1e-5, atol=1e-10 * float(value.abs().max()) + 1e-12)
+
+
+def test_merging_identical_transformers_returns_that_model(topics):
+    model, _ = _model("bert")
+    state = model.state_dict()
+    model.eval()
+    fisher = diagonal_fisher(model, topics[3][:16], topics[4][:16], kind="empirical", backend="functorch")
+    inputs = {
+        "average": {},
+        "task_arithmetic": {"base": _model("bert", seed=9)[0].state_dict(), "scaling": 1 / 3},
+        "fisher": {"fishers": [fisher] * 3},
+    }
+    for method, extra in inputs.items():
+        merged = merge(method, [state, state, state], **extra)
+        for name, value in state.items():
+            torch.testing.assert_close(merged[name], value, rtol=0, atol=1e-6)
+
+
+def test_a_saved_model_reloads_with_from_pretrained_and_predicts_the_same(topics, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    ds, _, tokenizer, X, y = topics
+    model, spec = _model("bert")
+    train(model, X, y, task="classification", epochs=1, lr=1e-3, optimizer="adam", seed=0)
+    tokenizer.save_pretrained(str(tmp_path / "tok"))
+    save_pretrained(spec, model.state_dict(), tmp_path / "export", tmp_path / "tok")
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "export").eval()
+    model.eval()
+    texts = ds["text"][:4]
+    encoded = AutoTokenizer.from_pretrained(tmp_path / "export")(
+        texts, padding=True, truncation=True, max_length=20, return_tensors="pt"
+    )
+    ours = model(torch.as_tensor(X[:4]))
+    theirs = reloaded(**encoded).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_length_bucketed_batches_cover_every_row_once_and_group_similar_lengths():
+    lengths = torch.randint(1, 60, (1000,), generator=torch.Generator().manual_seed(0))
+    batches = list(minibatches(1000, 10, torch.Generator().manual_seed(1), lengths))
+    again = list(minibatches(1000, 10, torch.Generator().manual_seed(1), lengths))
+    assert all(torch.equal(a, b) for a, b in zip(batches, again, strict=True))
+    assert sorted(torch.cat(batches).tolist()) == list(range(1000))
+    padded = sum(int(lengths[b].max()) * len(b) for b in batches)
+    plain = sum(int(lengths[b].max()) * len(b) for b in minibatches(1000, 10, torch.Generator().manual_seed(1)))
+    assert padded < 0.7 * plain

@@ -1,0 +1,120 @@
+"""Transformers through the whole pipeline via the CLI: a tiny BERT and a tiny GPT-2 from config on a
+topic CSV the test writes; caching, merges, federated rounds (IVON-ADMM included), MLflow, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import fast_params, make_workspace, ran_steps, run_cli
+from text_fixtures import write_topic_csv
+
+pytestmark = pytest.mark.slow
+
+TEXT = {"path": "csv", "text_column": "sentence", "label_column": "topic", "group_column": "genre"}
+BERT = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "intermediate_size": 64}  # fmt: skip
+GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2}
+ADAM = {"optimizer": "adam", "lr": 0.003}
+
+
+def text_params(workspace, config: dict, **sections) -> dict:
+    """Fast params for the topic CSV in ``workspace`` and a from-config transformer."""
+    csv = write_topic_csv(workspace / "topics.csv")
+    return fast_params(
+        data={"source": "text", "text": {**TEXT, "data_files": str(csv)}, "tokenizer": {"vocab_size": 1000,
+              "max_length": 24}},
+        model={"arch": "hf", "hf": {"config": config}},
+        pretrain={"epochs": 30, **ADAM},
+        finetune={"epochs": 5, **ADAM},
+        fisher={"kind": "empirical", "n_examples": 64, "batch_size": 32},
+        **sections,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bert_run(tmp_path_factory, cli_env):
+    path = tmp_path_factory.mktemp("text-bert")
+    federated = {
+        "algorithms": ["fedavg", "bayes_admm"],
+        "rounds": 2,
+        "local": {"epochs": 1, **ADAM},
+        "options": {"bayes_admm": {"lr": 0.01, "temperature": 0.001, "hess_init": 0.005}},
+    }
+    params = text_params(path, BERT, merge={"methods": ["average", "fisher", "task_arithmetic"]}, federated=federated)
+    make_workspace(path, params)
+    done = run_cli(["run"], path, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return path
+
+
+def _metrics(path) -> dict:
+    return json.loads((path / "metrics/evaluate.json").read_text())
+
+
+def test_a_tiny_bert_trains_merges_and_federates_above_chance(bert_run):
+    metrics = _metrics(bert_run)
+    for name in ("centralized", "merged/average", "merged/fisher", "federated/fedavg", "federated/bayes_admm"):
+        assert metrics[name]["accuracy"] > 0.9, (name, metrics[name])  # chance is 0.25
+    info = json.loads((bert_run / "data/prepared/info.json").read_text())
+    assert info["modality"] == "text" and info["input_shape"] == [24]
+    assert (bert_run / info["tokenizer"]["directory"] / "tokenizer.json").is_file()
+    assert {"tokenize", "pretrain", "fisher/client_000", "merge/fisher"} <= ran_steps(bert_run)
+
+
+def test_a_second_text_run_is_fully_cached(bert_run, cli_env):
+    before = (bert_run / "models/merged/average.safetensors").read_bytes()
+    done = run_cli(["run"], bert_run, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ran_steps(bert_run) <= {"track"}
+    assert (bert_run / "models/merged/average.safetensors").read_bytes() == before
+
+
+def test_the_merged_transformer_reloads_from_mlflow_and_predicts_the_same_logits(bert_run):
+    import mlflow
+
+    from mergeflow.checkpoints import load_model
+    from mergeflow.data.storage import load_dataset_file, to_arrays
+
+    info = json.loads((bert_run / "data/prepared/info.json").read_text())
+    X, _ = to_arrays(load_dataset_file(bert_run / "data/prepared/test.parquet"), info)
+    ids = torch.tensor(X[:8])
+    expected = load_model(bert_run / "models/merged/average.safetensors")(ids)
+    mlflow.set_tracking_uri(f"sqlite:///{bert_run / 'mlflow.db'}")
+    versions = mlflow.tracking.MlflowClient().search_model_versions("name='mergeflow.average'")
+    reloaded = mlflow.pytorch.load_model(f"models:/mergeflow.average/{versions[0].version}")
+    np.testing.assert_allclose(reloaded(ids).detach().numpy(), expected.detach().numpy(), atol=1e-5)
+
+
+def test_a_tiny_gpt2_runs_through_the_pipeline(tmp_path, cli_env):
+    params = text_params(tmp_path, GPT2, merge={"methods": ["average"]}, federated={"algorithms": []})
+    make_workspace(tmp_path, params | {"tracking": {"log_models": False}})
+    done = run_cli(["run"], tmp_path, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = _metrics(tmp_path)
+    assert metrics["centralized"]["accuracy"] > 0.9 and metrics["merged/average"]["accuracy"] > 0.8
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"data": {"text": {"text_column": "body"}}}, "text column 'body' not found"),
+        ({"model": {"hf": {"pretrained": "./no-such-model"}}}, "model.hf.pretrained: ./no-such-model is not"),
+        ({"model": {"hf": {"pretrained": "someone/a-model"}}}, "cannot be downloaded"),
+        ({"align": {"method": "weights"}}, "align.method: permutation alignment of transformers"),
+        ({"data": {"tokenizer": {"max_length": 0}}}, "data.tokenizer.max_length"),
+    ],
+)
+def test_bad_text_input_is_one_clear_line_and_writes_nothing(tmp_path, cli_env, change, message):
+    params = text_params(tmp_path, BERT)
+    for section, values in change.items():
+        for key, value in values.items():
+            params[section][key] = {**params[section].get(key, {}), **value} if isinstance(value, dict) else value
+    make_workspace(tmp_path, params)
+    done = run_cli(["run"], tmp_path, cli_env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("mergeflow: error:")]
+    assert len(errors) == 1 and message in errors[0], done.stderr[-2000:]
+    assert not (tmp_path / "data").exists() and not (tmp_path / "models").exists()
