@@ -251,6 +251,17 @@ class PretrainConfig(TrainConfig):
     epochs: int = Field(20, ge=0)
 
 
+class LoraSettings(_Section):
+    """LoRA fine-tuning of a transformers model (``model.arch: hf``) through peft: adapters of rank ``r``
+    (scaled by ``alpha``/``r``) on the modules whose names end in ``target_modules``, and the head;
+    each client's update is folded into full weights before merging."""
+
+    r: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(["query", "value"], min_length=1)
+
+
 class FinetuneConfig(TrainConfig):
     """Per-client training. ``init: independent`` starts every client from its own random init
     (seeded per client) instead of the shared base model: the setting where alignment matters.
@@ -259,6 +270,7 @@ class FinetuneConfig(TrainConfig):
 
     init: Literal["shared", "independent"] = "shared"
     on_divergence: Literal["fail", "exclude"] = "fail"
+    lora: LoraSettings | None = None
     clients: dict[int, TrainOverride] = {}
 
 
@@ -489,6 +501,14 @@ class Params(_Section):
             )
         if self.model.arch == "hf" and self.align.method != "none":
             raise ValueError("align.method: permutation alignment of transformers is not implemented; set it to none")
+        if self.finetune.lora is not None:
+            if self.model.arch != "hf":
+                raise ValueError("finetune.lora: LoRA needs a transformers model (model.arch: hf)")
+            from mergeflow.models.hf import missing_modules
+
+            missing = missing_modules(self.model.hf.pretrained, self.model.hf.config, self.finetune.lora.target_modules)
+            if missing:
+                raise ValueError(f"finetune.lora.target_modules: {missing} match no module of the model")
         if self.model.arch == "hf" and self.fisher.backend == "backpack":
             raise ValueError("fisher.backend: BackPACK does not cover transformers modules; use auto or functorch")
         if self.pretrain.enabled and self.data.server_fraction == 0:

@@ -39,7 +39,7 @@ class Stage:
 
 _TRAINING_CODE = ("mergeflow/models", "mergeflow/training.py", "mergeflow/checkpoints.py", "tasks/training.py")
 _CENTRALIZED_PARAMS = tuple(
-    f"finetune.{key}" for key in ("epochs", "lr", "optimizer", "momentum", "weight_decay", "batch_size")
+    f"finetune.{key}" for key in ("epochs", "lr", "optimizer", "momentum", "weight_decay", "batch_size", "lora")
 )
 
 STAGES: tuple[Stage, ...] = (

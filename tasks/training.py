@@ -33,7 +33,14 @@ def _output_dim(info: dict[str, Any]) -> int:
 
 
 def _fit(model, X: np.ndarray, y: np.ndarray, task: str, settings: dict[str, Any], seed: int, label: str):
-    return train(model, X, y, task=task, seed=seed, progress=label, **{k: settings[k] for k in _TRAIN_KEYS})
+    """Train with ``settings``; with a ``lora`` entry, LoRA adapters and the head only, folded in afterwards."""
+    train_settings = {k: settings[k] for k in _TRAIN_KEYS}
+    if not settings.get("lora"):
+        return train(model, X, y, task=task, seed=seed, progress=label, **train_settings)
+    from mergeflow.models.lora import lora
+
+    with lora(model, settings["lora"], derive_seed(seed, "lora")):
+        return train(model, X, y, task=task, seed=seed, progress=label, **train_settings)
 
 
 def plan_pretrain(params: Params) -> list[Step]:
@@ -87,8 +94,10 @@ def _base_model(model_cfg: dict[str, Any], info: dict[str, Any], seed: int) -> t
 
 
 def _client_settings(params: Params, client: int) -> dict[str, Any]:
+    """A client's training settings (with its overrides), and the LoRA settings when set."""
     override = params.finetune.clients.get(client)
-    return params.finetune.with_override(override).model_dump(include=set(_TRAIN_KEYS))
+    settings = params.finetune.with_override(override).model_dump(include=set(_TRAIN_KEYS))
+    return settings | ({"lora": params.section("finetune.lora")} if params.finetune.lora else {})
 
 
 def plan_finetune(params: Params) -> list[Step]:
@@ -174,6 +183,8 @@ def finetune_client(params: dict[str, Any], root: Path, out: Path) -> dict[str, 
 def plan_centralized(params: Params) -> list[Step]:
     """One step: the oracle trained on all client data pooled, with the fine-tuning defaults."""
     settings = params.finetune.model_dump(include=set(_TRAIN_KEYS))
+    if params.finetune.lora:
+        settings["lora"] = params.section("finetune.lora")
     files = tuple(client_file(c) for c in range(params.partition.num_clients))
     return [
         Step(

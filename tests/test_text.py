@@ -173,3 +173,21 @@ def test_length_bucketed_batches_cover_every_row_once_and_group_similar_lengths(
     padded = sum(int(lengths[b].max()) * len(b) for b in batches)
     plain = sum(int(lengths[b].max()) * len(b) for b in minibatches(1000, 10, torch.Generator().manual_seed(1)))
     assert padded < 0.7 * plain
+
+
+def test_lora_trains_a_rank_r_update_of_the_targets_and_the_head_only(topics):
+    from mergeflow.models.lora import lora
+
+    X, y = topics[3], topics[4]
+    model, _ = _model("bert")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with lora(model, {"r": 2, "alpha": 4.0, "dropout": 0.0, "target_modules": ["query", "value"]}, seed=0):
+        train(model, X, y, task="classification", epochs=2, lr=0.01, optimizer="adam", seed=0)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for name, value in before.items():
+        moved = not torch.equal(after[name], value)
+        targeted = name.endswith(("query.weight", "value.weight"))
+        assert moved == (targeted or ".classifier." in name), name
+        if targeted:
+            assert torch.linalg.matrix_rank(after[name] - value, atol=1e-6) <= 2

@@ -88,8 +88,10 @@ def test_the_merged_transformer_reloads_from_mlflow_and_predicts_the_same_logits
     np.testing.assert_allclose(reloaded(ids).detach().numpy(), expected.detach().numpy(), atol=1e-5)
 
 
-def test_a_tiny_gpt2_runs_through_the_pipeline(tmp_path, cli_env):
+def test_a_tiny_gpt2_fine_tuned_with_lora_runs_through_the_pipeline(tmp_path, cli_env):
+    lora = {"r": 4, "alpha": 8, "target_modules": ["c_attn"]}
     params = text_params(tmp_path, GPT2, merge={"methods": ["average"]}, federated={"algorithms": []})
+    params["finetune"] |= {"lora": lora, "lr": 0.01}
     make_workspace(tmp_path, params | {"tracking": {"log_models": False}})
     done = run_cli(["run"], tmp_path, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -105,13 +107,14 @@ def test_a_tiny_gpt2_runs_through_the_pipeline(tmp_path, cli_env):
         ({"model": {"hf": {"pretrained": "someone/a-model"}}}, "cannot be downloaded"),
         ({"align": {"method": "weights"}}, "align.method: permutation alignment of transformers"),
         ({"data": {"tokenizer": {"max_length": 0}}}, "data.tokenizer.max_length"),
+        ({"finetune": {"lora": {"target_modules": ["q_proj"]}}}, "finetune.lora.target_modules: ['q_proj'] match no"),
     ],
 )
 def test_bad_text_input_is_one_clear_line_and_writes_nothing(tmp_path, cli_env, change, message):
     params = text_params(tmp_path, BERT)
     for section, values in change.items():
         for key, value in values.items():
-            params[section][key] = {**params[section].get(key, {}), **value} if isinstance(value, dict) else value
+            params[section][key] = {**(params[section].get(key) or {}), **value} if isinstance(value, dict) else value
     make_workspace(tmp_path, params)
     done = run_cli(["run"], tmp_path, cli_env)
     assert done.returncode == 2, done.stderr[-2000:]

@@ -83,7 +83,7 @@ def trim_padding(ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
 
 
 @contextmanager
-def _seeded(seed: int) -> Iterator[None]:
+def seeded(seed: int) -> Iterator[None]:
     """transformers initialises weights from the global RNG: fork it, seed it, one build at a time."""
     with _INIT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
@@ -143,7 +143,7 @@ def build_base(
     hf_config.pad_token_id = int(pad_token_id)
     hf_config._attn_implementation = "eager"
     _set_dropout(hf_config, dropout)
-    with _seeded(seed):
+    with seeded(seed):
         if pretrained:
             model = AutoModelForSequenceClassification.from_pretrained(pretrained, config=hf_config)
         else:
@@ -167,7 +167,7 @@ def build_from_hf_spec(spec: dict[str, Any]) -> SequenceClassifier:
 
     config = _config_from_dict(spec["hf_config"])
     config._attn_implementation = "eager"
-    with _seeded(spec["seed"]):
+    with seeded(spec["seed"]):
         model = AutoModelForSequenceClassification.from_config(config)
     return SequenceClassifier(model.float(), spec["pad_token_id"], spec["sep_token_id"], spec["causal"])
 
@@ -199,3 +199,23 @@ def save_pretrained(
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(directory)
+
+
+def missing_modules(pretrained: str | None, config: dict[str, Any], target_modules: list[str]) -> list[str]:
+    """The LoRA targets that name no module of the model ``pretrained``/``config`` describe.
+
+    The architecture is built on the meta device (no weights, no memory), so this is cheap enough
+    to run while the params are validated, before any work.
+    """
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from mergeflow.models.lora import unmatched_targets
+
+    overrides = {k: v for k, v in config.items() if k != "model_type"}
+    if pretrained:
+        hf_config = AutoConfig.from_pretrained(pretrained, **overrides)
+    else:
+        hf_config = AutoConfig.for_model(config["model_type"], **overrides)
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(hf_config)
+    return unmatched_targets(model, target_modules)

@@ -1,0 +1,70 @@
+"""LoRA fine-tuning of a :class:`~mergeflow.models.hf.SequenceClassifier` through ``peft``, folded back.
+
+A client trains low-rank adapters (W + B·A on the target modules) and the classification head; its
+update is then folded into full weights (``merge_and_unload``), so the checkpoint has exactly the
+base model's keys and every merge method combines the clients' updates B_k·A_k. Averaging the A and
+B factors separately would not: mean(B)·mean(A) ≠ mean(B·A).
+
+The head is made trainable explicitly, not through ``task_type="SEQ_CLS"``: that puts it in
+``modules_to_save``, which breaks ``add_weighted_adapter`` and keeps a second copy of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+
+from mergeflow.models.hf import SequenceClassifier, seeded
+
+
+def head_names(model: nn.Module) -> list[str]:
+    """Parameter names of a transformers classifier outside its base model (the head: ``classifier``, ``score``)."""
+    prefix = f"{model.base_model_prefix}."
+    return [name for name, _ in model.named_parameters() if not name.startswith(prefix)]
+
+
+def unmatched_targets(model: nn.Module, target_modules: list[str]) -> list[str]:
+    """The entries of ``target_modules`` that name no module of ``model`` (peft matches name suffixes)."""
+    names = [name for name, _ in model.named_modules()]
+    return [t for t in target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]
+
+
+@contextmanager
+def lora(model: SequenceClassifier, settings: dict[str, Any], seed: int) -> Iterator[SequenceClassifier]:
+    """Within the block, ``model`` trains LoRA adapters and its head only; on exit they are folded in.
+
+    Args:
+        model: the classifier to fine-tune (changed in place: its weights become W + B·A).
+        settings: ``r``, ``alpha``, ``dropout`` and ``target_modules`` (module name suffixes).
+        seed: seed of the adapters' init (A is random, B zero, so training starts at the base model).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    inner = model.model
+    config = LoraConfig(
+        r=settings["r"],
+        lora_alpha=settings["alpha"],
+        lora_dropout=settings["dropout"],
+        target_modules=list(settings["target_modules"]),
+    )
+    heads = head_names(inner)
+    with seeded(seed):
+        wrapped = get_peft_model(inner, config)
+    for name, parameter in inner.named_parameters():
+        if name in heads:
+            parameter.requires_grad_(True)
+    model.model = wrapped
+    try:
+        yield model
+    finally:
+        model.model = wrapped.merge_and_unload()
+        for parameter in model.model.parameters():
+            parameter.requires_grad_(True)
+
+
+def trainable_count(model: nn.Module) -> int:
+    """Parameters that receive gradients."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
