@@ -10,18 +10,26 @@ from safetensors.torch import load_file
 from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import Params
 from mergeflow.merge import METHODS, run_merge
-from mergeflow.models import parameter_names
+from mergeflow.models import is_transformer, parameter_names
+from mergeflow.models.hf import save_pretrained
 from tasks.align import aligned_checkpoint, aligned_factors, aligned_fisher
+from tasks.data import TOKENIZER
 from tasks.steps import Step
 from tasks.training import BASE
 
 MERGED = "models/merged"
-_CODE = ("mergeflow/merge", "mergeflow/checkpoints.py", "tasks/merging.py")
+_CODE = ("mergeflow/merge", "mergeflow/checkpoints.py", "mergeflow/models/hf.py", "tasks/merging.py")
 
 
 def merged_checkpoint(name: str) -> str:
     """Relative path of one merge's model (``name`` is an entry of ``merge.methods``)."""
     return f"{MERGED}/{name}.safetensors"
+
+
+def merged_pretrained_dir(name: str) -> str:
+    """For transformers: the directory beside the checkpoint that ``from_pretrained`` reloads (weights,
+    config and tokenizer)."""
+    return f"{MERGED}/{name}"
 
 
 def _uses_factors(method: str, params: Params) -> bool:
@@ -45,7 +53,7 @@ def _merge_step(params: Params, name: str) -> Step:
         f"merge/{name}",
         "tasks.merging:merge_clients",
         {"name": name, "method": method, "options": options, "num_clients": len(clients), "factors": factors},
-        inputs=_inputs(method, clients, factors),
+        inputs=_inputs(method, clients, factors) + ((TOKENIZER,) if params.model.arch == "hf" else ()),
         code=_CODE,
     )
 
@@ -90,4 +98,6 @@ def merge_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
         "excluded_clients": excluded,
     }
     save_checkpoint(out / merged_checkpoint(name), result.state, meta)
+    if is_transformer(meta["spec"]):
+        save_pretrained(meta["spec"], result.state, out / merged_pretrained_dir(name), root / TOKENIZER)
     return {"method": method, **result.summary}

@@ -81,6 +81,7 @@ def _base_model(model_cfg: dict[str, Any], info: dict[str, Any], seed: int) -> t
             sep_token_id=tokens["sep_token_id"] if info.get("pair") else None,
             dropout=hf["dropout"],
             seed=seed,
+            class_names=info["class_names"],
         )
     spec = model_spec(
         model_cfg["arch"],

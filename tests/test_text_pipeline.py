@@ -88,6 +88,22 @@ def test_the_merged_transformer_reloads_from_mlflow_and_predicts_the_same_logits
     np.testing.assert_allclose(reloaded(ids).detach().numpy(), expected.detach().numpy(), atol=1e-5)
 
 
+def test_a_merged_transformer_reloads_with_from_pretrained_from_its_directory(bert_run):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from mergeflow.checkpoints import load_model
+
+    directory = bert_run / "models/merged/fisher"
+    reloaded = AutoModelForSequenceClassification.from_pretrained(directory).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    texts = ["the whale and the tiger", "rain and thunder in the cold fog"]
+    encoded = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
+    ours = load_model(bert_run / "models/merged/fisher.safetensors")(encoded["input_ids"])
+    torch.testing.assert_close(reloaded(**encoded).logits, ours, atol=1e-5, rtol=1e-5)
+    animal, weather = (reloaded.config.id2label[int(i)] for i in reloaded(**encoded).logits.argmax(1))
+    assert (animal, weather) == ("animal", "weather")
+
+
 def test_a_tiny_gpt2_fine_tuned_with_lora_runs_through_the_pipeline(tmp_path, cli_env):
     lora = {"r": 4, "alpha": 8, "target_modules": ["c_attn"]}
     params = text_params(tmp_path, GPT2, merge={"methods": ["average"]}, federated={"algorithms": []})

@@ -113,6 +113,7 @@ def build_base(
     sep_token_id: int | None,
     dropout: float,
     seed: int,
+    class_names: list[str] | None = None,
 ) -> tuple[SequenceClassifier, dict[str, Any]]:
     """The base model and its spec: pretrained weights with a new, seeded head, or a seeded random init.
 
@@ -128,6 +129,7 @@ def build_base(
         dropout: every dropout probability of the config (0 keeps training reproducible in threads:
             dropout draws from the global RNG).
         seed: seed of the random init (the head of a pretrained model, everything otherwise).
+        class_names: the labels' names, kept in the config (``id2label``) for reloaded models.
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -141,6 +143,9 @@ def build_base(
         sizes |= {"pad_token_id": pad_token_id, "bos_token_id": special, "eos_token_id": special}
         hf_config = AutoConfig.for_model(config["model_type"], num_labels=num_labels, **sizes, **overrides)
     hf_config.pad_token_id = int(pad_token_id)
+    if class_names:
+        hf_config.id2label = dict(enumerate(class_names))
+        hf_config.label2id = {name: i for i, name in enumerate(class_names)}
     hf_config._attn_implementation = "eager"
     _set_dropout(hf_config, dropout)
     with seeded(seed):
