@@ -152,31 +152,42 @@ class PartitionConfig(_Section):
     min_partition_size: int = Field(10, ge=0)
 
 
+# A from-config model when model.hf.config is not given: a 2-layer BERT, hidden 64 (about 0.6M parameters).
+DEFAULT_HF_CONFIG = {
+    "model_type": "bert",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 128,
+}
+
+
 class HFModelConfig(_Section):
     """A Hugging Face transformers model (``model.arch: hf``).
 
     ``pretrained``: a local model directory or a hub name (downloaded only when online); its own
-    tokenizer is used and ``config`` overrides fields of its config. Without it, a model is built
-    from ``config``: ``model_type`` (``bert``, ``gpt2``, ``roberta``, …) and its sizes, with a
-    tokenizer trained on the training split (``data.tokenizer``). ``dropout`` sets every dropout
+    tokenizer is used and ``config`` (if given) overrides fields of its config. Without it, a model
+    is built from ``config``: ``model_type`` (``bert``, ``gpt2``, ``roberta``, …) and its sizes
+    (default :data:`DEFAULT_HF_CONFIG`), with a tokenizer trained on the training split
+    (``data.tokenizer``). ``dropout`` sets every dropout
     probability of the config; dropout draws from torch's global RNG, so runs are bit-reproducible
     with it only when steps run one at a time (``orchestration.max_workers: 1``).
     """
 
     pretrained: str | None = None
-    config: dict[str, Any] = {
-        "model_type": "bert",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "intermediate_size": 128,
-    }
+    config: dict[str, Any] | None = None
     task: Literal["sequence_classification"] = "sequence_classification"
     dropout: float = Field(0.0, ge=0, lt=1)
 
+    def model_config_fields(self) -> dict[str, Any]:
+        """The config to build from (a small BERT by default), or the overrides of a pretrained config."""
+        if self.config is not None:
+            return dict(self.config)
+        return {} if self.pretrained else dict(DEFAULT_HF_CONFIG)
+
     @model_validator(mode="after")
     def _model_source(self) -> HFModelConfig:
-        if not self.pretrained and "model_type" not in self.config:
+        if not self.pretrained and "model_type" not in self.model_config_fields():
             raise ValueError("config.model_type: needed without a pretrained model (e.g. bert or gpt2)")
         if self.pretrained:
             check_pretrained(self.pretrained)
@@ -279,7 +290,8 @@ class AlignConfig(_Section):
 
     ``reference`` is a client id or ``largest`` (the client with the most examples).
     Activation matching uses up to ``examples`` inputs of the server split (else of the
-    reference client's data). Loss barriers are measured on the test split at ``barrier_points``.
+    reference client's data). Loss barriers are measured at ``barrier_points`` on the first
+    ``barrier_examples`` rows of the test split (they cost a forward pass per row, point and client).
     """
 
     method: Literal["none", "weights", "activations"] = "none"
@@ -288,6 +300,7 @@ class AlignConfig(_Section):
     max_iter: int = Field(100, ge=1)
     examples: int = Field(512, ge=1)
     barrier_points: int = Field(11, ge=3)
+    barrier_examples: int = Field(1024, ge=1)
 
 
 class FisherConfig(_Section):
@@ -506,7 +519,8 @@ class Params(_Section):
                 raise ValueError("finetune.lora: LoRA needs a transformers model (model.arch: hf)")
             from mergeflow.models.hf import missing_modules
 
-            missing = missing_modules(self.model.hf.pretrained, self.model.hf.config, self.finetune.lora.target_modules)
+            hf = self.model.hf
+            missing = missing_modules(hf.pretrained, hf.model_config_fields(), self.finetune.lora.target_modules)
             if missing:
                 raise ValueError(f"finetune.lora.target_modules: {missing} match no module of the model")
         if self.model.arch == "hf" and self.fisher.backend == "backpack":

@@ -143,6 +143,7 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
 
     info = read_info(root)
     X, y = read_arrays(root / PREPARED / "test.parquet", info)
+    X, y = X[: settings["barrier_examples"]], y[: settings["barrier_examples"]]
     others = {c: states[c] for c in clients if c != reference and c not in diverged}
     report: dict[str, Any] = {"method": settings["method"], "reference": reference, "excluded": diverged, "after": {}}
     report["before"] = _barriers(model, X, y, info["task"], states[reference], others, settings["barrier_points"])

@@ -45,7 +45,10 @@ def _fit(model, X: np.ndarray, y: np.ndarray, task: str, settings: dict[str, Any
 
 def plan_pretrain(params: Params) -> list[Step]:
     """One step: the shared base model."""
-    step_params = {"seed": params.seed, "model": params.section("model"), "pretrain": params.section("pretrain")}
+    model = params.section("model")
+    if params.model.arch == "hf":
+        model["hf"]["config"] = params.model.hf.model_config_fields()
+    step_params = {"seed": params.seed, "model": model, "pretrain": params.section("pretrain")}
     return [Step("pretrain", "tasks.training:pretrain", step_params, inputs=(PREPARED,), code=_CODE)]
 
 

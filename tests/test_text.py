@@ -133,7 +133,7 @@ def test_merging_identical_transformers_returns_that_model(topics):
     model, _ = _model("bert")
     state = model.state_dict()
     model.eval()
-    fisher = diagonal_fisher(model, topics[3][:16], topics[4][:16], kind="empirical", backend="functorch")
+    fisher = diagonal_fisher(model, topics[3][:16].copy(), topics[4][:16].copy(), kind="empirical", backend="functorch")
     inputs = {
         "average": {},
         "task_arithmetic": {"base": _model("bert", seed=9)[0].state_dict(), "scaling": 1 / 3},
@@ -191,3 +191,22 @@ def test_lora_trains_a_rank_r_update_of_the_targets_and_the_head_only(topics):
         assert moved == (targeted or ".classifier." in name), name
         if targeted:
             assert torch.linalg.matrix_rank(after[name] - value, atol=1e-6) <= 2
+
+
+def test_a_pretrained_directory_loads_its_weights_with_a_new_seeded_head(topics, tmp_path):
+    from mergeflow.data.tokenize import load_tokenizer
+
+    model, spec = _model("bert", num_labels=4)
+    tokenizer = topics[2]
+    tokenizer.save_pretrained(str(tmp_path / "tok"))
+    save_pretrained(spec, model.state_dict(), tmp_path / "pretrained", tmp_path / "tok")
+    options = {"config": {}, "vocab_size": 0, "max_length": 0, "sep_token_id": None, "dropout": 0.0}
+    loaded, loaded_spec = build_base(pretrained=str(tmp_path / "pretrained"), num_labels=7, pad_token_id=0, seed=1,
+                                     **options)  # fmt: skip
+    again, _ = build_base(pretrained=str(tmp_path / "pretrained"), num_labels=7, pad_token_id=0, seed=1, **options)
+    state, original = loaded.state_dict(), model.state_dict()
+    body = [k for k in original if ".classifier." not in k]
+    assert all(torch.equal(state[k], original[k]) for k in body)
+    assert state["model.classifier.weight"].shape == (7, 32) and loaded_spec["output_dim"] == 7
+    assert torch.equal(state["model.classifier.weight"], again.state_dict()["model.classifier.weight"])
+    assert load_tokenizer(tmp_path / "pretrained").get_vocab() == tokenizer.get_vocab()

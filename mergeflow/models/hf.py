@@ -150,7 +150,14 @@ def build_base(
     _set_dropout(hf_config, dropout)
     with seeded(seed):
         if pretrained:
-            model = AutoModelForSequenceClassification.from_pretrained(pretrained, config=hf_config)
+            # A new head (another number of classes) replaces the checkpoint's; the body must load as it is.
+            model, report = AutoModelForSequenceClassification.from_pretrained(
+                pretrained, config=hf_config, ignore_mismatched_sizes=True, output_loading_info=True
+            )
+            prefix = f"{model.base_model_prefix}."
+            body = [key for key, *_ in report["mismatched_keys"] if str(key).startswith(prefix)]
+            if body:
+                raise ValueError(f"{pretrained}: the config overrides change the pretrained body ({body[0]}, …)")
         else:
             model = AutoModelForSequenceClassification.from_config(hf_config)
     spec = {
