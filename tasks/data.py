@@ -23,7 +23,14 @@ from mergeflow.data import (
     to_arrays,
 )
 from mergeflow.data.text import load_text
-from mergeflow.data.tokenize import encode_dataset, load_tokenizer, tokenizer_facts, train_tokenizer, training_texts
+from mergeflow.data.tokenize import (
+    check_vocabulary,
+    encode_dataset,
+    load_tokenizer,
+    tokenizer_facts,
+    train_tokenizer,
+    training_texts,
+)
 from tasks.steps import Step
 from tasks.store import file_signature
 
@@ -67,6 +74,15 @@ def read_arrays(path: Path, info: dict[str, Any]) -> tuple[np.ndarray, np.ndarra
                 _ARRAYS.clear()
             _ARRAYS[signature[0]] = entry
     return entry.X.copy(), entry.y.copy()
+
+
+def read_groups(path: Path) -> np.ndarray | None:
+    """The ``group`` column of a parquet split as strings, or None when the data has no groups."""
+    import pyarrow.parquet as pq
+
+    if "group" not in pq.read_schema(path).names:
+        return None
+    return np.asarray(pq.read_table(path, columns=["group"]).column("group").to_pylist(), dtype=str)
 
 
 def read_info(root: Path, directory: str = PREPARED) -> dict[str, Any]:
@@ -120,6 +136,7 @@ def tokenize(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     splits = {path.stem: load_dataset_file(path) for path in sorted((root / TEXT).glob("*.parquet"))}
     if params["pretrained"]:
         tokenizer = load_tokenizer(params["pretrained"])
+        check_vocabulary(tokenizer, params["pretrained"])
     else:
         texts = training_texts(splits["train"])
         tokenizer = train_tokenizer(

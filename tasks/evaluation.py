@@ -12,7 +12,7 @@ from mergeflow.config import Params
 from mergeflow.evaluation import best_model, ensemble_outputs, evaluate_outputs
 from mergeflow.plots import plot_comparison
 from mergeflow.training import predict
-from tasks.data import PREPARED, read_arrays, read_info
+from tasks.data import PREPARED, read_arrays, read_groups, read_info
 from tasks.federated import final_checkpoint
 from tasks.merging import merged_checkpoint
 from tasks.steps import Step
@@ -60,10 +60,21 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     info = read_info(root)
     task = info["task"]
     X, y = read_arrays(root / PREPARED / "test.parquet", info)
+    groups = read_groups(root / PREPARED / "test.parquet")
     noise_std = info.get("noise_std") or settings["noise_std"]
 
-    def score(outputs: np.ndarray) -> dict[str, float]:
-        return evaluate_outputs(outputs, y, task=task, n_bins=settings["ece_bins"], noise_std=noise_std)
+    def score(outputs: np.ndarray) -> dict[str, Any]:
+        result: dict[str, Any] = evaluate_outputs(
+            outputs, y, task=task, n_bins=settings["ece_bins"], noise_std=noise_std
+        )
+        if groups is not None:  # the data's group column (domain, genre, part of speech, …)
+            result["by_group"] = {
+                str(g): evaluate_outputs(
+                    outputs[groups == g], y[groups == g], task=task, n_bins=settings["ece_bins"], noise_std=noise_std
+                )
+                for g in np.unique(groups)
+            }
+        return result
 
     def outputs_of(path: str) -> np.ndarray:
         return predict(load_model(root / path), X, batch_size=settings["batch_size"])

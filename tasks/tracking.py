@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -102,7 +103,16 @@ def _log_params(mlflow, params: dict[str, str]) -> None:
 
 
 def _test_metrics(values: dict[str, Any]) -> dict[str, float]:
-    return {f"test_{k}": float(v) for k, v in values.items() if k != "client"}
+    """``test_<metric>``, and ``test_<group>_<metric>`` for the per-group metrics of a group column."""
+    flat = {f"test_{k}": float(v) for k, v in values.items() if k not in ("client", "by_group")}
+    for group, metrics in values.get("by_group", {}).items():
+        flat |= {f"test_{_metric_key(group)}_{k}": float(v) for k, v in metrics.items()}
+    return flat
+
+
+def _metric_key(name: str) -> str:
+    """A group name as MLflow accepts it in a metric key (letters, digits, ``_-. /``)."""
+    return re.sub(r"[^\w\-. /]", "_", str(name))
 
 
 def _log_curves(mlflow, curves: dict[str, list[float]]) -> None:

@@ -210,3 +210,15 @@ def test_a_pretrained_directory_loads_its_weights_with_a_new_seeded_head(topics,
     assert state["model.classifier.weight"].shape == (7, 32) and loaded_spec["output_dim"] == 7
     assert torch.equal(state["model.classifier.weight"], again.state_dict()["model.classifier.weight"])
     assert load_tokenizer(tmp_path / "pretrained").get_vocab() == tokenizer.get_vocab()
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(topics, tmp_path):
+    from mergeflow.data.tokenize import check_vocabulary
+
+    model, spec = _model("bert", vocab=300)
+    save_pretrained(spec, model.state_dict(), tmp_path / "small", None)
+    bigger = train_tokenizer(training_texts(topics[0]), vocab_size=400)
+    assert len(bigger) > 300
+    with pytest.raises(DataError, match="the tokenizer has .* tokens but the model's embeddings hold 300"):
+        check_vocabulary(bigger, tmp_path / "small")
+    check_vocabulary(topics[2], tmp_path / "small")  # 300 tokens: fits

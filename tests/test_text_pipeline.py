@@ -58,6 +58,8 @@ def test_a_tiny_bert_trains_merges_and_federates_above_chance(bert_run):
     metrics = _metrics(bert_run)
     for name in ("centralized", "merged/average", "merged/fisher", "federated/fedavg", "federated/bayes_admm"):
         assert metrics[name]["accuracy"] > 0.9, (name, metrics[name])  # chance is 0.25
+    by_group = metrics["merged/average"]["by_group"]  # the data's group column (genre)
+    assert set(by_group) == {"forum", "news"} and all(g["accuracy"] > 0.8 for g in by_group.values())
     info = json.loads((bert_run / "data/prepared/info.json").read_text())
     assert info["modality"] == "text" and info["input_shape"] == [24]
     assert (bert_run / info["tokenizer"]["directory"] / "tokenizer.json").is_file()
@@ -86,6 +88,8 @@ def test_the_merged_transformer_reloads_from_mlflow_and_predicts_the_same_logits
     versions = mlflow.tracking.MlflowClient().search_model_versions("name='mergeflow.average'")
     reloaded = mlflow.pytorch.load_model(f"models:/mergeflow.average/{versions[0].version}")
     np.testing.assert_allclose(reloaded(ids).detach().numpy(), expected.detach().numpy(), atol=1e-5)
+    run = mlflow.get_run(versions[0].run_id)
+    assert {"test_accuracy", "test_news_accuracy", "test_forum_nll"} <= set(run.data.metrics)
 
 
 def test_a_merged_transformer_reloads_with_from_pretrained_from_its_directory(bert_run):

@@ -66,6 +66,18 @@ def load_tokenizer(path: str | Path):
     return tokenizer
 
 
+def check_vocabulary(tokenizer: Any, model_path: str | Path) -> None:
+    """Raise :class:`DataError` when a tokenizer has ids beyond the model's embedding table."""
+    from transformers import AutoConfig
+
+    size = getattr(AutoConfig.from_pretrained(str(model_path)), "vocab_size", None)
+    if size is not None and len(tokenizer) > size:
+        raise DataError(
+            f"{model_path}: the tokenizer has {len(tokenizer)} tokens but the model's embeddings hold {size}; "
+            "use the tokenizer the model was trained with"
+        )
+
+
 def training_texts(ds: datasets.Dataset) -> Iterable[str]:
     """Every text of a text-layout dataset (both sides of a pair), in row order."""
     yield from ds["text"]
