@@ -255,11 +255,27 @@ class TrainConfig(_Section):
         return self.model_copy(update=changes)
 
 
+class LanguageModelPretraining(_Section):
+    """Language-model pre-training of a transformer's body before it learns the task: ``mlm`` (masked,
+    BERT-style) or ``clm`` (next token, GPT-style); ``auto`` picks by architecture. ``text: server``
+    uses the server split's text; ``train`` adds the clients' training text, unlabelled: a
+    centralised step federated learning would not allow, to stand in for a public pretrained model."""
+
+    objective: Literal["auto", "mlm", "clm"] = "auto"
+    text: Literal["server", "train"] = "server"
+    epochs: int = Field(1, ge=1)
+    lr: float = Field(5e-4, gt=0)
+    batch_size: int = Field(32, ge=1)
+    mask_probability: float = Field(0.15, gt=0, lt=1)
+
+
 class PretrainConfig(TrainConfig):
-    """Training of the shared base model on the server split (or random init when disabled)."""
+    """Training of the shared base model on the server split (or random init when disabled); for
+    transformers, optionally language-model pre-training first (``language_model``)."""
 
     enabled: bool = True
     epochs: int = Field(20, ge=0)
+    language_model: LanguageModelPretraining | None = None
 
 
 class LoraSettings(_Section):
@@ -514,6 +530,8 @@ class Params(_Section):
             )
         if self.model.arch == "hf" and self.align.method != "none":
             raise ValueError("align.method: permutation alignment of transformers is not implemented; set it to none")
+        if self.pretrain.language_model is not None and self.model.arch != "hf":
+            raise ValueError("pretrain.language_model: language-model pre-training needs model.arch: hf")
         if self.finetune.lora is not None:
             if self.model.arch != "hf":
                 raise ValueError("finetune.lora: LoRA needs a transformers model (model.arch: hf)")

@@ -58,13 +58,40 @@ def pretrain(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     model, spec = _base_model(params["model"], info, derive_seed(params["seed"], "init"))
     settings = params["pretrain"]
     losses: list[float] = []
+    meta: dict[str, Any] = {"spec": spec, "role": "base"}
     server = root / PREPARED / "server.parquet"
+    if settings.get("language_model"):
+        meta["language_model_losses"] = _pretrain_language_model(model, root, info, settings, params["seed"])
     if settings["enabled"] and server.is_file():
         X, y = read_arrays(server, info)
         result = _fit(model, X, y, info["task"], settings, derive_seed(params["seed"], "pretrain"), "pretrain")
         losses = result.epoch_losses
-    save_checkpoint(out / BASE, model.state_dict(), {"spec": spec, "role": "base", "epoch_losses": losses})
-    return {"trained": bool(losses)}
+    save_checkpoint(out / BASE, model.state_dict(), meta | {"epoch_losses": losses})
+    return {"trained": bool(losses), "language_model_losses": meta.get("language_model_losses")}
+
+
+def _pretrain_language_model(model, root: Path, info: dict[str, Any], settings: dict[str, Any], seed: int) -> list:
+    """Masked- or causal-LM pre-training of a transformer's body on the server (and training) text."""
+    from mergeflow.models.language_model import SpecialIds, pretrain_language_model
+
+    lm = settings["language_model"]
+    splits = ["server", "train"] if lm["text"] == "train" else ["server"]
+    files = [root / PREPARED / f"{name}.parquet" for name in splits]
+    ids = torch.as_tensor(np.concatenate([read_arrays(f, info)[0] for f in files if f.is_file()]))
+    tokens = info["tokenizer"]
+    special = SpecialIds(tokens["pad_token_id"], tokens["mask_token_id"], tuple(tokens["special_ids"]))
+    objective = lm["objective"] if lm["objective"] != "auto" else ("clm" if model.causal else "mlm")
+    return pretrain_language_model(
+        model,
+        ids,
+        special,
+        objective=objective,
+        epochs=lm["epochs"],
+        lr=lm["lr"],
+        batch_size=lm["batch_size"],
+        mask_probability=lm["mask_probability"],
+        seed=derive_seed(seed, "language_model"),
+    )
 
 
 def _base_model(model_cfg: dict[str, Any], info: dict[str, Any], seed: int) -> tuple[torch.nn.Module, dict]:

@@ -222,3 +222,40 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(topics, tmp_pa
     with pytest.raises(DataError, match="the tokenizer has .* tokens but the model's embeddings hold 300"):
         check_vocabulary(bigger, tmp_path / "small")
     check_vocabulary(topics[2], tmp_path / "small")  # 300 tokens: fits
+
+
+def test_bert_masking_chooses_15_percent_of_real_tokens_and_masks_80_percent_of_them():
+    from mergeflow.models.language_model import SpecialIds, mask_tokens
+
+    ids = torch.randint(5, 300, (400, 50), generator=torch.Generator().manual_seed(0))
+    ids[:, 40:] = 0
+    ids[:, 0] = 1  # a special token, never masked
+    special = SpecialIds(pad=0, mask=4, never_masked=(1, 2, 3, 4))
+    inputs, labels = mask_tokens(ids, special, 300, torch.Generator().manual_seed(1))
+    chosen = labels != -100
+    assert not chosen[:, 40:].any() and not chosen[:, 0].any()
+    assert abs(chosen.float().sum() / (400 * 39) - 0.15) < 0.01
+    assert torch.equal(labels[chosen], ids[chosen]) and torch.equal(inputs[~chosen], ids[~chosen])
+    assert abs((inputs[chosen] == 4).float().mean() - 0.8) < 0.02
+    assert abs((inputs[chosen] == ids[chosen]).float().mean() - 0.1) < 0.02
+
+
+@pytest.mark.parametrize(("arch", "objective"), [("bert", "mlm"), ("gpt2", "clm")])
+def test_language_model_pretraining_trains_the_body_reproducibly(topics, arch, objective):
+    from mergeflow.models.language_model import SpecialIds, pretrain_language_model
+
+    tokenizer = topics[2]
+    special = SpecialIds(tokenizer.pad_token_id, tokenizer.mask_token_id, tuple(tokenizer.all_special_ids))
+    ids = torch.tensor(topics[3])
+    runs = []
+    for _ in range(2):
+        model, _ = _model(arch)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        losses = pretrain_language_model(model, ids, special, objective=objective, epochs=3, lr=3e-3, seed=0)
+        runs.append(model.state_dict())
+    assert losses[-1] < losses[0] < 1.2 * np.log(len(tokenizer))
+    head = ("model.classifier.", "model.score.")
+    for name, value in before.items():
+        assert torch.equal(runs[0][name], runs[1][name]), name
+        if "pooler" not in name:
+            assert torch.equal(runs[0][name], value) == name.startswith(head), name

@@ -11,6 +11,8 @@ import torch
 from conftest import fast_params, make_workspace, ran_steps, run_cli
 from text_fixtures import write_topic_csv
 
+from mergeflow.checkpoints import load_checkpoint_meta
+
 pytestmark = pytest.mark.slow
 
 TEXT = {"path": "csv", "text_column": "sentence", "label_column": "topic", "group_column": "genre"}
@@ -108,15 +110,20 @@ def test_a_merged_transformer_reloads_with_from_pretrained_from_its_directory(be
     assert (animal, weather) == ("animal", "weather")
 
 
-def test_a_tiny_gpt2_fine_tuned_with_lora_runs_through_the_pipeline(tmp_path, cli_env):
+def test_a_tiny_gpt2_pretrained_as_a_language_model_and_fine_tuned_with_lora_runs_through_the_pipeline(
+    tmp_path, cli_env
+):
     lora = {"r": 4, "alpha": 8, "target_modules": ["c_attn"]}
     params = text_params(tmp_path, GPT2, merge={"methods": ["average"]}, federated={"algorithms": []})
     params["finetune"] |= {"lora": lora, "lr": 0.01}
+    params["pretrain"]["language_model"] = {"epochs": 2, "lr": 0.001, "text": "train"}  # next-token LM first
     make_workspace(tmp_path, params | {"tracking": {"log_models": False}})
     done = run_cli(["run"], tmp_path, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = _metrics(tmp_path)
     assert metrics["centralized"]["accuracy"] > 0.9 and metrics["merged/average"]["accuracy"] > 0.8
+    lm_losses = load_checkpoint_meta(tmp_path / "models/base/base.safetensors")["language_model_losses"]
+    assert len(lm_losses) == 2 and lm_losses[1] < lm_losses[0]
 
 
 @pytest.mark.parametrize(

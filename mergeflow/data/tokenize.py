@@ -120,5 +120,7 @@ def tokenizer_facts(tokenizer: Any, max_length: int) -> dict[str, Any]:
         "vocab_size": len(tokenizer),
         "pad_token_id": int(tokenizer.pad_token_id),
         "sep_token_id": None if tokenizer.sep_token_id is None else int(tokenizer.sep_token_id),
+        "mask_token_id": None if tokenizer.mask_token_id is None else int(tokenizer.mask_token_id),
+        "special_ids": sorted(int(i) for i in tokenizer.all_special_ids),
         "max_length": int(max_length),
     }
