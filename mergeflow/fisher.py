@@ -46,6 +46,28 @@ def _batches(n: int, batch_size: int) -> Iterator[slice]:
         yield slice(start, min(start + batch_size, n))
 
 
+def _by_length(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id inputs sorted by length, so that each chunk can run at its own longest text (sums over
+    examples do not depend on their order); other inputs unchanged."""
+    from mergeflow.training import token_lengths
+
+    lengths = token_lengths(model, X)
+    if lengths is None:
+        return X, y
+    order = torch.argsort(lengths, stable=True)
+    return X[order], y[order]
+
+
+def _chunk(model: nn.Module, X: torch.Tensor) -> torch.Tensor:
+    """A chunk of token ids without the columns that are padding in every row (vmap cannot trim)."""
+    pad = getattr(model, "pad_token_id", None)
+    if pad is None or X.is_floating_point():
+        return X
+    from mergeflow.models.hf import trim_padding
+
+    return trim_padding(X, pad)
+
+
 def _loss_module(task: str) -> nn.Module:
     return nn.CrossEntropyLoss(reduction="sum") if task == "classification" else nn.MSELoss(reduction="sum")
 
@@ -168,12 +190,12 @@ def diagonal_fisher(
     """The diagonal Fisher, averaged over examples, as {parameter name: tensor}."""
     if kind not in FISHER_KINDS:
         raise ValueError(f"fisher kind must be one of {FISHER_KINDS}, got {kind!r}")
-    X, y = _as_tensors(model, X, y, task)
+    X, y = _by_length(model, *_as_tensors(model, X, y, task))
     generator = torch.Generator().manual_seed(seed)
     use_backpack = _use_backpack(model, backend)
     totals = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
     for rows in _batches(len(X), batch_size):
-        xb, yb = X[rows], y[rows]
+        xb, yb = _chunk(model, X[rows]), y[rows]
         if kind == "exact" and use_backpack:
             from backpack.extensions import DiagGGNExact
 
@@ -189,7 +211,7 @@ def diagonal_fisher(
 
                 batch = _backpack_quantity(model, xb, target, task, SumGradSquared(), "sum_grad_squared")
             else:
-                batch = {k: (g**2).sum(0) for k, g in _functorch_grads(model, xb, target, task).items()}
+                batch = _functorch_squared_grads(model, xb, target, task)
             batch = {k: v * _score_scale(task, noise_std) ** 2 for k, v in batch.items()}
         for name, value in batch.items():
             totals[name] += value
@@ -201,12 +223,59 @@ def _functorch_exact_diag(model: nn.Module, X: torch.Tensor, task: str, noise_st
     for target, weight in _exact_targets(model, X, task):
         if task == "regression":
             target = target + noise_std  # one σ from the mean: squared score (∇f)²/σ²
-        grads = _functorch_grads(model, X, target, task)
-        for name, g in grads.items():
-            w = weight.reshape(-1, *([1] * (g.dim() - 1)))
-            term = (w * g**2).sum(0) * _score_scale(task, noise_std) ** 2
-            totals[name] = totals.get(name, 0) + term
+        squares = _functorch_squared_grads(model, X, target, task, weight)
+        for name, value in squares.items():
+            totals[name] = totals.get(name, 0) + value * _score_scale(task, noise_std) ** 2
     return totals
+
+
+def _functorch_squared_grads(
+    model: nn.Module, X: torch.Tensor, target: torch.Tensor, task: str, weight: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Σ_n w_n (∇ loss_n)², per parameter, from per-example gradients (``w`` = 1 without ``weight``).
+
+    A token-embedding table is done sparsely: a text's gradient touches only the rows of its
+    tokens, so per-token gradients of the embedding output are summed per (text, token id) and
+    squared, instead of materialising a dense vocabulary × width gradient per example (which
+    dominates the time and memory of a small transformer).
+    """
+    embedding = model.token_embedding() if hasattr(model, "token_embedding") else None
+    if embedding is None:
+        grads = _functorch_grads(model, X, target, task)
+        return {k: _weighted_sum(g**2, weight) for k, g in grads.items()}
+    table_name, module = embedding
+    params = {name: p.detach() for name, p in model.named_parameters() if name != table_name}
+    fixed = {table_name: module.weight.detach(), **dict(model.named_buffers())}
+    loss_fn = _loss_module(task)
+    added: dict[str, torch.Tensor] = {}
+    handle = module.register_forward_hook(lambda _module, _args, output: output + added["delta"])
+
+    def single(p, delta, x, t):
+        added["delta"] = delta[None]
+        out = functional_call(model, ({**p, **fixed},), (x[None],))
+        return loss_fn(out, t[None])
+
+    try:
+        zeros = torch.zeros(*X.shape, module.weight.shape[1], dtype=module.weight.dtype)
+        grads, token_grads = vmap(grad(single, argnums=(0, 1)), in_dims=(None, 0, 0, 0))(params, zeros, X, target)
+    finally:
+        handle.remove()
+    squares = {k: _weighted_sum(g**2, weight) for k, g in grads.items()}
+    vocab = module.weight.shape[0]
+    keys = (torch.arange(len(X))[:, None] * vocab + X).reshape(-1)
+    rows, inverse = torch.unique(keys, return_inverse=True)
+    if weight is not None:
+        token_grads = token_grads * weight.sqrt().reshape(-1, 1, 1)
+    per_text = torch.zeros(len(rows), token_grads.shape[-1], dtype=token_grads.dtype)
+    per_text.index_add_(0, inverse, token_grads.reshape(-1, token_grads.shape[-1]))
+    table = torch.zeros_like(module.weight).index_add_(0, rows % vocab, per_text**2)
+    return {name: squares[name] if name != table_name else table for name, _ in model.named_parameters()}
+
+
+def _weighted_sum(values: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    if weight is None:
+        return values.sum(0)
+    return (weight.reshape(-1, *([1] * (values.dim() - 1))) * values).sum(0)
 
 
 def flatten_parameters(values: dict[str, torch.Tensor], model: nn.Module) -> torch.Tensor:
@@ -236,12 +305,12 @@ def fisher_factors(
     """
     if kind not in FISHER_KINDS:
         raise ValueError(f"fisher kind must be one of {FISHER_KINDS}, got {kind!r}")
-    X, y = _as_tensors(model, X, y, task)
+    X, y = _by_length(model, *_as_tensors(model, X, y, task))
     generator = torch.Generator().manual_seed(seed)
     use_backpack = _use_backpack(model, backend)
     blocks = []
     for rows in _batches(len(X), batch_size):
-        xb, yb = X[rows], y[rows]
+        xb, yb = _chunk(model, X[rows]), y[rows]
         if kind == "exact" and use_backpack:
             from backpack.extensions import SqrtGGNExact
 

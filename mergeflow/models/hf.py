@@ -75,6 +75,14 @@ class SequenceClassifier(nn.Module):
             extra["token_type_ids"] = ((is_sep.cumsum(1) - is_sep) >= 1).long()
         return self.model(input_ids=ids, attention_mask=mask, **extra).logits
 
+    def token_embedding(self) -> tuple[str, nn.Embedding]:
+        """The token-embedding table: its parameter name here and its module (for sparse Fishers)."""
+        module = self.model.get_input_embeddings()
+        for name, parameter in self.named_parameters():
+            if parameter is module.weight:
+                return name, module
+        raise LookupError("the token-embedding table is not a parameter of this model")
+
 
 def trim_padding(ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
     """Drop the trailing columns that are padding in every row (a batch runs at its own longest)."""
