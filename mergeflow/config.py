@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mergeflow.errors import ConfigError
+from mergeflow.errors import ConfigError, MergeflowError
 
 
 class _Section(BaseModel):
@@ -129,6 +129,13 @@ class DataConfig(_Section):
             for file in _local_files(options.data_files):
                 if not Path(file).is_file():
                     raise ValueError(f"{self.source}.data_files: file not found: {file}")
+        if self.source == "wordnet":
+            from mergeflow.data.text import find_wordnet
+
+            try:
+                find_wordnet(self.wordnet.root)
+            except MergeflowError as error:
+                raise ValueError(f"wordnet.root: {error}") from None
         if self.is_text and self.standardize:
             raise ValueError("standardize: text is tokenized, not standardized; set it to false")
         return self

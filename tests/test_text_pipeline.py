@@ -134,6 +134,7 @@ def test_a_tiny_gpt2_pretrained_as_a_language_model_and_fine_tuned_with_lora_run
         ({"model": {"hf": {"pretrained": "someone/a-model"}}}, "cannot be downloaded"),
         ({"align": {"method": "weights"}}, "align.method: permutation alignment of transformers"),
         ({"data": {"tokenizer": {"max_length": 0}}}, "data.tokenizer.max_length"),
+        ({"data": {"source": "wordnet", "wordnet": {"root": "./nowhere"}}}, "apt-get install wordnet-base"),
         ({"finetune": {"lora": {"target_modules": ["q_proj"]}}}, "finetune.lora.target_modules: ['q_proj'] match no"),
     ],
 )

@@ -129,7 +129,7 @@ def find_wordnet(root: str | None = None) -> Path:
         directory = Path(candidate).expanduser()
         if all((directory / name).is_file() for name in _WORDNET_FILES):
             return directory
-    where = f"data.wordnet.root {root!r} holds" if root else f"none of {', '.join(WORDNET_ROOTS)} holds"
+    where = f"{root} has no" if root else f"none of {', '.join(WORDNET_ROOTS)} has"
     raise DataError(
         f"no WordNet database found: {where} data.noun and index.noun. Install one with "
         "'apt-get install wordnet-base' (Debian/Ubuntu), or online with "
