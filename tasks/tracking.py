@@ -25,7 +25,7 @@ from tasks.align import ALIGN_METRICS, BARRIER_PLOT
 from tasks.data import PARTITIONS, PREPARED
 from tasks.evaluation import METRICS, PLOT
 from tasks.federated import FEDERATED_METRICS, FEDERATED_PLOT, final_checkpoint, global_checkpoint
-from tasks.merging import merged_checkpoint
+from tasks.merging import merged_checkpoint, merged_pretrained_dir
 from tasks.steps import Step
 from tasks.store import STATE_DIR, hash_paths, sha256_file
 from tasks.training import client_checkpoint
@@ -163,7 +163,6 @@ def _register(mlflow, model_uri: str, name: str, tags: dict[str, str]) -> None:
 
 def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, context: dict[str, Any]) -> None:
     import mlflow.pytorch
-    import torch
 
     path = root / merged_checkpoint(name)
     _, meta = load_checkpoint(path)
@@ -182,12 +181,7 @@ def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, 
         _log_curves(mlflow, meta.get("curves", {}))
         mlflow.log_artifact(str(path), "checkpoint")
         if context["log_models"]:
-            logged = mlflow.pytorch.log_model(
-                load_model(path),
-                name="model",
-                input_example=example,
-                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-            )
+            logged = _log_model(mlflow, root, name, path, example)
             version_tags = {
                 "mergeflow.data_hash": context["data_hash"],
                 "mergeflow.params_hash": context["params_hash"],
@@ -196,6 +190,28 @@ def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, 
                 "mergeflow.run_id": run.info.run_id,
             }
             _register(mlflow, logged.model_uri, registered_model_name(context["experiment"], name), version_tags)
+
+
+def _log_model(mlflow, root: Path, name: str, path: Path, example):
+    """Log a merged model: a transformer as a text-classification pipeline (text in, labels out; the
+    transformers flavour), any other model with the pytorch flavour (arrays in, outputs out)."""
+    import torch
+
+    requirements = [f"torch=={torch.__version__.split('+')[0]}"]
+    directory = root / merged_pretrained_dir(name)
+    if not (directory / "config.json").is_file():
+        return mlflow.pytorch.log_model(
+            load_model(path), name="model", input_example=example, pip_requirements=requirements
+        )
+    import mlflow.transformers
+    import transformers
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(directory)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    pipe = transformers.pipeline("text-classification", model=model, tokenizer=tokenizer, truncation=True)
+    # Explicit requirements: the flavour would otherwise infer torchvision, which offline installs lack.
+    requirements.append(f"transformers=={transformers.__version__}")
+    return mlflow.transformers.log_model(transformers_model=pipe, name="model", pip_requirements=requirements)
 
 
 def _log_federated(mlflow, root: Path, name: str, config: dict[str, Any], rounds: list[dict], final: dict) -> None:
