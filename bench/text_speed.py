@@ -20,10 +20,10 @@ Each timing is the best of ``--repeats``, with 2 torch threads (CI's machine siz
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
+from fisher_speed import best_of, loop_fisher  # bench/ is the script's folder
 
 from mergeflow.data.storage import to_arrays
 from mergeflow.data.text import load_wordnet_source
@@ -36,16 +36,6 @@ CONFIG = {"model_type": "bert", "hidden_size": 128, "num_hidden_layers": 2, "num
           "intermediate_size": 256}  # fmt: skip
 MAX_LENGTH = 32
 BATCH = 32
-
-
-def best_of(repeats: int, fn) -> float:
-    """The fastest of ``repeats`` wall times of ``fn()``, in seconds."""
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
 
 
 def fresh_model(num_labels: int, vocab: int):
@@ -76,17 +66,6 @@ def plain_epoch(model, X: torch.Tensor, y: torch.Tensor, batches: list[torch.Ten
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-
-
-def loop_fisher(model, X: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Empirical diagonal Fisher by one backward pass per example."""
-    totals = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
-    for i in range(len(X)):
-        model.zero_grad()
-        torch.nn.functional.cross_entropy(model(X[i : i + 1]), y[i : i + 1]).backward()
-        for n, p in model.named_parameters():
-            totals[n] += p.grad**2
-    return {n: t / len(X) for n, t in totals.items()}
 
 
 def main() -> None:

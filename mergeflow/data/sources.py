@@ -227,6 +227,24 @@ def _labels(ds: datasets.Dataset, column: str, task: str) -> tuple[np.ndarray, l
     return codes.astype(np.int64), [str(u) for u in uniques]
 
 
+def load_table(
+    path: str, *, name: str | None = None, data_files: str | list[str] | dict | None = None, split: str = "train"
+) -> datasets.Dataset:
+    """One split read with ``datasets.load_dataset``: a builder (``csv``, ``json``, ``parquet``) with
+    local ``data_files``, or a hub name (needs network); ``DataError`` for missing files or no rows."""
+    local = path.startswith((".", "/", "~")) or Path(path).suffix in _FILE_SUFFIXES
+    if local and not Path(path).expanduser().exists():
+        raise DataError(f"data path {path!r} does not exist")
+    _check_local_files(data_files)
+    try:
+        raw = datasets.load_dataset(path, name=name, data_files=data_files, split=split)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"could not load dataset {path!r}: {exc}") from exc
+    if raw.num_rows == 0:
+        raise DataError(f"dataset {path!r} split {split!r} has no rows")
+    return raw
+
+
 def load_hf_source(
     path: str,
     *,
@@ -248,16 +266,7 @@ def load_hf_source(
     """
     if task not in TASKS:
         raise DataError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
-    local = path.startswith((".", "/", "~")) or Path(path).suffix in _FILE_SUFFIXES
-    if local and not Path(path).expanduser().exists():
-        raise DataError(f"data path {path!r} does not exist")
-    _check_local_files(data_files)
-    try:
-        raw = datasets.load_dataset(path, name=name, data_files=data_files, split=split)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"could not load dataset {path!r}: {exc}") from exc
-    if raw.num_rows == 0:
-        raise DataError(f"dataset {path!r} split {split!r} has no rows")
+    raw = load_table(path, name=name, data_files=data_files, split=split)
 
     present = list(raw.column_names)
     if label_column not in present:

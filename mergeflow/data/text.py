@@ -20,7 +20,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
-from mergeflow.data.sources import DataError, _check_local_files, _labels, _missing_column, wrap_table
+from mergeflow.data.sources import DataError, _labels, _missing_column, load_table, wrap_table
 
 # Where a WordNet database is looked for when none is configured: Debian's wordnet-base, then nltk_data.
 WORDNET_ROOTS = ("/usr/share/wordnet", "~/nltk_data/corpora/wordnet", "/usr/share/nltk_data/corpora/wordnet")
@@ -84,13 +84,7 @@ def load_text_source(
     dataset name (needs network). ``text_pair_column`` makes it a sentence-pair task (NLI-style).
     String or non-contiguous labels map to ``0..C-1`` in sorted order.
     """
-    _check_local_files(data_files)
-    try:
-        raw = datasets.load_dataset(path, name=name, data_files=data_files, split=split)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"could not load dataset {path!r}: {exc}") from exc
-    if raw.num_rows == 0:
-        raise DataError(f"dataset {path!r} split {split!r} has no rows")
+    raw = load_table(path, name=name, data_files=data_files, split=split)
     if label_column not in raw.column_names:
         raise _missing_column("label", label_column, list(raw.column_names))
     texts = _text_column(raw, text_column, "text")
