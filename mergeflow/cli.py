@@ -67,6 +67,10 @@ def _run(args: argparse.Namespace, stages: list[str] | None) -> int:
     from mergeflow.config import load_params
 
     params = load_params(args.params, args.overrides)
+    if stages is None or "prepare" in stages:
+        from mergeflow.data.check import check_source
+
+        check_source(params.section("data"), params.seed)  # a bad table fails before Prefect starts
     from flows.environment import configure
 
     configure()
@@ -77,6 +81,12 @@ def _run(args: argparse.Namespace, stages: list[str] | None) -> int:
     print(f"mergeflow: {len(outcomes)} steps in {elapsed:.1f}s: {len(ran)} ran, {len(outcomes) - len(ran)} cached")
     if ran:
         print("  ran: " + step_summary(ran))
+    if stages is None or "evaluate" in stages:
+        from tasks.evaluation import run_warning
+
+        warning = run_warning(Path.cwd())
+        if warning:
+            print(f"mergeflow: warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -122,8 +132,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _run(args, [args.name])
     if args.command == "validate":
         from mergeflow.config import load_params
+        from mergeflow.data.check import check_source
 
-        load_params(args.params, args.overrides)
+        params = load_params(args.params, args.overrides)
+        check_source(params.section("data"), params.seed)
         print(f"{args.params}: ok")
         return 0
     if args.command == "dvc-yaml":

@@ -94,7 +94,9 @@ class DataConfig(_Section):
     test_fraction: float = Field(0.2, gt=0, lt=1)
     server_fraction: float = Field(0.1, ge=0, lt=1)
     validation_fraction: float = Field(0.0, ge=0, lt=1)
-    standardize: bool = False
+    standardize: Literal["auto"] | bool = "auto"
+    categorical: Literal["error", "onehot"] = "error"
+    missing: Literal["error", "drop_rows", "mean"] = "error"
     pinwheel: PinwheelOptions = PinwheelOptions()
     linreg: LinregOptions = LinregOptions()
     hf: HFOptions = HFOptions()
@@ -136,8 +138,8 @@ class DataConfig(_Section):
                 find_wordnet(self.wordnet.root)
             except MergeflowError as error:
                 raise ValueError(f"wordnet.root: {error}") from None
-        if self.is_text and self.standardize:
-            raise ValueError("standardize: text is tokenized, not standardized; set it to false")
+        if self.is_text and self.standardize is True:
+            raise ValueError("standardize: text is tokenized, not standardized; set it to auto or false")
         return self
 
 

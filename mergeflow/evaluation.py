@@ -123,3 +123,48 @@ def best_model(metrics: dict[str, dict], *, task: str) -> str:
     if task == "regression":
         return min(metrics, key=lambda name: (metrics[name]["mse"], name))
     raise ValueError(f"unknown task {task!r}")
+
+
+def _input_blind_baseline(y_train: np.ndarray, y_test: np.ndarray, task: str) -> dict[str, float | str]:
+    """The test score of a model that ignores its input: the training majority class, or the training mean."""
+    if task == "classification":
+        classes, counts = np.unique(y_train, return_counts=True)
+        majority = classes[np.argmax(counts)]
+        accuracy = float(np.mean(y_test == majority))
+        noise = 2 * math.sqrt(max(accuracy * (1 - accuracy), 1 / len(y_test)) / len(y_test))
+        return {"baseline": "majority class", "baseline_accuracy": accuracy, "noise": noise}
+    mse = float(np.mean((np.asarray(y_test, np.float64) - float(np.mean(y_train))) ** 2))
+    return {"baseline": "constant (training mean)", "baseline_mse": mse, "noise": 2 * math.sqrt(2 / len(y_test)) * mse}
+
+
+def sanity_check(
+    metrics: dict[str, dict], y_train: np.ndarray, y_test: np.ndarray, *, task: str, hints: str
+) -> dict[str, object]:
+    """Compare every model with one that ignores its input, and warn when that is all they learned.
+
+    A model is *at baseline* when its test accuracy is within two binomial standard errors of the
+    training majority class's (or of chance), or its MSE within two standard errors of the training
+    mean's. The warning (None when the models learned something) names the centralized model when
+    it is at baseline, or "every model" when all are; ``hints`` lists likely causes.
+    """
+    report: dict[str, object] = _input_blind_baseline(y_train, y_test, task)
+    if task == "classification":
+        floor = max(float(report["baseline_accuracy"]), 1 / len(np.unique(y_train)))
+        at_baseline = {name: m["accuracy"] <= floor + report["noise"] for name, m in metrics.items()}
+        key, unit, reference = "accuracy", "test accuracy", f"always predicting the majority class ({floor:.3f})"
+    else:
+        ceiling = float(report["baseline_mse"])
+        at_baseline = {name: m["mse"] >= ceiling - report["noise"] for name, m in metrics.items()}
+        key, unit, reference = "mse", "test MSE", f"always predicting the training mean ({ceiling:.4g})"
+    report["models_at_baseline"] = sorted(name for name, flag in at_baseline.items() if flag)
+    report["warning"] = None
+    central = metrics.get("centralized")
+    who = "every model" if all(at_baseline.values()) else None
+    if who is None and at_baseline.get("centralized"):
+        who = "the centralized model"
+    if who is not None and central is not None:
+        report["warning"] = (
+            f"{who} is within noise of {reference}: the centralized model scores {central[key]:.3f} {unit}. "
+            f"Likely causes: {hints}"
+        )
+    return report

@@ -50,6 +50,7 @@ STAGES: tuple[Stage, ...] = (
         code=("mergeflow/data", "tasks/data.py"),
         params=("seed", "data", "model.hf.pretrained"),
         outs=("data/prepared",),
+        metrics=("metrics/data.json",),
     ),
     Stage(
         name="partition",

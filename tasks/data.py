@@ -13,15 +13,15 @@ from mergeflow.checkpoints import write_json
 from mergeflow.config import TEXT_SOURCES, Params
 from mergeflow.data import (
     load_dataset_file,
-    load_source,
     partition_dataset,
     partition_stats,
     plot_partition_stats,
     save_dataset,
     split_dataset,
-    standardize,
     to_arrays,
 )
+from mergeflow.data.encode import encode_splits
+from mergeflow.data.sources import load_raw
 from mergeflow.data.text import load_text
 from mergeflow.data.tokenize import (
     check_vocabulary,
@@ -38,6 +38,7 @@ PREPARED = "data/prepared"
 TEXT = f"{PREPARED}/text"
 TOKENIZER = f"{PREPARED}/tokenizer"
 PARTITIONS = "data/partitions"
+DATA_METRICS = "metrics/data.json"
 _CODE = ("mergeflow/data", "tasks/data.py")
 
 
@@ -91,31 +92,77 @@ def read_info(root: Path, directory: str = PREPARED) -> dict[str, Any]:
 
 
 def plan_prepare(params: Params) -> list[Step]:
-    """One step: build the dataset and its splits."""
-    return [Step("prepare", "tasks.data:prepare", {"seed": params.seed, "data": params.section("data")}, code=_CODE)]
+    """One step: build the dataset and its splits (keyed also by the content of local data files)."""
+    return [
+        Step(
+            "prepare",
+            "tasks.data:prepare",
+            {"seed": params.seed, "data": params.section("data")},
+            inputs=local_data_files(params),
+            code=_CODE,
+        )
+    ]
+
+
+def local_data_files(params: Params) -> tuple[str, ...]:
+    """The local files the data source reads (glob patterns expanded), so that editing one re-runs prepare."""
+    import glob
+
+    options = {"hf": params.data.hf, "text": params.data.text}.get(params.data.source)
+    if options is None or options.data_files is None:
+        return ()
+    files = options.data_files
+    if isinstance(files, dict):
+        files = [f for value in files.values() for f in ([value] if isinstance(value, str) else value)]
+    elif isinstance(files, str):
+        files = [files]
+    local = [f for f in files if "://" not in f]
+    return tuple(sorted({str(Path(p).expanduser()) for f in local for p in (glob.glob(f) or [f])}))
 
 
 def prepare(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
-    """Load the source, split it (stratified, seeded), optionally standardise, save parquet files.
+    """Load the source, split it (stratified, seeded), encode numeric features with a transform fitted on
+    the training split (one-hot categories, filled gaps, standardisation), save parquet files.
 
     Text sources are saved as text under ``data/prepared/text``, for the tokenize step.
     """
     data = params["data"]
     source = data["source"]
     options = data.get(source, {}) if source in ("pinwheel", "linreg", "hf", "text", "wordnet") else {}
-    is_text = source in TEXT_SOURCES
-    load = load_text if is_text else load_source
-    dataset, info = load(source, seed=params["seed"], options=options)
     fractions = {key: data[key] for key in ("test_fraction", "server_fraction", "validation_fraction")}
-    splits = split_dataset(dataset, info, **fractions, seed=params["seed"])
-    if data["standardize"]:
-        splits, info["standardization"] = standardize(splits)
-    directory = out / (TEXT if is_text else PREPARED)
+    if source in TEXT_SOURCES:
+        dataset, info = load_text(source, seed=params["seed"], options=options)
+        splits = split_dataset(dataset, info, **fractions, seed=params["seed"])
+        directory = out / TEXT
+        write_json(out / DATA_METRICS, {"source": info["source"], "standardized": False, "tokenized": True})
+    else:
+        policies = {"missing": data["missing"], "categorical": data["categorical"]}
+        raw = load_raw(source, seed=params["seed"], options=options, **policies)
+        splits, info = encode_splits(raw, **fractions, seed=params["seed"], standardize=data["standardize"], **policies)
+        directory = out / PREPARED
+        write_json(out / DATA_METRICS, feature_report(info, data))
     for name, split in splits.items():
         save_dataset(split, directory / f"{name}.parquet")
     info["sizes"] = {name: len(split) for name, split in splits.items()}
     write_json(directory / "info.json", info)
     return info["sizes"]
+
+
+def feature_report(info: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    """What the feature encoding decided (``metrics/data.json``, logged to MLflow): standardisation and why,
+    one-hot columns, filled columns, dropped rows."""
+    features = info["features"]
+    return {
+        "source": info["source"],
+        "standardize": data["standardize"],
+        "standardized": features["mean"] is not None,
+        "standardize_reason": features["reason"],
+        "features": sum(c["width"] for c in features["columns"]),
+        "onehot_columns": {c["name"]: c["width"] for c in features["columns"] if c["kind"] == "onehot"},
+        "filled_columns": [c["name"] for c in features["columns"] if c["fill"] is not None],
+        "missing": data["missing"],
+        "dropped_rows": info.get("dropped_rows", 0),
+    }
 
 
 def plan_tokenize(params: Params) -> list[Step]:

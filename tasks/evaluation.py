@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import numpy as np
 
 from mergeflow.checkpoints import load_checkpoint_meta, load_model, write_json
 from mergeflow.config import Params
-from mergeflow.evaluation import best_model, ensemble_outputs, evaluate_outputs
+from mergeflow.evaluation import best_model, ensemble_outputs, evaluate_outputs, sanity_check
 from mergeflow.plots import plot_comparison
 from mergeflow.training import predict
 from tasks.data import PREPARED, read_arrays, read_groups, read_info
@@ -19,6 +20,7 @@ from tasks.steps import Step
 from tasks.training import BASE, CENTRALIZED, client_checkpoint
 
 METRICS = "metrics/evaluate.json"
+SANITY = "sanity"  # the key of the input-blind baseline and its warning in METRICS
 PLOT = "plots/comparison.png"
 _CODE = ("mergeflow/evaluation.py", "mergeflow/plots.py", "mergeflow/checkpoints.py", "tasks/evaluation.py")
 
@@ -40,6 +42,7 @@ def plan_evaluate(params: Params) -> list[Step]:
             "tasks.evaluation:evaluate",
             step_params,
             inputs=(
+                f"{PREPARED}/train.parquet",
                 f"{PREPARED}/test.parquet",
                 f"{PREPARED}/info.json",
                 BASE,
@@ -100,6 +103,27 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
         if task == "classification":
             result["accuracy_gain"] = result["accuracy"] - metrics["centralized"]["accuracy"]
         metrics[name] = result
-    write_json(out / METRICS, metrics)
+    _, y_train = read_arrays(root / PREPARED / "train.parquet", info)
+    sanity = sanity_check(metrics, y_train, y, task=task, hints=_likely_causes(info))
     plot_comparison(metrics, out / PLOT, task=task)
-    return {"best_client": best}
+    write_json(out / METRICS, {**metrics, SANITY: sanity})
+    return {"best_client": best, "warning": sanity["warning"]}
+
+
+def _likely_causes(info: dict[str, Any]) -> str:
+    """What most often keeps a model at the input-blind baseline, for this kind of data."""
+    causes = ["too high a learning rate (finetune.lr, pretrain.lr)", "too few epochs"]
+    if "features" in info and info["features"]["mean"] is None:
+        causes.insert(0, "unscaled features (data.standardize)")
+    source = info["source"].split(":", 1)[0]
+    if source in ("hf", "text"):
+        causes.append(f"a label column that is not the target (data.{source}.label_column)")
+    return ", ".join(causes) + "."
+
+
+def run_warning(root: Path) -> str | None:
+    """The evaluation's sanity warning (models no better than ignoring the input), if it gave one."""
+    path = root / METRICS
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get(SANITY, {}).get("warning")

@@ -86,7 +86,8 @@ def hash_paths(root: Path, paths: Iterable[str]) -> dict[str, str]:
             hashes[rel] = "missing"
             continue
         for file in _files_under(target):
-            hashes[file.relative_to(root).as_posix()] = sha256_file(file)
+            name = file.relative_to(root).as_posix() if file.is_relative_to(root) else file.as_posix()
+            hashes[name] = sha256_file(file)
     return hashes
 
 

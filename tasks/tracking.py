@@ -18,12 +18,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mergeflow.checkpoints import load_checkpoint, load_model
+from mergeflow.checkpoints import load_checkpoint
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
 from tasks.align import ALIGN_METRICS, BARRIER_PLOT
-from tasks.data import PARTITIONS, PREPARED
-from tasks.evaluation import METRICS, PLOT
+from tasks.data import DATA_METRICS, PARTITIONS, PREPARED, client_file
+from tasks.evaluation import METRICS, PLOT, SANITY
 from tasks.federated import FEDERATED_METRICS, FEDERATED_PLOT, final_checkpoint, global_checkpoint
 from tasks.merging import merged_checkpoint, merged_pretrained_dir
 from tasks.steps import Step
@@ -34,6 +34,7 @@ PARTITION_METRICS = "metrics/partition.json"
 PARTITION_PLOT = "plots/partition.png"
 # Files logged as artifacts of the parent run.
 _ARTIFACTS = (
+    DATA_METRICS,
     METRICS,
     PLOT,
     PARTITION_METRICS,
@@ -88,12 +89,35 @@ def _digest(hashes: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# Marks an experiment as model training, so that MLflow's UI opens it on its runs, not on the GenAI overview.
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def _experiment_id(mlflow, name: str, root: Path) -> str:
     experiment = mlflow.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    location = (root / "mlruns").resolve().as_uri() if "MLFLOW_TRACKING_URI" not in os.environ else None
-    return mlflow.create_experiment(name, artifact_location=location)
+    if experiment is None:
+        location = (root / "mlruns").resolve().as_uri() if "MLFLOW_TRACKING_URI" not in os.environ else None
+        return mlflow.create_experiment(name, artifact_location=location, tags=EXPERIMENT_KIND)
+    for key, value in EXPERIMENT_KIND.items():
+        if key not in experiment.tags:  # made by an older mergeflow, or by hand
+            mlflow.tracking.MlflowClient().set_experiment_tag(experiment.experiment_id, key, value)
+    return experiment.experiment_id
+
+
+def _log_dataset(mlflow, root: Path, relative: str, info: dict[str, Any], context: str) -> None:
+    """A prepared split or partition as an MLflow dataset input (the runs table's "Dataset" column), named
+    by its source and file and identified by its content's sha256."""
+    from mlflow.data.dataset_source_registry import get_registered_sources
+
+    from tasks.data import read_arrays
+
+    path = root / relative
+    X, y = read_arrays(path, info)
+    local = next(c for c in get_registered_sources() if c.__name__ == "LocalArtifactDatasetSource")
+    name = f"{info['source']}:{Path(relative).stem}"
+    source, digest = local(str(path.resolve())), sha256_file(path)[:8]
+    dataset = mlflow.data.from_numpy(X, targets=y, source=source, name=name, digest=digest)
+    mlflow.log_input(dataset, context=context)
 
 
 def _log_params(mlflow, params: dict[str, str]) -> None:
@@ -133,11 +157,12 @@ def _barrier_metrics(report: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def _log_client(mlflow, root: Path, client: int, metrics: dict[str, Any]) -> None:
+def _log_client(mlflow, root: Path, client: int, metrics: dict[str, Any], info: dict[str, Any]) -> None:
     _, meta = load_checkpoint(root / client_checkpoint(client))
     tags = {"mergeflow.kind": "client", "mergeflow.diverged": str(bool(meta.get("diverged"))).lower()}
     with mlflow.start_run(run_name=f"client_{client:03d}", nested=True, tags=tags):
         mlflow.set_tag("mergeflow.client", str(client))
+        _log_dataset(mlflow, root, client_file(client), info, "training")
         _log_params(mlflow, {**flatten(meta["train"]), "num_examples": str(meta["num_examples"])})
         _log_curves(mlflow, {"train_loss": meta["step_losses"]})
         mlflow.log_metrics(_test_metrics(metrics[f"client_{client:03d}"]))
@@ -200,9 +225,7 @@ def _log_model(mlflow, root: Path, name: str, path: Path, example):
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
     directory = root / merged_pretrained_dir(name)
     if not (directory / "config.json").is_file():
-        return mlflow.pytorch.log_model(
-            load_model(path), name="model", input_example=example, pip_requirements=requirements
-        )
+        return _log_raw_rows_model(mlflow, root, path, example, requirements)
     import mlflow.transformers
     import transformers
 
@@ -212,6 +235,29 @@ def _log_model(mlflow, root: Path, name: str, path: Path, example):
     # Explicit requirements: the flavour would otherwise infer torchvision, which offline installs lack.
     requirements.append(f"transformers=={transformers.__version__}")
     return mlflow.transformers.log_model(transformers_model=pipe, name="model", pip_requirements=requirements)
+
+
+def _log_raw_rows_model(mlflow, root: Path, path: Path, example, requirements: list[str]):
+    """A pyfunc model that takes the user's raw rows: the feature encoding fitted on the training split
+    (standardisation, one-hot categories, filled gaps) travels with the checkpoint, and mergeflow's code
+    with the model, so ``mlflow.pyfunc.load_model(uri).predict(rows)`` works wherever torch is installed."""
+    import mlflow.pyfunc
+    import pandas
+    import pyarrow
+
+    from tasks.serving import CHECKPOINT, INFO, RawRowsModel
+    from tasks.steps import project_root_of_code
+
+    code = project_root_of_code()
+    requirements += [f"pandas=={pandas.__version__}", f"pyarrow=={pyarrow.__version__}"]
+    return mlflow.pyfunc.log_model(
+        name="model",
+        python_model=RawRowsModel(),
+        artifacts={CHECKPOINT: str(path), INFO: str(root / PREPARED / "info.json")},
+        code_paths=[str(code / "mergeflow"), str(code / "tasks")],
+        input_example=example,
+        pip_requirements=requirements,
+    )
 
 
 def _log_federated(mlflow, root: Path, name: str, config: dict[str, Any], rounds: list[dict], final: dict) -> None:
@@ -265,11 +311,45 @@ def track(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
         return _track(params, root)
 
 
+def _input_example(root: Path, info: dict[str, Any]):
+    """Two raw rows as a logged model takes them: a DataFrame of the source's columns, feature arrays for
+    the built-in sources, token ids for text."""
+    import numpy as np
+    import pandas as pd
+
+    from tasks.data import read_arrays
+
+    raw = info.get("raw_example")
+    if raw is None:
+        return read_arrays(root / PREPARED / "test.parquet", info)[0][:2]
+    if list(raw) == ["x"]:
+        return np.asarray(raw["x"], dtype=np.float32)
+    return pd.DataFrame(raw)
+
+
+_SPLIT_CONTEXTS = {"train": "training", "server": "pretraining", "validation": "validation", "test": "evaluation"}
+
+
+def _log_data(mlflow, root: Path, info: dict[str, Any], sanity: dict[str, Any]) -> None:
+    """The prepared splits as dataset inputs, the feature encoding's choices, and the input-blind baseline
+    (with the run's warning as the ``mergeflow.warning`` tag when the models did not beat it)."""
+    for split, context in _SPLIT_CONTEXTS.items():
+        if (root / PREPARED / f"{split}.parquet").is_file():
+            _log_dataset(mlflow, root, f"{PREPARED}/{split}.parquet", info, context)
+    report = json.loads((root / DATA_METRICS).read_text())
+    mlflow.log_params({"data.standardized": str(report["standardized"]).lower()})
+    if "standardize_reason" in report:
+        mlflow.set_tag("mergeflow.standardize_reason", report["standardize_reason"])
+    baseline = {k: v for k, v in sanity.items() if k in ("baseline_accuracy", "baseline_mse")}
+    mlflow.log_metrics({f"baseline.test_{k.removeprefix('baseline_')}": float(v) for k, v in baseline.items()})
+    if sanity["warning"]:
+        mlflow.set_tag("mergeflow.warning", sanity["warning"])
+
+
 def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
     import mlflow
-    import numpy as np
 
-    from tasks.data import read_arrays, read_info
+    from tasks.data import read_info
 
     config = params["params"]
     mlflow.set_tracking_uri(tracking_uri(root))
@@ -277,8 +357,7 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
     mlflow.set_experiment(experiment_id=experiment_id)  # nested child runs follow the active experiment
     metrics = json.loads((root / METRICS).read_text())
     info = read_info(root)
-    X, _ = read_arrays(root / PREPARED / "test.parquet", info)
-    example = np.ascontiguousarray(X[:2], dtype=np.int64 if X.dtype.kind == "i" else np.float32)
+    example = _input_example(root, info)
     tags = {
         "mergeflow.kind": "pipeline",
         "mergeflow.git_commit": _git_commit(root),
@@ -292,8 +371,9 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
         for artifact in _ARTIFACTS:
             mlflow.log_artifact(str(root / artifact), Path(artifact).parent.name)
         mlflow.log_metrics(_barrier_metrics(json.loads((root / ALIGN_METRICS).read_text())))
+        _log_data(mlflow, root, info, metrics[SANITY])
         for client in range(config["partition"]["num_clients"]):
-            _log_client(mlflow, root, client, metrics)
+            _log_client(mlflow, root, client, metrics, info)
         context = {
             "experiment": config["tracking"]["experiment"],
             "log_models": config["tracking"]["log_models"],

@@ -13,15 +13,15 @@ import hashlib
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import datasets
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from sklearn.datasets import load_digits, load_wine
 
-from mergeflow.errors import MergeflowError
+from mergeflow.data.errors import DataError
+from mergeflow.data.features import Categorical, Missing, fit_encoder, is_categorical, missing_error, missing_rows
 
 BUILTIN_SOURCES: tuple[str, ...] = ("digits", "wine", "pinwheel", "linreg")
 TASKS = ("classification", "regression")
@@ -31,8 +31,10 @@ _WINE_ROWS = 178
 _FILE_SUFFIXES = (".csv", ".tsv", ".parquet", ".json", ".jsonl", ".txt", ".arrow")
 
 
-class DataError(MergeflowError, ValueError):
-    """Data that cannot be loaded, split or partitioned as configured."""
+# A float label column with more distinct non-integer values than this is taken for a regression target.
+_REGRESSION_HINT_VALUES = 20
+
+__all__ = ["DataError"]
 
 
 def _list_array(x: np.ndarray) -> pa.ListArray:
@@ -54,14 +56,19 @@ def wrap_table(table: pa.Table) -> datasets.Dataset:
     return datasets.Dataset(table, fingerprint=hashlib.sha256(sink.getvalue()).hexdigest()[:32])
 
 
-def make_dataset(x: np.ndarray, y: np.ndarray, group: np.ndarray | list[str] | None = None) -> datasets.Dataset:
-    """Build an in-memory dataset in the ``x`` / ``y`` / ``group`` layout.
+def make_dataset(
+    x: np.ndarray, y: np.ndarray, group: np.ndarray | list[str] | None = None, row: np.ndarray | None = None
+) -> datasets.Dataset:
+    """Build an in-memory dataset in the ``x`` / ``y`` / ``group`` / ``row`` layout.
 
-    ``y`` keeps its dtype (int64 for classes, float32 for regression targets).
+    ``y`` keeps its dtype (int64 for classes, float32 for regression targets); ``row`` is each
+    row's number in the source table, to trace a prediction back to it.
     """
     columns: dict[str, pa.Array] = {"x": _list_array(x), "y": pa.array(np.asarray(y))}
     if group is not None:
         columns["group"] = pa.array([str(g) for g in group], type=pa.string())
+    if row is not None:
+        columns["row"] = pa.array(np.asarray(row, dtype=np.int64))
     return wrap_table(pa.table(columns))
 
 
@@ -190,37 +197,31 @@ def _missing_column(kind: str, column: str, present: list[str]) -> DataError:
     return DataError(f"{kind} column {column!r} not found in data; columns are: {', '.join(present)}")
 
 
-def _feature_block(ds: datasets.Dataset, column: str) -> np.ndarray:
-    """One feature column (numbers or fixed-length lists of numbers) as ``(N, k)`` float32."""
-    arr = ds.data.column(column).combine_chunks()
-    while pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or pa.types.is_fixed_size_list(arr.type):
-        lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False)
-        if arr.null_count or (lengths != lengths[0]).any():
-            raise DataError(f"feature column {column!r} holds missing lists or lists of different lengths")
-        arr = arr.flatten()
-    if not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type)):
-        raise DataError(f"feature column {column!r} has type {arr.type}; features must be numbers or lists of numbers")
+def _labels(
+    table: pa.Table, column: str, task: str, feature: datasets.features.FeatureType | None = None
+) -> tuple[np.ndarray, list[str] | None]:
+    """Targets as int64 class ids (plus class names when remapped, or the names of a ``ClassLabel``
+    ``feature``) or float32 values."""
+    arr = table.column(column).combine_chunks()
     if arr.null_count:
-        raise DataError(f"feature column {column!r} has missing values")
-    values = arr.to_numpy(zero_copy_only=False).astype(np.float32)
-    return values.reshape(ds.num_rows, -1)
-
-
-def _labels(ds: datasets.Dataset, column: str, task: str) -> tuple[np.ndarray, list[str] | None]:
-    """Targets as int64 class ids (plus class names when remapped) or float32 values."""
-    arr = ds.data.column(column).combine_chunks()
-    if arr.null_count:
-        raise DataError(f"label column {column!r} has missing values")
+        raise missing_error(column, arr.null_count, len(arr), "mean")
     values = arr.to_numpy(zero_copy_only=False)
     if task == "regression":
         try:
             return values.astype(np.float32), None
         except (TypeError, ValueError) as exc:
             raise DataError(f"regression label column {column!r} is not numeric") from exc
-    feature = ds.features[column]
     if isinstance(feature, datasets.ClassLabel):
         return values.astype(np.int64), list(feature.names)
     uniques, codes = np.unique(values, return_inverse=True)
+    if np.issubdtype(uniques.dtype, np.floating):
+        fractional = int((uniques != np.round(uniques)).sum())
+        if fractional > _REGRESSION_HINT_VALUES:
+            raise DataError(
+                f"label column {column!r} holds {len(uniques)} distinct numbers, {fractional} of them not whole: "
+                "it looks like a regression target; set data.hf.task: regression (or make the labels strings "
+                "to keep them as classes)"
+            )
     contiguous = np.issubdtype(uniques.dtype, np.integer) and np.array_equal(uniques, np.arange(len(uniques)))
     if contiguous:
         return values.astype(np.int64), None
@@ -245,7 +246,18 @@ def load_table(
     return raw
 
 
-def load_hf_source(
+class RawData(NamedTuple):
+    """A source before feature encoding: its raw feature columns, targets, groups, task facts and
+    each row's number in the source table (rows with missing values may have been dropped)."""
+
+    features: pa.Table
+    y: np.ndarray
+    group: np.ndarray | None
+    info: dict[str, Any]
+    source_rows: np.ndarray
+
+
+def load_hf_raw(
     path: str,
     *,
     name: str | None = None,
@@ -256,18 +268,22 @@ def load_hf_source(
     task: str = "classification",
     group_column: str | None = None,
     input_shape: list[int] | None = None,
-) -> tuple[datasets.Dataset, dict[str, Any]]:
-    """Load a table with ``datasets.load_dataset`` and convert it to the x/y/group layout.
+    missing: Missing = "error",
+    categorical: Categorical = "error",
+) -> RawData:
+    """Load a table with ``datasets.load_dataset`` and check it, keeping the feature columns raw.
 
-    ``path`` is a builder ("csv", "parquet", "json") used with local ``data_files``, or
-    a Hub dataset name (needs network). ``feature_columns=None`` takes every column but
-    the label and group columns; each may hold numbers or lists of numbers. String or
-    non-contiguous class labels are mapped to ``0..C-1`` in sorted order.
+    ``path`` is a builder ("csv", "parquet", "json") used with local ``data_files``, or a Hub
+    dataset name (needs network). ``feature_columns=None`` takes every column but the label and
+    group columns. String or non-contiguous class labels are mapped to ``0..C-1`` in sorted order.
+    ``missing="drop_rows"`` drops the rows with a missing feature or label; otherwise a missing
+    label, and under ``"error"`` a missing feature, is a ``DataError`` naming the column. Text
+    feature columns are a ``DataError`` unless ``categorical="onehot"``. ``info["input_shape"]``
+    is the shape given, or None until the features are encoded.
     """
     if task not in TASKS:
         raise DataError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
     raw = load_table(path, name=name, data_files=data_files, split=split)
-
     present = list(raw.column_names)
     if label_column not in present:
         raise _missing_column("label", label_column, present)
@@ -280,24 +296,61 @@ def load_hf_source(
     for column in feature_columns:
         if column not in present:
             raise _missing_column("feature", column, present)
-
-    x = np.concatenate([_feature_block(raw, c) for c in feature_columns], axis=1)
-    shape = list(input_shape) if input_shape is not None else [x.shape[1]]
-    if int(np.prod(shape)) != x.shape[1]:
-        raise DataError(f"input_shape {shape} does not match the {x.shape[1]} feature values per row")
-    y, class_names = _labels(raw, label_column, task)
-    group = raw.data.column(group_column).to_pylist() if group_column is not None else None
+    loaded = raw.num_rows
+    source_rows = np.arange(loaded)
+    if missing == "drop_rows":
+        keep = ~missing_rows(raw.with_format("arrow")[:], [*feature_columns, label_column])
+        if not keep.any():
+            raise DataError(f"every row of {path!r} has a missing value; data.missing: drop_rows leaves none")
+        source_rows = np.flatnonzero(keep)
+        raw = raw.select(source_rows)
+    table = raw.with_format("arrow")[:]
+    features = table.select(feature_columns)
+    text = [c for c in feature_columns if is_categorical(features.schema.field(c).type, "error")]
+    if text and categorical == "error":
+        raise DataError(
+            f"feature column {text[0]!r} holds text ({features.schema.field(text[0]).type}); set data.categorical: "
+            "onehot to one-hot encode it, or leave it out of data.hf.feature_columns"
+        )
+    if missing == "error":
+        for column in feature_columns:
+            gaps = int(missing_rows(features, [column]).sum())
+            if gaps:
+                raise missing_error(column, gaps, features.num_rows, missing)
+    y, class_names = _labels(table, label_column, task, raw.features[label_column])
+    group = np.asarray(table.column(group_column).to_pylist(), dtype=str) if group_column is not None else None
     info = {
         "source": f"hf:{path}",
         "task": task,
         "num_classes": None,
-        "input_shape": shape,
+        "input_shape": list(input_shape) if input_shape is not None else None,
         "class_names": None,
+        "dropped_rows": loaded - raw.num_rows,
     }
     if task == "classification":
         info["num_classes"] = len(class_names) if class_names else int(y.max()) + 1
         info["class_names"] = class_names
-    return make_dataset(x, y, group), info
+    return RawData(features, y, group, info, source_rows)
+
+
+def load_hf_source(path: str, **options: Any) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """Load a table (options as :func:`load_hf_raw`) in the x/y/group layout, features encoded over all
+    rows without standardisation; the pipeline's prepare step fits the encoding on the training split."""
+    raw = load_hf_raw(path, **options)
+    encoder = fit_encoder(
+        raw.features,
+        raw.features.column_names,
+        standardize=False,
+        categorical=options.get("categorical", "error"),
+        missing=options.get("missing", "error"),
+    )
+    x = encoder.transform(raw.features)
+    info = dict(raw.info)
+    shape = info["input_shape"] or [x.shape[1]]
+    if int(np.prod(shape)) != x.shape[1]:
+        raise DataError(f"input_shape {shape} does not match the {x.shape[1]} feature values per row")
+    info["input_shape"] = shape
+    return make_dataset(x, raw.y, raw.group), info
 
 
 def load_source(
@@ -322,5 +375,26 @@ def load_source(
     if source == "hf":
         if not options.get("path"):
             raise DataError("source 'hf' needs options.path (e.g. 'csv' or a Hub name)")
-        return load_hf_source(**_bind(load_hf_source, options))
+        return load_hf_source(**_bind(load_hf_raw, options))
     raise DataError(f"unknown data source {source!r}; choose one of {', '.join((*BUILTIN_SOURCES, 'hf'))}")
+
+
+def load_raw(
+    source: str,
+    *,
+    seed: int = 0,
+    options: dict[str, Any] | None = None,
+    missing: Missing = "error",
+    categorical: Categorical = "error",
+) -> RawData:
+    """Any numeric source before feature encoding (``options`` as :func:`load_source`); a built-in
+    source's features are its one list column ``"x"``."""
+    options = dict(options or {})
+    if source == "hf":
+        if not options.get("path"):
+            raise DataError("source 'hf' needs options.path (e.g. 'csv' or a Hub name)")
+        return load_hf_raw(**_bind(load_hf_raw, {**options, "missing": missing, "categorical": categorical}))
+    ds, info = load_source(source, seed=seed, options=options)
+    table = ds.with_format("arrow")[:]
+    group = np.asarray(table.column("group").to_pylist(), dtype=str) if "group" in table.column_names else None
+    return RawData(table.select(["x"]), table.column("y").to_numpy(), group, info, np.arange(table.num_rows))

@@ -30,6 +30,39 @@ def _split_off(indices: np.ndarray, labels: np.ndarray | None, size: int, seed: 
     return rest, taken
 
 
+def split_indices(
+    labels: np.ndarray | None,
+    n: int,
+    *,
+    test_fraction: float,
+    server_fraction: float = 0.0,
+    validation_fraction: float = 0.0,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Sorted row indices of ``"train"``, ``"test"`` and, when their fractions are > 0, ``"server"``
+    and ``"validation"`` (see :func:`split_dataset`); ``labels`` (class ids) stratify, None does not."""
+    if not 0.0 < test_fraction < 1.0:
+        raise DataError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    for key, fraction in (("server_fraction", server_fraction), ("validation_fraction", validation_fraction)):
+        if not 0.0 <= fraction < 1.0:
+            raise DataError(f"{key} must be in [0, 1), got {fraction}")
+    n_test = math.ceil(test_fraction * n)
+    n_server = math.ceil(server_fraction * n)
+    n_validation = math.ceil(validation_fraction * n)
+    if n - n_test - n_server - n_validation < 1:
+        raise DataError(
+            f"test_fraction {test_fraction} + server_fraction {server_fraction} + validation_fraction "
+            f"{validation_fraction} leave no training rows out of {n}"
+        )
+    rest, test = _split_off(np.arange(n), labels, n_test, seed)
+    splits = {"test": np.sort(test)}
+    for name, size in (("server", n_server), ("validation", n_validation)):
+        if size:
+            rest, taken = _split_off(rest, labels, size, seed)
+            splits[name] = np.sort(taken)
+    return {"train": np.sort(rest), **splits}
+
+
 def split_dataset(
     ds: datasets.Dataset,
     info: dict[str, Any],
@@ -47,30 +80,10 @@ def split_dataset(
     split is held out from everything else (hyperparameters are chosen on it, never on test);
     test and server rows are the same with or without it.
     """
-    n = ds.num_rows
-    if not 0.0 < test_fraction < 1.0:
-        raise DataError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    for key, fraction in (("server_fraction", server_fraction), ("validation_fraction", validation_fraction)):
-        if not 0.0 <= fraction < 1.0:
-            raise DataError(f"{key} must be in [0, 1), got {fraction}")
-    n_test = math.ceil(test_fraction * n)
-    n_server = math.ceil(server_fraction * n)
-    n_validation = math.ceil(validation_fraction * n)
-    if n - n_test - n_server - n_validation < 1:
-        raise DataError(
-            f"test_fraction {test_fraction} + server_fraction {server_fraction} + validation_fraction "
-            f"{validation_fraction} leave no training rows out of {n}"
-        )
-    labels = None
-    if info["task"] == "classification":
-        labels = arrow_table(ds).column("y").to_numpy()
-    rest, test = _split_off(np.arange(n), labels, n_test, seed)
-    splits = {"test": _subset(ds, test)}
-    for name, size in (("server", n_server), ("validation", n_validation)):
-        if size:
-            rest, taken = _split_off(rest, labels, size, seed)
-            splits[name] = _subset(ds, taken)
-    return {"train": _subset(ds, rest), **splits}
+    labels = arrow_table(ds).column("y").to_numpy() if info["task"] == "classification" else None
+    fractions = {"test_fraction": test_fraction, "server_fraction": server_fraction}
+    indices = split_indices(labels, ds.num_rows, **fractions, validation_fraction=validation_fraction, seed=seed)
+    return {name: _subset(ds, rows) for name, rows in indices.items()}
 
 
 def standardize(

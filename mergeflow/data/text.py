@@ -94,7 +94,7 @@ def load_text_source(
         if group_column not in raw.column_names:
             raise _missing_column("group", group_column, list(raw.column_names))
         groups = [str(g) for g in raw.data.column(group_column).to_pylist()]
-    y, class_names = _labels(raw, label_column, "classification")
+    y, class_names = _labels(raw.data.table, label_column, "classification", raw.features[label_column])
     num_classes = len(class_names) if class_names else int(y.max()) + 1
     info = _text_info(f"text:{path}", num_classes, class_names, pair=pairs is not None)
     return make_text_dataset(texts, y, pairs=pairs, groups=groups), info

@@ -1,0 +1,21 @@
+"""A check of the user's own table before any orchestration starts: columns, labels, missing values, text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mergeflow.data.sources import load_raw
+from mergeflow.data.text import load_text
+
+
+def check_source(data: dict[str, Any], seed: int = 0) -> None:
+    """Read a ``hf`` or ``text`` source as the prepare step will and raise its ``DataError`` now.
+
+    ``data`` is the params' ``data`` section. Built-in sources and WordNet (checked when the params
+    are validated) are skipped: they are not the user's table.
+    """
+    source = data["source"]
+    if source == "hf":
+        load_raw("hf", seed=seed, options=data["hf"], missing=data["missing"], categorical=data["categorical"])
+    elif source == "text":
+        load_text("text", seed=seed, options=data["text"])

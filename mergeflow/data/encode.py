@@ -1,0 +1,57 @@
+"""Split a numeric source and encode its features with a transform fitted on the training split."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import datasets
+import numpy as np
+
+from mergeflow.data.errors import DataError
+from mergeflow.data.features import Categorical, Missing, Standardize, fit_encoder
+from mergeflow.data.sources import RawData, make_dataset
+from mergeflow.data.split import split_indices
+
+
+def encode_splits(
+    raw: RawData,
+    *,
+    test_fraction: float,
+    server_fraction: float = 0.0,
+    validation_fraction: float = 0.0,
+    seed: int = 0,
+    standardize: Standardize = "auto",
+    categorical: Categorical = "error",
+    missing: Missing = "error",
+) -> tuple[dict[str, datasets.Dataset], dict[str, Any]]:
+    """Split ``raw`` (as :func:`split_dataset`), fit the feature encoding on the training rows and
+    apply it to every split; ``info["features"]`` holds the fitted encoder.
+
+    Data with a multi-dimensional ``input_shape`` (images) is never standardised by ``"auto"``.
+    """
+    info = dict(raw.info)
+    labels = raw.y if info["task"] == "classification" else None
+    fractions = {"test_fraction": test_fraction, "server_fraction": server_fraction}
+    indices = split_indices(labels, len(raw.y), **fractions, validation_fraction=validation_fraction, seed=seed)
+    shape = info.get("input_shape")
+    encoder = fit_encoder(
+        raw.features.take(indices["train"]),
+        raw.features.column_names,
+        standardize=standardize,
+        categorical=categorical,
+        missing=missing,
+        tabular=shape is None or len(shape) == 1,
+    )
+    if shape is None:
+        shape = [encoder.width]
+    elif int(np.prod(shape)) != encoder.width:
+        raise DataError(f"input_shape {shape} does not match the {encoder.width} feature values per row")
+    info["input_shape"] = shape
+    info["features"] = encoder.to_dict()
+    info["raw_example"] = raw.features.take(indices["train"][:2]).to_pydict()  # what a logged model is shown
+    splits = {}
+    for name, rows in indices.items():
+        x = encoder.transform(raw.features.take(rows))
+        group = raw.group[rows] if raw.group is not None else None
+        splits[name] = make_dataset(x, raw.y[rows], group, row=raw.source_rows[rows])
+    return splits, info
