@@ -150,7 +150,7 @@ def prepare(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
 
 def feature_report(info: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
     """What the feature encoding decided (``metrics/data.json``, logged to MLflow): standardisation and why,
-    one-hot columns, filled columns, dropped rows."""
+    one-hot columns, missing values (filled) and dropped rows."""
     features = info["features"]
     return {
         "source": info["source"],
@@ -159,7 +159,7 @@ def feature_report(info: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]
         "standardize_reason": features["reason"],
         "features": sum(c["width"] for c in features["columns"]),
         "onehot_columns": {c["name"]: c["width"] for c in features["columns"] if c["kind"] == "onehot"},
-        "filled_columns": [c["name"] for c in features["columns"] if c["fill"] is not None],
+        "missing_values": info["missing_values"],
         "missing": data["missing"],
         "dropped_rows": info.get("dropped_rows", 0),
     }

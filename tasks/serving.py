@@ -19,6 +19,7 @@ class RawRowsModel(mlflow.pyfunc.PythonModel):
 
         self.predictor = TablePredictor.from_files(context.artifacts[CHECKPOINT], context.artifacts[INFO])
 
-    def predict(self, context: mlflow.pyfunc.PythonModelContext, model_input: Any, params: dict | None = None) -> Any:
-        """Predictions for raw rows (see ``TablePredictor.predict``)."""
+    def predict(self, context: mlflow.pyfunc.PythonModelContext, model_input, params: dict | None = None) -> Any:
+        """Predictions for raw rows (see ``TablePredictor.predict``); ``model_input`` has no type hint,
+        which MLflow would take for a schema of its own."""
         return self.predictor.predict(model_input)

@@ -181,11 +181,9 @@ def test_mlflow_holds_runs_tags_metrics_and_a_reloadable_model(workspace):
     assert len(history) > 1 and [m.step for m in history] == sorted(m.step for m in history)
 
     logged = mlflow.search_logged_models(experiment_ids=[parent.experiment_id], output_format="list")
-    model = mlflow.pytorch.load_model(logged[0].model_uri)
-    import torch
-
-    out = model(torch.rand(5, 1, 8, 8))
-    assert out.shape == (5, 10) and np.isfinite(out.detach().numpy()).all()
+    predicted = mlflow.pyfunc.load_model(logged[0].model_uri).predict(np.random.default_rng(0).random((5, 64)))
+    assert list(predicted.columns[:2]) == ["label", "score"] and len(predicted) == 5
+    assert set(predicted["label"]) <= {str(d) for d in range(10)} and predicted["score"].between(0, 1).all()
 
 
 def test_registry_gains_a_version_only_when_a_merged_model_changes(workspace, cli_env):
@@ -219,27 +217,6 @@ def test_bad_params_exit_2_and_write_nothing(tmp_path, cli_env):
     assert any("partition.alpha" in line for line in lines)
     assert any("merge.methods[1]" in line and "nope" in line for line in lines)
     assert sorted(p.name for p in path.iterdir()) == ["params.yaml"]
-
-
-def test_local_csv_source_runs_through_the_pipeline(tmp_path, cli_env):
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    rows = ["f1,f2,f3,species"]
-    for label, centre in enumerate(([0, 0, 0], [3, 3, 0], [0, 3, 3])):
-        for point in rng.normal(centre, 0.7, size=(80, 3)):
-            rows.append(",".join(f"{v:.4f}" for v in point) + f",kind_{label}")
-    path = make_workspace(tmp_path / "csv", {})
-    (path / "points.csv").write_text("\n".join(rows) + "\n")
-    hf = {"path": "csv", "data_files": str(path / "points.csv"), "label_column": "species"}
-    params = fast_params(data={"source": "hf", "hf": hf, "standardize": True}, merge={"methods": ["average"]})
-    make_workspace(path, params)
-    done = run_cli(["run"], path, cli_env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    metrics = json.loads((path / "metrics/evaluate.json").read_text())
-    assert metrics["merged/average"]["accuracy"] > 0.8
-    info = json.loads((path / "data/prepared/info.json").read_text())
-    assert info["class_names"] == ["kind_0", "kind_1", "kind_2"]
 
 
 def test_missing_label_column_is_one_clear_error(tmp_path, cli_env):

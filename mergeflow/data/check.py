@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import datasets
+
 from mergeflow.data.sources import load_raw
 from mergeflow.data.text import load_text
 
@@ -15,7 +17,13 @@ def check_source(data: dict[str, Any], seed: int = 0) -> None:
     are validated) are skipped: they are not the user's table.
     """
     source = data["source"]
-    if source == "hf":
-        load_raw("hf", seed=seed, options=data["hf"], missing=data["missing"], categorical=data["categorical"])
-    elif source == "text":
-        load_text("text", seed=seed, options=data["text"])
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a bad table gets one line, not progress bars before it
+    try:
+        if source == "hf":
+            load_raw("hf", seed=seed, options=data["hf"], missing=data["missing"], categorical=data["categorical"])
+        elif source == "text":
+            load_text("text", seed=seed, options=data["text"])
+    finally:
+        if shown:
+            datasets.enable_progress_bars()

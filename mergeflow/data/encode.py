@@ -8,7 +8,7 @@ import datasets
 import numpy as np
 
 from mergeflow.data.errors import DataError
-from mergeflow.data.features import Categorical, Missing, Standardize, fit_encoder
+from mergeflow.data.features import Categorical, Missing, Standardize, fit_encoder, missing_rows
 from mergeflow.data.sources import RawData, make_dataset
 from mergeflow.data.split import split_indices
 
@@ -48,6 +48,8 @@ def encode_splits(
         raise DataError(f"input_shape {shape} does not match the {encoder.width} feature values per row")
     info["input_shape"] = shape
     info["features"] = encoder.to_dict()
+    gaps = {name: int(missing_rows(raw.features, [name]).sum()) for name in raw.features.column_names}
+    info["missing_values"] = {name: count for name, count in gaps.items() if count}  # filled, or one-hot zeros
     info["raw_example"] = raw.features.take(indices["train"][:2]).to_pydict()  # what a logged model is shown
     splits = {}
     for name, rows in indices.items():
