@@ -94,7 +94,7 @@ class DataConfig(_Section):
     test_fraction: float = Field(0.2, gt=0, lt=1)
     server_fraction: float = Field(0.1, ge=0, lt=1)
     validation_fraction: float = Field(0.0, ge=0, lt=1)
-    standardize: Literal["auto"] | bool = "auto"
+    standardize: Literal["auto", True, False] = "auto"
     categorical: Literal["error", "onehot"] = "error"
     missing: Literal["error", "drop_rows", "mean"] = "error"
     pinwheel: PinwheelOptions = PinwheelOptions()

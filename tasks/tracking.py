@@ -245,14 +245,14 @@ def _log_raw_rows_model(mlflow, root: Path, path: Path, example, requirements: l
     import pandas
     import pyarrow
 
-    from tasks.serving import CHECKPOINT, INFO, RawRowsModel
+    from tasks.serving import CHECKPOINT, INFO
     from tasks.steps import project_root_of_code
 
     code = project_root_of_code()
     requirements += [f"pandas=={pandas.__version__}", f"pyarrow=={pyarrow.__version__}"]
     return mlflow.pyfunc.log_model(
         name="model",
-        python_model=RawRowsModel(),
+        python_model=str(code / "tasks" / "pyfunc_model.py"),
         artifacts={CHECKPOINT: str(path), INFO: str(root / PREPARED / "info.json")},
         code_paths=[str(code / "mergeflow"), str(code / "tasks")],
         input_example=example,
