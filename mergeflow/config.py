@@ -532,6 +532,12 @@ class Params(_Section):
         if self.partition.method == "natural" and not self.data.group_column:
             where = f"data.{self.data.source}.group_column"
             raise ValueError(f"partition.method: 'natural' needs a group column; set {where}")
+        regression = self.data.source == "linreg" or (self.data.source == "hf" and self.data.hf.task == "regression")
+        if regression and self.partition.method in ("dirichlet", "pathological"):
+            raise ValueError(
+                f"partition.method: {self.partition.method!r} skews class labels, and the data is a regression "
+                "task; use iid or natural"
+            )
         if self.data.is_text != (self.model.arch == "hf"):
             raise ValueError(
                 f"model.arch: text sources need model.arch 'hf', and 'hf' needs a text source "

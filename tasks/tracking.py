@@ -312,8 +312,8 @@ def track(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
 
 
 def _input_example(root: Path, info: dict[str, Any]):
-    """Two raw rows as a logged model takes them: a DataFrame of the source's columns, feature arrays for
-    the built-in sources, token ids for text."""
+    """Two raw rows as a logged model takes them (MLflow infers the model's input schema from them): a
+    DataFrame of the source's columns, or token ids for text; None for a built-in source's arrays."""
     import numpy as np
     import pandas as pd
 
@@ -323,8 +323,10 @@ def _input_example(root: Path, info: dict[str, Any]):
     if raw is None:
         return read_arrays(root / PREPARED / "test.parquet", info)[0][:2]
     if list(raw) == ["x"]:
-        return np.asarray(raw["x"], dtype=np.float32)
-    return pd.DataFrame(raw)
+        return None  # MLflow would enforce its dtype exactly: float32 arrays would refuse float64 ones
+    frame = pd.DataFrame(raw)
+    numbers = frame.select_dtypes("number").columns  # as doubles, so that whole-number columns also take 1.5 or NaN
+    return frame.astype({column: np.float64 for column in numbers})
 
 
 _SPLIT_CONTEXTS = {"train": "training", "server": "pretraining", "validation": "validation", "test": "evaluation"}

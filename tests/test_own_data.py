@@ -107,8 +107,13 @@ def test_missing_values_error_drop_rows_or_training_mean(tmp_path):
 def test_a_float_label_with_many_values_suggests_regression(tmp_path):
     rng = np.random.default_rng(0)
     pd.DataFrame({"a": rng.normal(size=60), "price": rng.normal(100, 20, 60)}).to_csv(tmp_path / "p.csv", index=False)
-    with pytest.raises(DataError, match=r"'price' holds 60 distinct numbers.*data.hf.task: regression"):
+    with pytest.raises(DataError, match=r"'price' holds 60 distinct numbers in 60 rows.*data.hf.task: regression"):
         load_hf_raw("csv", data_files=str(tmp_path / "p.csv"), label_column="price")
+    pd.DataFrame({"a": np.arange(60.0), "n": np.arange(60) // 2}).to_csv(tmp_path / "n.csv", index=False)
+    with pytest.raises(DataError, match="'n' holds 30 distinct numbers"):  # whole numbers, two rows a class
+        load_hf_raw("csv", data_files=str(tmp_path / "n.csv"), label_column="n")
+    pd.DataFrame({"a": np.arange(200.0), "n": np.arange(200) % 25}).to_csv(tmp_path / "ok.csv", index=False)
+    assert load_hf_raw("csv", data_files=str(tmp_path / "ok.csv"), label_column="n").y.max() == 24  # 8 rows a class
     raw = load_hf_raw("csv", data_files=str(tmp_path / "p.csv"), label_column="price", task="regression")
     assert raw.y.dtype == np.float32
 

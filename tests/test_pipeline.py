@@ -63,7 +63,9 @@ def test_cold_run_executes_every_step_and_writes_outputs(workspace):
     metrics = json.loads((workspace / "metrics/evaluate.json").read_text())
     expected = {"base", "centralized", "ensemble", "best_client", "client_000", "client_001", "client_002"}
     expected |= {f"merged/{m}" for m in METHODS} | {f"federated/{a}" for a in FEDERATED["algorithms"]}
-    assert set(metrics) == expected
+    assert set(metrics) == expected | {"sanity"}
+    sanity = metrics.pop("sanity")
+    assert sanity["warning"] is None and sanity["baseline"] == "majority class"
     for values in metrics.values():
         assert 0 <= values["accuracy"] <= 1 and values["nll"] > 0 and 0 <= values["ece"] <= 1
     gain = metrics["merged/average"]["accuracy_gain"]
@@ -181,7 +183,11 @@ def test_mlflow_holds_runs_tags_metrics_and_a_reloadable_model(workspace):
     assert len(history) > 1 and [m.step for m in history] == sorted(m.step for m in history)
 
     logged = mlflow.search_logged_models(experiment_ids=[parent.experiment_id], output_format="list")
-    predicted = mlflow.pyfunc.load_model(logged[0].model_uri).predict(np.random.default_rng(0).random((5, 64)))
+    model = mlflow.pyfunc.load_model(logged[0].model_uri)
+    pixels = np.random.default_rng(0).random((5, 64))
+    predicted = model.predict(pixels)
+    single = model.predict(pixels.astype(np.float32))  # any float array is taken
+    np.testing.assert_allclose(single["score"], predicted["score"], rtol=1e-6)
     assert list(predicted.columns[:2]) == ["label", "score"] and len(predicted) == 5
     assert set(predicted["label"]) <= {str(d) for d in range(10)} and predicted["score"].between(0, 1).all()
 

@@ -31,7 +31,7 @@ _WINE_ROWS = 178
 _FILE_SUFFIXES = (".csv", ".tsv", ".parquet", ".json", ".jsonl", ".txt", ".arrow")
 
 
-# A float label column with more distinct non-integer values than this is taken for a regression target.
+# Numeric labels with more distinct values than this may be a regression target (see _looks_like_regression).
 _REGRESSION_HINT_VALUES = 20
 
 __all__ = ["DataError"]
@@ -197,6 +197,16 @@ def _missing_column(kind: str, column: str, present: list[str]) -> DataError:
     return DataError(f"{kind} column {column!r} not found in data; columns are: {', '.join(present)}")
 
 
+def _looks_like_regression(uniques: np.ndarray, rows: int) -> bool:
+    """Numeric class labels that are more likely a regression target: many distinct floats, or so many
+    distinct integers that a class averages fewer than five rows."""
+    if len(uniques) <= _REGRESSION_HINT_VALUES:
+        return False
+    if np.issubdtype(uniques.dtype, np.floating):
+        return True
+    return np.issubdtype(uniques.dtype, np.integer) and rows < 5 * len(uniques)
+
+
 def _labels(
     table: pa.Table, column: str, task: str, feature: datasets.features.FeatureType | None = None
 ) -> tuple[np.ndarray, list[str] | None]:
@@ -214,14 +224,11 @@ def _labels(
     if isinstance(feature, datasets.ClassLabel):
         return values.astype(np.int64), list(feature.names)
     uniques, codes = np.unique(values, return_inverse=True)
-    if np.issubdtype(uniques.dtype, np.floating):
-        fractional = int((uniques != np.round(uniques)).sum())
-        if fractional > _REGRESSION_HINT_VALUES:
-            raise DataError(
-                f"label column {column!r} holds {len(uniques)} distinct numbers, {fractional} of them not whole: "
-                "it looks like a regression target; set data.hf.task: regression (or make the labels strings "
-                "to keep them as classes)"
-            )
+    if _looks_like_regression(uniques, len(values)):
+        raise DataError(
+            f"label column {column!r} holds {len(uniques)} distinct numbers in {len(values)} rows: it looks like "
+            "a regression target; set data.hf.task: regression (or make the labels strings to keep them as classes)"
+        )
     contiguous = np.issubdtype(uniques.dtype, np.integer) and np.array_equal(uniques, np.arange(len(uniques)))
     if contiguous:
         return values.astype(np.int64), None
@@ -305,6 +312,7 @@ def load_hf_raw(
         source_rows = np.flatnonzero(keep)
         raw = raw.select(source_rows)
     table = raw.with_format("arrow")[:]
+    y, class_names = _labels(table, label_column, task, raw.features[label_column])
     features = table.select(feature_columns)
     text = [c for c in feature_columns if is_categorical(features.schema.field(c).type, "error")]
     if text and categorical == "error":
@@ -317,7 +325,6 @@ def load_hf_raw(
             gaps = int(missing_rows(features, [column]).sum())
             if gaps:
                 raise missing_error(column, gaps, features.num_rows, missing)
-    y, class_names = _labels(table, label_column, task, raw.features[label_column])
     group = np.asarray(table.column(group_column).to_pylist(), dtype=str) if group_column is not None else None
     info = {
         "source": f"hf:{path}",
