@@ -125,46 +125,65 @@ def best_model(metrics: dict[str, dict], *, task: str) -> str:
     raise ValueError(f"unknown task {task!r}")
 
 
-def _input_blind_baseline(y_train: np.ndarray, y_test: np.ndarray, task: str) -> dict[str, float | str]:
-    """The test score of a model that ignores its input: the training majority class, or the training mean."""
-    if task == "classification":
-        classes, counts = np.unique(y_train, return_counts=True)
-        majority = classes[np.argmax(counts)]
-        accuracy = float(np.mean(y_test == majority))
-        noise = 2 * math.sqrt(max(accuracy * (1 - accuracy), 1 / len(y_test)) / len(y_test))
-        return {"baseline": "majority class", "baseline_accuracy": accuracy, "noise": noise}
-    mse = float(np.mean((np.asarray(y_test, np.float64) - float(np.mean(y_train))) ** 2))
-    return {"baseline": "constant (training mean)", "baseline_mse": mse, "noise": 2 * math.sqrt(2 / len(y_test)) * mse}
+def in_target_units(metrics: dict, std: float) -> dict:
+    """Regression metrics of a model trained on a standardised target ``(y - mean) / std`` in the target's
+    own units: MSE times ``std**2``, Gaussian NLL plus ``log(std)`` (the same likelihood, its noise scaled
+    by ``std``); nested dicts (per-group metrics) too, anything else unchanged."""
+    converted = {}
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            value = in_target_units(value, std)
+        elif key.endswith("mse"):
+            value = value * std**2
+        elif key.endswith("nll"):
+            value = value + math.log(std)
+        converted[key] = value
+    return converted
 
 
 def sanity_check(
-    metrics: dict[str, dict], y_train: np.ndarray, y_test: np.ndarray, *, task: str, hints: str
+    predictions: dict[str, np.ndarray], y_train: np.ndarray, y_test: np.ndarray, *, task: str, hints: str
 ) -> dict[str, object]:
     """Compare every model with one that ignores its input, and warn when that is all they learned.
 
-    A model is *at baseline* when its test accuracy is within two binomial standard errors of the
-    training majority class's (or of chance), or its MSE within two standard errors of the training
-    mean's. The warning (None when the models learned something) names the centralized model when
-    it is at baseline, or "every model" when all are; ``hints`` lists likely causes.
+    ``predictions`` are each model's test predictions: class ids, or regression values in the
+    target's units. The input-blind model predicts the training majority class (or the training
+    mean). A model is *at baseline* when its per-example gain over it (correct minus baseline-correct,
+    or baseline squared error minus its own) is not above two standard errors, a paired test on the
+    same test rows. The warning (None when the models learned something) names the centralized model
+    when it is at baseline, or "every model" when all are; ``hints`` lists likely causes.
     """
-    report: dict[str, object] = _input_blind_baseline(y_train, y_test, task)
+    y_test = np.asarray(y_test)
     if task == "classification":
-        floor = max(float(report["baseline_accuracy"]), 1 / len(np.unique(y_train)))
-        at_baseline = {name: m["accuracy"] <= floor + report["noise"] for name, m in metrics.items()}
-        key, unit, reference = "accuracy", "test accuracy", f"always predicting the majority class ({floor:.3f})"
+        classes, counts = np.unique(y_train, return_counts=True)
+        constant = classes[np.argmax(counts)]
+        baseline_score = (y_test == constant).astype(np.float64)
+        report: dict[str, object] = {"baseline": "majority class", "baseline_accuracy": float(baseline_score.mean())}
+        reference = f"always predicting the majority class ({baseline_score.mean():.3f})"
     else:
-        ceiling = float(report["baseline_mse"])
-        at_baseline = {name: m["mse"] >= ceiling - report["noise"] for name, m in metrics.items()}
-        key, unit, reference = "mse", "test MSE", f"always predicting the training mean ({ceiling:.4g})"
+        constant = float(np.mean(y_train))
+        baseline_score = -((y_test.astype(np.float64) - constant) ** 2)
+        report = {"baseline": "constant (training mean)", "baseline_mse": float(-baseline_score.mean())}
+        reference = f"always predicting the training mean (test MSE {-baseline_score.mean():.4g})"
+    gains = {}
+    for name, predicted in predictions.items():
+        if task == "classification":
+            score = (np.asarray(predicted) == y_test).astype(np.float64)
+        else:
+            score = -((y_test - np.asarray(predicted, dtype=np.float64).reshape(len(y_test))) ** 2)
+        gain = score - baseline_score
+        gains[name] = (float(gain.mean()), 2 * float(gain.std(ddof=1)) / math.sqrt(len(gain)) if len(gain) > 1 else 0.0)
+    at_baseline = {name: mean <= noise for name, (mean, noise) in gains.items()}
     report["models_at_baseline"] = sorted(name for name, flag in at_baseline.items() if flag)
     report["warning"] = None
-    central = metrics.get("centralized")
     who = "every model" if all(at_baseline.values()) else None
     if who is None and at_baseline.get("centralized"):
         who = "the centralized model"
-    if who is not None and central is not None:
+    if who is not None and "centralized" in gains:
+        mean, noise = gains["centralized"]
+        unit = "accuracy" if task == "classification" else "squared error"
         report["warning"] = (
-            f"{who} is within noise of {reference}: the centralized model scores {central[key]:.3f} {unit}. "
-            f"Likely causes: {hints}"
+            f"{who} is within noise of {reference}: the centralized model's gain over it is {mean:.3g} "
+            f"{unit} per test example (two standard errors: {noise:.3g}). Likely causes: {hints}"
         )
     return report

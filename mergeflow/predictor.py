@@ -60,10 +60,11 @@ class TablePredictor:
 
     def predict(self, rows: pd.DataFrame | np.ndarray | pa.Table | dict, batch_size: int = 1024) -> pd.DataFrame:
         """Classification: ``label`` (the class name), ``score`` and one ``probability_<class>`` column each;
-        regression: ``prediction``."""
+        regression: ``prediction``, in the target's own units."""
         outputs = predict(self.model, self.features(rows), batch_size=batch_size)
         if self.info["task"] == "regression":
-            return pd.DataFrame({"prediction": outputs.reshape(len(outputs), -1)[:, 0]})
+            scale = self.info.get("target_scale", {"mean": 0.0, "std": 1.0})
+            return pd.DataFrame({"prediction": outputs.reshape(len(outputs), -1)[:, 0] * scale["std"] + scale["mean"]})
         names = self.info.get("class_names") or [str(c) for c in range(outputs.shape[1])]
         probabilities = softmax(outputs)
         table = {"label": [names[i] for i in probabilities.argmax(axis=1)], "score": probabilities.max(axis=1)}

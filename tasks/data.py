@@ -162,7 +162,7 @@ def feature_report(info: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]
         "missing_values": info["missing_values"],
         "missing": data["missing"],
         "dropped_rows": info.get("dropped_rows", 0),
-    }
+    } | ({"target_scale": info["target_scale"]} if "target_scale" in info else {})
 
 
 def plan_tokenize(params: Params) -> list[Step]:

@@ -10,7 +10,7 @@ import numpy as np
 
 from mergeflow.checkpoints import load_checkpoint_meta, load_model, write_json
 from mergeflow.config import Params
-from mergeflow.evaluation import best_model, ensemble_outputs, evaluate_outputs, sanity_check
+from mergeflow.evaluation import best_model, ensemble_outputs, evaluate_outputs, in_target_units, sanity_check
 from mergeflow.plots import plot_comparison
 from mergeflow.training import predict
 from tasks.data import PREPARED, read_arrays, read_groups, read_info
@@ -65,6 +65,7 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     X, y = read_arrays(root / PREPARED / "test.parquet", info)
     groups = read_groups(root / PREPARED / "test.parquet")
     noise_std = info.get("noise_std") or settings["noise_std"]
+    scale = info.get("target_scale", {"mean": 0.0, "std": 1.0})  # a standardised regression target
 
     def score(outputs: np.ndarray) -> dict[str, Any]:
         result: dict[str, Any] = evaluate_outputs(
@@ -77,16 +78,26 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
                 )
                 for g in np.unique(groups)
             }
-        return result
+        return in_target_units(result, scale["std"]) if task == "regression" else result
 
-    def outputs_of(path: str) -> np.ndarray:
-        return predict(load_model(root / path), X, batch_size=settings["batch_size"])
+    predictions: dict[str, np.ndarray] = {}  # for the sanity check: class ids, or values in the target's units
 
-    metrics: dict[str, dict[str, Any]] = {"base": score(outputs_of(BASE))}
+    def outputs_of(path: str, name: str) -> np.ndarray:
+        outputs = predict(load_model(root / path), X, batch_size=settings["batch_size"])
+        remember(name, outputs)
+        return outputs
+
+    def remember(name: str, outputs: np.ndarray) -> None:
+        if task == "classification":
+            predictions[name] = outputs.argmax(axis=1)
+        else:
+            predictions[name] = outputs.reshape(len(outputs), -1)[:, 0] * scale["std"] + scale["mean"]
+
+    metrics: dict[str, dict[str, Any]] = {"base": score(outputs_of(BASE, "base"))}
     client_outputs = {}
     for client in range(params["num_clients"]):
         name = f"client_{client:03d}"
-        outputs = outputs_of(client_checkpoint(client))
+        outputs = outputs_of(client_checkpoint(client), name)
         metrics[name] = score(outputs)
         if load_checkpoint_meta(root / client_checkpoint(client)).get("diverged"):
             metrics[name]["diverged"] = True  # its start weights; left out of best client and ensemble
@@ -94,17 +105,21 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
             client_outputs[name] = outputs
     best = best_model({name: metrics[name] for name in client_outputs}, task=task)
     metrics["best_client"] = {**metrics[best], "client": int(best.removeprefix("client_"))}
-    metrics["ensemble"] = score(ensemble_outputs(list(client_outputs.values()), task=task))
-    metrics["centralized"] = score(outputs_of(CENTRALIZED))
+    ensemble = ensemble_outputs(list(client_outputs.values()), task=task)
+    remember("ensemble", ensemble)
+    metrics["ensemble"] = score(ensemble)
+    metrics["centralized"] = score(outputs_of(CENTRALIZED, "centralized"))
     combined = {f"merged/{m}": merged_checkpoint(m) for m in params["methods"]}
     combined |= {f"federated/{name}": path for name, path in params["federated"].items()}
     for name, path in combined.items():
-        result = score(outputs_of(path))
+        result = score(outputs_of(path, name))
         if task == "classification":
             result["accuracy_gain"] = result["accuracy"] - metrics["centralized"]["accuracy"]
         metrics[name] = result
     _, y_train = read_arrays(root / PREPARED / "train.parquet", info)
-    sanity = sanity_check(metrics, y_train, y, task=task, hints=_likely_causes(info))
+    if task == "regression":  # the baseline in the target's own units, as the metrics are
+        y_train, y = y_train * scale["std"] + scale["mean"], y * scale["std"] + scale["mean"]
+    sanity = sanity_check(predictions, y_train, y, task=task, hints=_likely_causes(info))
     plot_comparison(metrics, out / PLOT, task=task)
     write_json(out / METRICS, {**metrics, SANITY: sanity})
     return {"best_client": best, "warning": sanity["warning"]}

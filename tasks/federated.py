@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from mergeflow.checkpoints import atomic_path, load_checkpoint, load_checkpoint_meta, save_checkpoint, write_json
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
+from mergeflow.evaluation import in_target_units
 from mergeflow.federated import (
     ClientData,
     LocalTraining,
@@ -229,6 +230,8 @@ def _write_global(root: Path, out: Path, params: dict[str, Any], server: dict, r
     noise_std, samples, seed = noise or params["noise_std"], params["predictive_samples"], params["seed"]
     validation = validation_data(root) if params["validation"] else None
     scores = global_scores(algorithm, server, model, data, validation, noise_std, samples, seed, round_index)
+    if data.task == "regression":  # reported in the target's own units, as the evaluation's are
+        scores = in_target_units(scores, read_info(root).get("target_scale", {"std": 1.0})["std"])
     write_json(out / round_metrics_file(params["name"], round_index), {"round": round_index, **row, **scores})
 
 

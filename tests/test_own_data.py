@@ -118,26 +118,62 @@ def test_a_float_label_with_many_values_suggests_regression(tmp_path):
     assert raw.y.dtype == np.float32
 
 
+def test_a_large_regression_target_is_standardised_and_every_number_is_reported_in_its_units(tmp_path):
+    import torch
+
+    from mergeflow.evaluation import in_target_units, regression_metrics
+    from mergeflow.predictor import TablePredictor
+
+    rng = np.random.default_rng(0)
+    frame = pd.DataFrame({"a": rng.normal(size=200), "b": rng.normal(size=200)})
+    frame["price"] = 150 + 80 * frame["a"] - 30 * frame["b"] + rng.normal(0, 5, 200)
+    frame.to_csv(tmp_path / "p.csv", index=False)
+    raw = load_hf_raw("csv", data_files=str(tmp_path / "p.csv"), label_column="price", task="regression")
+    splits, info = encode_splits(raw, test_fraction=0.25, seed=0)
+    scale = info["target_scale"]
+    train_y = frame["price"].to_numpy()[np.asarray(splits["train"]["row"])]
+    assert scale["mean"] == pytest.approx(train_y.mean()) and scale["std"] == pytest.approx(train_y.std())
+    assert np.asarray(splits["train"]["y"]).std() == pytest.approx(1.0, abs=1e-5)
+    assert not info["features"]["mean"]  # the features were already on a unit scale
+    unit = encode_splits(raw._replace(y=raw.y / 100), test_fraction=0.25, seed=0)[1]["target_scale"]
+    assert unit["std"] == 1.0  # prices in hundreds are left alone
+
+    test_y = np.asarray(splits["test"]["y"], dtype=np.float64)
+    predicted = test_y + rng.normal(0, 0.1, len(test_y))  # in the model's units
+    in_model_units = regression_metrics(predicted, test_y, noise_std=0.2)
+    original = regression_metrics(predicted * scale["std"], test_y * scale["std"], noise_std=0.2 * scale["std"])
+    assert in_target_units(in_model_units, scale["std"]) == pytest.approx(original)
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(2, 1))
+    predictor = TablePredictor(model, info)
+    outputs = model(torch.as_tensor(predictor.features(frame[["a", "b"]]))).detach().numpy()[:, 0]
+    np.testing.assert_allclose(
+        predictor.predict(frame[["a", "b"]])["prediction"], outputs * scale["std"] + scale["mean"], atol=1e-3
+    )
+
+
 # --- the sanity check --------------------------------------------------------------------------
 
 
-def test_sanity_check_flags_models_no_better_than_ignoring_the_input():
+def test_sanity_check_is_a_paired_test_against_ignoring_the_input():
     y_train = np.array([0] * 60 + [1] * 30 + [2] * 10)
     y_test = np.array([0] * 50 + [1] * 30 + [2] * 20)
-    noise = 2 * math.sqrt(0.5 * 0.5 / 100)
-    blind = {"centralized": {"accuracy": 0.5}, "merged/average": {"accuracy": 0.5 + noise - 1e-9}}
+    majority = np.zeros(100, dtype=int)
+    three_more = majority.copy()
+    three_more[[50, 60, 70]] = 1  # 3 more right than the majority class: a gain of 0.03 ± 2·0.017
+    blind = {"centralized": majority, "merged/average": three_more}
     report = sanity_check(blind, y_train, y_test, task="classification", hints="h.")
-    assert report["baseline_accuracy"] == 0.5 and report["noise"] == pytest.approx(noise)
+    assert report["baseline_accuracy"] == 0.5 and report["models_at_baseline"] == ["centralized", "merged/average"]
     assert report["warning"].startswith("every model is within noise of always predicting the majority class")
-    learned = {"centralized": {"accuracy": 0.9}, "merged/average": {"accuracy": 0.5}}
+    learned = {"centralized": y_test, "merged/average": majority}  # perfect: a gain of 0.5 ± 2·0.050
     report = sanity_check(learned, y_train, y_test, task="classification", hints="h.")
     assert report["warning"] is None and report["models_at_baseline"] == ["merged/average"]
     y = np.linspace(-1, 1, 200)
-    constant = float(np.mean((y - y.mean()) ** 2))
-    regression = {"centralized": {"mse": constant * 0.999}}
-    report = sanity_check(regression, y, y, task="regression", hints="h.")
-    assert report["baseline_mse"] == pytest.approx(constant) and "training mean" in report["warning"]
-    assert sanity_check({"centralized": {"mse": 0.1 * constant}}, y, y, task="regression", hints="")["warning"] is None
+    report = sanity_check({"centralized": np.full(200, 0.01)}, y, y, task="regression", hints="h.")
+    assert report["baseline_mse"] == pytest.approx(np.mean(y**2)) and "training mean" in report["warning"]
+    fitted = {"centralized": y + 0.05, "ensemble": np.zeros(200)}
+    report = sanity_check(fitted, y, y, task="regression", hints="")
+    assert report["warning"] is None and report["models_at_baseline"] == ["ensemble"]
 
 
 # --- through the CLI ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import datasets
 import numpy as np
 
 from mergeflow.data.errors import DataError
-from mergeflow.data.features import Categorical, Missing, Standardize, fit_encoder, missing_rows
+from mergeflow.data.features import Categorical, Missing, Standardize, fit_encoder, missing_rows, scale_decision
 from mergeflow.data.sources import RawData, make_dataset
 from mergeflow.data.split import split_indices
 
@@ -27,7 +27,9 @@ def encode_splits(
     """Split ``raw`` (as :func:`split_dataset`), fit the feature encoding on the training rows and
     apply it to every split; ``info["features"]`` holds the fitted encoder.
 
-    Data with a multi-dimensional ``input_shape`` (images) is never standardised by ``"auto"``.
+    Data with a multi-dimensional ``input_shape`` (images) is never standardised by ``"auto"``. A
+    regression target is standardised by the same rule; ``info["target_scale"]`` (mean, std) undoes it,
+    and a known ``info["noise_std"]`` is rescaled to the model's units.
     """
     info = dict(raw.info)
     labels = raw.y if info["task"] == "classification" else None
@@ -51,9 +53,29 @@ def encode_splits(
     gaps = {name: int(missing_rows(raw.features, [name]).sum()) for name in raw.features.column_names}
     info["missing_values"] = {name: count for name, count in gaps.items() if count}  # filled, or one-hot zeros
     info["raw_example"] = raw.features.take(indices["train"][:2]).to_pydict()  # what a logged model is shown
+    y = raw.y
+    if info["task"] == "regression":
+        y, info["target_scale"] = _scale_target(y, indices["train"], standardize)
+        if info["target_scale"]["std"] != 1.0 and info.get("noise_std"):
+            info["noise_std"] = info["noise_std"] / info["target_scale"]["std"]  # the model's units
     splits = {}
     for name, rows in indices.items():
         x = encoder.transform(raw.features.take(rows))
         group = raw.group[rows] if raw.group is not None else None
-        splits[name] = make_dataset(x, raw.y[rows], group, row=raw.source_rows[rows])
+        splits[name] = make_dataset(x, y[rows], group, row=raw.source_rows[rows])
     return splits, info
+
+
+def _scale_target(y: np.ndarray, train: np.ndarray, standardize: Standardize) -> tuple[np.ndarray, dict[str, Any]]:
+    """A regression target z-scored with its training mean and std under the same rule as the features
+    (``auto``: when it is not on a unit scale), and the scale to undo it (mean 0, std 1 when left alone)."""
+    values = y[train].astype(np.float64)[:, None]
+    if standardize == "auto":
+        apply, reason = scale_decision(values)
+    else:
+        apply, reason = bool(standardize), f"data.standardize: {str(standardize).lower()}"
+    spread = float(values.std())
+    if not apply or spread == 0:
+        return y, {"mean": 0.0, "std": 1.0, "reason": reason}
+    mean = float(values.mean())
+    return ((y - mean) / spread).astype(np.float32), {"mean": mean, "std": spread, "reason": reason}

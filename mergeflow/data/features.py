@@ -163,8 +163,9 @@ class FeatureEncoder:
         return block
 
 
-def _scale_decision(values: np.ndarray) -> tuple[bool, str]:
-    """Whether ``auto`` standardises numeric training values ``(N, k)``, and why, in words."""
+def scale_decision(values: np.ndarray) -> tuple[bool, str]:
+    """Whether ``auto`` standardises numeric training values ``(N, k)`` (features, or a regression
+    target as one column), and why, in words."""
     std = values.std(axis=0)
     varying = std > 0
     if not varying.any():
@@ -228,7 +229,7 @@ def fit_encoder(
     encoder = FeatureEncoder(encoded, standardize=standardize)
     values = np.concatenate(numeric, axis=1) if numeric else np.zeros((train.num_rows, 0))
     if standardize == "auto":
-        apply, encoder.reason = _scale_decision(values) if tabular else (False, "images and token ids keep their scale")
+        apply, encoder.reason = scale_decision(values) if tabular else (False, "images and token ids keep their scale")
     else:
         apply, encoder.reason = bool(standardize), f"data.standardize: {str(standardize).lower()}"
     if apply and values.shape[1]:
