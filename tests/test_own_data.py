@@ -5,7 +5,6 @@ a run that learns nothing says so, and a bad table fails before any orchestratio
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import numpy as np
