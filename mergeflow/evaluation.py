@@ -164,14 +164,15 @@ def sanity_check(
         constant = float(np.mean(y_train))
         baseline_score = -((y_test.astype(np.float64) - constant) ** 2)
         report = {"baseline": "constant (training mean)", "baseline_mse": float(-baseline_score.mean())}
-        reference = f"always predicting the training mean (test MSE {-baseline_score.mean():.4g})"
-    gains = {}
+        reference = f"always predicting the training mean (a test MSE of {-baseline_score.mean():.4g})"
+    gains, scores = {}, {}
     for name, predicted in predictions.items():
         if task == "classification":
             score = (np.asarray(predicted) == y_test).astype(np.float64)
         else:
             score = -((y_test - np.asarray(predicted, dtype=np.float64).reshape(len(y_test))) ** 2)
         gain = score - baseline_score
+        scores[name] = float(score.mean())
         gains[name] = (float(gain.mean()), 2 * float(gain.std(ddof=1)) / math.sqrt(len(gain)) if len(gain) > 1 else 0.0)
     at_baseline = {name: mean <= noise for name, (mean, noise) in gains.items()}
     report["models_at_baseline"] = sorted(name for name, flag in at_baseline.items() if flag)
@@ -181,9 +182,12 @@ def sanity_check(
         who = "the centralized model"
     if who is not None and "centralized" in gains:
         mean, noise = gains["centralized"]
-        unit = "accuracy" if task == "classification" else "squared error"
+        if task == "classification":
+            central = f"{scores['centralized']:.3f} test accuracy"
+        else:
+            central = f"a test MSE of {-scores['centralized']:.4g}"
         report["warning"] = (
-            f"{who} is within noise of {reference}: the centralized model's gain over it is {mean:.3g} "
-            f"{unit} per test example (two standard errors: {noise:.3g}). Likely causes: {hints}"
+            f"{who} is within noise of {reference}: the centralized model scores {central}, a gain of "
+            f"{mean:.3g} ± {noise:.3g} per test row (two standard errors). Likely causes: {hints}"
         )
     return report
