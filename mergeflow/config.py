@@ -568,6 +568,11 @@ class Params(_Section):
         from mergeflow.merge import METHODS
 
         for name in self.merge.methods:
+            if self.merge.resolve(name)[0] == "slerp" and self.partition.num_clients != 2:
+                raise ValueError(
+                    f"merge.methods: {name!r} (slerp) merges exactly two models, and partition.num_clients is "
+                    f"{self.partition.num_clients}"
+                )
             if "factors" in METHODS[self.merge.resolve(name)[0]].needs and not self.fisher.low_rank:
                 raise ValueError(f"fisher.low_rank: merge method {name!r} needs Fisher factors; set it to true")
         rows = _known_training_rows(self.data)

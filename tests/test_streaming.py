@@ -44,13 +44,17 @@ def _write(tmp_path, count: int = 3, dtype=torch.float32):
         ("weighted", {"weights": [1, 2, 3]}),
         ("task_arithmetic", {"scaling": 0.4}),
         ("fisher", {"weights": [1, 2, 3]}),
+        ("ties", {"density": 0.3}),
+        ("dare_linear", {"drop_rate": 0.5, "seed": 3}),
+        ("dare_ties", {"drop_rate": 0.5}),
+        ("model_stock", {}),
     ],
 )
 def test_streaming_merge_equals_the_in_memory_merge(tmp_path, method, extra):
     states, fishers, base, paths, fisher_paths = _write(tmp_path)
     files = {}
     memory = {}
-    if method == "task_arithmetic":
+    if method in ("task_arithmetic", "ties", "dare_linear", "dare_ties", "model_stock"):
         files["base"], memory["base"] = tmp_path / "base.safetensors", base
     if method == "fisher":
         files["fishers"], memory["fishers"] = fisher_paths, fishers

@@ -4,7 +4,18 @@ Importing this package registers the built-in methods; a new method is one modul
 with an ``@merge_method`` function, imported below.
 """
 
-from mergeflow.merge import average, exact, fisher, ssf, task_arithmetic, weighted  # noqa: F401  (registration)
+from mergeflow.merge import (  # noqa: F401  (registration)
+    average,
+    dare,
+    exact,
+    fisher,
+    model_stock,
+    slerp,
+    ssf,
+    task_arithmetic,
+    ties,
+    weighted,
+)
 from mergeflow.merge.registry import METHODS, MergeMethod, MergeResult, merge, merge_method, run_merge, validate_options
 
 __all__ = ["METHODS", "MergeMethod", "MergeResult", "merge", "merge_method", "run_merge", "validate_options"]

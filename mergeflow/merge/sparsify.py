@@ -1,0 +1,47 @@
+"""Task-vector sparsification and sign election, shared by TIES and DARE.
+
+Semantics follow the papers and PEFT's ``merge_utils`` (checked against it in the tests): trimming
+keeps ``int(density * numel)`` entries per tensor, the elected sign is that of the summed task
+vectors (ties go to +), and the disjoint mean averages only the non-zero entries that agree with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def trim_by_magnitude(tasks: torch.Tensor, density: float) -> torch.Tensor:
+    """Keep each task vector's ``int(density * numel)`` largest-magnitude entries (``tasks``: ``(K, ...)``)."""
+    if density >= 1:
+        return tasks
+    flat = tasks.reshape(tasks.shape[0], -1)
+    keep = int(density * flat.shape[1])
+    mask = torch.zeros_like(flat)
+    if keep:
+        mask.scatter_(1, flat.abs().topk(keep, dim=1).indices, 1.0)
+    return (flat * mask).reshape(tasks.shape)
+
+
+def drop_and_rescale(tasks: torch.Tensor, drop_rate: float, generator: torch.Generator) -> torch.Tensor:
+    """DARE: zero each entry with probability ``drop_rate`` and rescale the rest by ``1 / (1 - drop_rate)``,
+    one Bernoulli draw per task vector in order (as PEFT's ``random_pruning`` with the same seed)."""
+    if drop_rate == 0:
+        return tasks
+    keep = 1.0 - drop_rate
+    masks = [torch.bernoulli(torch.full_like(task, keep), generator=generator) for task in tasks]
+    return tasks * torch.stack(masks) / keep
+
+
+def disjoint_mean(tasks: torch.Tensor) -> torch.Tensor:
+    """TIES' elect-and-merge: the mean of the entries whose sign agrees with the sign of their sum."""
+    elected = torch.where(tasks.sum(dim=0) >= 0, 1.0, -1.0).to(tasks.dtype)
+    agree = tasks.sign() == elected
+    return (tasks * agree).sum(dim=0) / agree.sum(dim=0).clamp(min=1)
+
+
+def tensor_generator(seed: int, name: str) -> torch.Generator:
+    """A generator seeded by ``seed`` and the tensor's name: the same draws in memory, streamed, in any order."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))

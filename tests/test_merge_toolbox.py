@@ -1,0 +1,81 @@
+"""TIES, DARE, SLERP and Model Stock: closed forms worked by hand, and PEFT's own implementation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mergeflow.errors import MergeflowError
+from mergeflow.merge import merge
+from mergeflow.merge.model_stock import stock_ratio
+from mergeflow.merge.sparsify import disjoint_mean, drop_and_rescale, trim_by_magnitude
+
+
+def _states(*vectors, base=None):
+    return [{"w": torch.tensor(v, dtype=torch.float64)} for v in vectors]
+
+
+def test_ties_trims_elects_and_takes_the_disjoint_mean_worked_by_hand():
+    base = {"w": torch.tensor([1.0, 1.0, 1.0, 1.0], dtype=torch.float64)}
+    tasks = [[1.0, -2.0, 0.5, 3.0], [2.0, 1.5, -1.0, -0.5], [-3.0, 1.0, 0.2, 2.0]]
+    states = [{"w": base["w"] + torch.tensor(t, dtype=torch.float64)} for t in tasks]
+    # density 0.5 keeps two entries each: [0,-2,0,3], [2,1.5,0,0], [-3,0,0,2]; sums -1, -0.5, 0, 5 elect
+    # signs -,-,+,+; the agreeing entries' means are -3, -2, (none) 0, (3+2)/2.
+    merged = merge("ties", states, base=base, density=0.5, scaling=0.5)["w"]
+    torch.testing.assert_close(merged, base["w"] + 0.5 * torch.tensor([-3.0, -2.0, 0.0, 2.5], dtype=torch.float64))
+
+
+def test_dare_without_drops_is_task_arithmetic_seeded_and_unbiased():
+    generator = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(40, generator=generator, dtype=torch.float64)}
+    states = [{"w": base["w"] + torch.randn(40, generator=generator, dtype=torch.float64)} for _ in range(3)]
+    arithmetic = merge("task_arithmetic", states, base=base, scaling=0.7)["w"]
+    torch.testing.assert_close(merge("dare_linear", states, base=base, drop_rate=0.0, scaling=0.7)["w"], arithmetic)
+    once = merge("dare_linear", states, base=base, drop_rate=0.6, scaling=0.7, seed=5)["w"]
+    torch.testing.assert_close(merge("dare_linear", states, base=base, drop_rate=0.6, scaling=0.7, seed=5)["w"], once)
+    assert not torch.equal(merge("dare_linear", states, base=base, drop_rate=0.6, scaling=0.7, seed=6)["w"], once)
+    draws = torch.stack(
+        [merge("dare_linear", states, base=base, drop_rate=0.6, scaling=0.7, seed=s)["w"] for s in range(2000)]
+    )
+    spread = draws.std(dim=0) / math.sqrt(len(draws))
+    assert ((draws.mean(dim=0) - arithmetic).abs() < 4 * spread + 1e-12).all()
+
+
+def test_slerp_interpolates_on_the_sphere_and_takes_two_models_only():
+    a, b = {"w": torch.tensor([1.0, 0.0], dtype=torch.float64)}, {"w": torch.tensor([0.0, 1.0], dtype=torch.float64)}
+    half = merge("slerp", [a, b], t=0.5)["w"]
+    torch.testing.assert_close(half, torch.tensor([1.0, 1.0], dtype=torch.float64) / math.sqrt(2))
+    torch.testing.assert_close(merge("slerp", [a, b], t=0.0)["w"], a["w"])
+    torch.testing.assert_close(merge("slerp", [a, b], t=1.0)["w"], b["w"])
+    near = {"w": torch.tensor([1.0, 1e-3], dtype=torch.float64)}  # nearly parallel: linear
+    torch.testing.assert_close(merge("slerp", [a, near], t=0.25)["w"], 0.75 * a["w"] + 0.25 * near["w"])
+    with pytest.raises(MergeflowError, match="exactly two models, got 3"):
+        merge("slerp", [a, b, a])
+
+
+def test_model_stock_ratio_in_closed_form():
+    e1, e2 = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    assert stock_ratio(torch.stack([e1, e2])) == pytest.approx(0.0)  # orthogonal: back to the base
+    assert stock_ratio(torch.stack([e1, 2 * e1])) == pytest.approx(1.0)  # parallel: the average
+    sixty = torch.tensor([0.5, math.sqrt(3) / 2])
+    assert stock_ratio(torch.stack([e1, sixty])) == pytest.approx(2 / 3)  # 2·½ / (1 + ½)
+    base = {"w": torch.tensor([1.0, 1.0], dtype=torch.float64)}
+    states = [{"w": base["w"] + e1.double()}, {"w": base["w"] + sixty.double()}]
+    expected = 2 / 3 * (states[0]["w"] + states[1]["w"]) / 2 + 1 / 3 * base["w"]
+    torch.testing.assert_close(merge("model_stock", states, base=base)["w"], expected)
+
+
+def test_ties_and_dare_equal_peft_merge_utils():
+    merge_utils = pytest.importorskip("peft.utils.merge_utils", reason="PEFT is the reference implementation")
+    generator = torch.Generator().manual_seed(1)
+    tasks = [torch.randn(6, 9, generator=generator, dtype=torch.float64) for _ in range(3)]
+    ones = torch.ones(3, dtype=torch.float64)
+    ours = disjoint_mean(trim_by_magnitude(torch.stack(tasks), 0.3))
+    torch.testing.assert_close(ours, merge_utils.ties(tasks, ones, density=0.3), rtol=0, atol=1e-12)
+    for name, combine in (("dare_linear", lambda t: t.sum(dim=0)), ("dare_ties", disjoint_mean)):
+        torch.manual_seed(7)
+        reference = getattr(merge_utils, name)(tasks, ones, density=0.4)
+        ours = combine(drop_and_rescale(torch.stack(tasks), 0.6, torch.Generator().manual_seed(7)))
+        torch.testing.assert_close(ours, reference, rtol=0, atol=1e-12)
