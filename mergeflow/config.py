@@ -105,6 +105,12 @@ class DataConfig(_Section):
     tokenizer: TokenizerConfig = TokenizerConfig()
 
     @property
+    def task(self) -> str:
+        """``regression`` for the linreg source and regression tables, else ``classification``."""
+        regression = self.source == "linreg" or (self.source == "hf" and self.hf.task == "regression")
+        return "regression" if regression else "classification"
+
+    @property
     def is_text(self) -> bool:
         """Whether the source is text (tokenized before partitioning)."""
         return self.source in TEXT_SOURCES
@@ -387,14 +393,26 @@ class MergeConfig(_Section):
 
     methods: list[str] = ["average", "weighted", "task_arithmetic"]
     options: dict[str, dict[str, Any]] = {}
+    select_by: Literal["auto", "accuracy", "nll", "mse"] = "auto"
 
     def resolve(self, name: str) -> tuple[str, dict[str, Any]]:
         """The registered method and its options for one entry of ``methods``."""
         return _resolve_variant(self.options, name, "method")
 
+    def selection_metric(self, task: str) -> str:
+        """The validation metric searches are chosen by: ``select_by``, or accuracy (classification) / NLL."""
+        if self.select_by != "auto":
+            return self.select_by
+        return "accuracy" if task == "classification" else "nll"
+
     @model_validator(mode="after")
     def _known_methods_and_options(self) -> MergeConfig:
         from mergeflow.merge import METHODS, validate_options
+        from mergeflow.merge.search import search_grid
+
+        def validate_search(method: str, options: dict[str, Any]) -> None:
+            for candidate in search_grid(options, prefix=f"merge.options.{method}."):
+                validate_options(method, candidate)
 
         _check_variants(
             self.methods,
@@ -402,7 +420,7 @@ class MergeConfig(_Section):
             list_key="methods",
             kind_key="method",
             known=METHODS,
-            validate=validate_options,
+            validate=validate_search,
             error_prefix="merge.options",
         )
         return self
@@ -532,7 +550,9 @@ class Params(_Section):
         if self.partition.method == "natural" and not self.data.group_column:
             where = f"data.{self.data.source}.group_column"
             raise ValueError(f"partition.method: 'natural' needs a group column; set {where}")
-        regression = self.data.source == "linreg" or (self.data.source == "hf" and self.data.hf.task == "regression")
+        regression = self.data.task == "regression"
+        if regression and self.merge.select_by == "accuracy":
+            raise ValueError("merge.select_by: accuracy needs class labels, and the data is a regression task")
         if regression and self.partition.method in ("dirichlet", "pathological"):
             raise ValueError(
                 f"partition.method: {self.partition.method!r} skews class labels, and the data is a regression "
@@ -566,8 +586,15 @@ class Params(_Section):
         if self.model.arch == "cnn" and self.data.source not in ("digits", "hf"):
             raise ValueError(f"model.arch: 'cnn' needs image-shaped data, and data.source {self.data.source!r} is not")
         from mergeflow.merge import METHODS
+        from mergeflow.merge.search import searched_keys
 
         for name in self.merge.methods:
+            searched = searched_keys(self.merge.resolve(name)[1])
+            if searched and self.data.validation_fraction == 0:
+                raise ValueError(
+                    f"merge.options.{name}.{searched[0]}: a list is a search, chosen on the validation split; "
+                    "set data.validation_fraction > 0"
+                )
             if self.merge.resolve(name)[0] == "slerp" and self.partition.num_clients != 2:
                 raise ValueError(
                     f"merge.methods: {name!r} (slerp) merges exactly two models, and partition.num_clients is "

@@ -84,6 +84,24 @@ def plot_rounds(curves: dict[str, list[dict]], path: str | Path) -> None:
     save_figure(fig, path, tight=False)
 
 
+def plot_selection(selection: dict[str, dict], path: str | Path) -> None:
+    """Each searched merge's validation score per candidate (labelled by the searched values), the chosen
+    one circled. ``selection`` maps a merge name to the ``selection`` record of its checkpoint."""
+    fig = Figure(figsize=(6.0, 3.2 * len(selection)))
+    axes = fig.subplots(len(selection), 1, squeeze=False)[:, 0]
+    for ax, (name, record) in zip(axes, selection.items(), strict=True):
+        metric = record["select_by"]
+        values = [c["validation"][metric] for c in record["candidates"]]
+        labels = [", ".join(f"{k}={c['options'][k]}" for k in record["searched"]) for c in record["candidates"]]
+        ax.plot(range(len(values)), values, marker="o")
+        ax.plot([record["chosen"]], [values[record["chosen"]]], "o", markersize=12, fillstyle="none", color="tab:red")
+        ax.set_xticks(range(len(values)), labels, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel(f"validation {metric}")
+        ax.set_title(f"{name}: chosen on validation")
+        ax.grid(alpha=0.3)
+    save_figure(fig, path)
+
+
 def save_figure(fig: Figure, path: str | Path, *, dpi: int = 120, tight: bool = True) -> None:
     """Write a figure as PNG atomically (temp file + rename), creating the folder.
 

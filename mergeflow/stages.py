@@ -153,7 +153,7 @@ STAGES: tuple[Stage, ...] = (
             "tasks/tracking.py",
         ),
         params=("evaluate", "tracking"),
-        metrics=("metrics/evaluate.json",),
+        metrics=("metrics/evaluate.json", "metrics/selection.json"),
         plots=("plots/comparison.png",),
     ),
 )

@@ -11,7 +11,7 @@ import numpy as np
 from mergeflow.checkpoints import load_checkpoint_meta, load_model, write_json
 from mergeflow.config import Params
 from mergeflow.evaluation import best_model, ensemble_outputs, evaluate_outputs, in_target_units, sanity_check
-from mergeflow.plots import plot_comparison
+from mergeflow.plots import plot_comparison, plot_selection
 from mergeflow.training import predict
 from tasks.data import PREPARED, read_arrays, read_groups, read_info
 from tasks.federated import final_checkpoint
@@ -20,6 +20,8 @@ from tasks.steps import Step
 from tasks.training import BASE, CENTRALIZED, client_checkpoint
 
 METRICS = "metrics/evaluate.json"
+SELECTION = "metrics/selection.json"
+SELECTION_PLOT = "plots/selection.png"
 SANITY = "sanity"  # the key of the input-blind baseline and its warning in METRICS
 PLOT = "plots/comparison.png"
 _CODE = ("mergeflow/evaluation.py", "mergeflow/plots.py", "mergeflow/checkpoints.py", "tasks/evaluation.py")
@@ -121,8 +123,19 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
         y_train, y = y_train * scale["std"] + scale["mean"], y * scale["std"] + scale["mean"]
     sanity = sanity_check(predictions, y_train, y, task=task, hints=_likely_causes(info))
     plot_comparison(metrics, out / PLOT, task=task)
-    write_json(out / METRICS, {**metrics, SANITY: sanity})
+    splits = {"models": "test", SANITY: "test", "selection": "validation"}  # where each number comes from
+    write_json(out / METRICS, {**metrics, SANITY: sanity, "splits": splits})
+    selection = _selections(root, params["methods"])
+    write_json(out / SELECTION, selection)
+    if selection:
+        plot_selection(selection, out / SELECTION_PLOT)
     return {"best_client": best, "warning": sanity["warning"]}
+
+
+def _selections(root: Path, methods: list[str]) -> dict[str, dict]:
+    """The searched merges' candidates, validation scores and choices, from their checkpoints."""
+    metas = {name: load_checkpoint_meta(root / merged_checkpoint(name)) for name in methods}
+    return {name: meta["selection"] for name, meta in metas.items() if "selection" in meta}
 
 
 def _likely_causes(info: dict[str, Any]) -> str:

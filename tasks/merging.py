@@ -1,4 +1,9 @@
-"""Steps of the ``merge`` stage: one cached step per merge method."""
+"""Steps of the ``merge`` stage: one cached step per merge method, or per candidate of a search.
+
+A merge whose options hold lists is a search: each candidate is its own cached step (named by its
+options, so adding a value runs only that value), scored on the validation split; a selection step
+then keeps the best as the merge's model. The test split is never read here.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,12 @@ from safetensors.torch import load_file
 from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import Params
 from mergeflow.merge import METHODS, run_merge
+from mergeflow.merge.search import candidate_id, choose, search_grid, searched_keys
 from mergeflow.models import is_transformer, parameter_names
 from mergeflow.models.hf import save_pretrained
 from tasks.align import aligned_checkpoint, aligned_factors, aligned_fisher
-from tasks.data import TOKENIZER
+from tasks.data import PREPARED, TOKENIZER
+from tasks.scoring import split_metrics
 from tasks.steps import Step
 from tasks.training import BASE
 
@@ -45,26 +52,45 @@ def _inputs(method: str, clients: range, with_factors: bool) -> tuple[str, ...]:
     return tuple(paths)
 
 
-def _merge_step(params: Params, name: str) -> Step:
-    method, options = params.merge.resolve(name)
+def candidate_checkpoint(name: str, options: dict[str, Any]) -> str:
+    """Relative path of one candidate of a searched merge, named by its options."""
+    return f"{MERGED}/{name}.candidates/{candidate_id(options)}.safetensors"
+
+
+def _merge_step(params: Params, name: str, method: str, options: dict[str, Any], candidate: bool) -> Step:
     clients = range(params.partition.num_clients)
     factors = _uses_factors(method, params)
-    return Step(
-        f"merge/{name}",
-        "tasks.merging:merge_clients",
-        {"name": name, "method": method, "options": options, "num_clients": len(clients), "factors": factors},
-        inputs=_inputs(method, clients, factors) + ((TOKENIZER,) if params.model.arch == "hf" else ()),
-        code=_CODE,
-    )
+    step_params = {"name": name, "method": method, "options": options, "num_clients": len(clients), "factors": factors}
+    inputs = _inputs(method, clients, factors) + ((TOKENIZER,) if params.model.arch == "hf" else ())
+    if not candidate:
+        return Step(f"merge/{name}", "tasks.merging:merge_clients", step_params, inputs=inputs, code=_CODE)
+    step_params |= {"path": candidate_checkpoint(name, options), "noise_std": params.evaluate.noise_std}
+    inputs += (f"{PREPARED}/validation.parquet", f"{PREPARED}/info.json")
+    code = (*_CODE, "tasks/scoring.py")
+    return Step(f"merge/{name}/{candidate_id(options)}", "tasks.merging:merge_candidate", step_params, inputs, code)
 
 
-def plan_merge(params: Params) -> list[Step]:
-    """One step per entry of ``merge.methods``, keyed by its options and only the inputs it needs."""
-    return [_merge_step(params, name) for name in params.merge.methods]
+def plan_merge(params: Params) -> list[list[Step]]:
+    """One step per entry of ``merge.methods``, keyed by its options and only the inputs it needs; a search
+    is one step per candidate, then (a second wave) a selection step on their validation scores."""
+    merges, selections = [], []
+    for name in params.merge.methods:
+        method, options = params.merge.resolve(name)
+        if not searched_keys(options):
+            merges.append(_merge_step(params, name, method, options, candidate=False))
+            continue
+        grid = search_grid(options)
+        merges += [_merge_step(params, name, method, candidate, candidate=True) for candidate in grid]
+        paths = [candidate_checkpoint(name, candidate) for candidate in grid]
+        select = {"name": name, "candidates": paths, "searched": searched_keys(options)}
+        select["select_by"] = params.merge.selection_metric(params.data.task)
+        inputs = (*paths, BASE) + ((TOKENIZER,) if params.model.arch == "hf" else ())
+        selections.append(Step(f"merge/{name}", "tasks.merging:select_candidate", select, inputs, _CODE))
+    return [merges, selections] if selections else [merges]
 
 
-def merge_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
-    """Merge the aligned client checkpoints with one registered method; keep its curves in the metadata."""
+def _merged(params: dict[str, Any], root: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, float]]:
+    """Merge the aligned client checkpoints with one registered method: the state, its metadata, its summary."""
     name, method = params["name"], params["method"]
     clients = range(params["num_clients"])
     uses = METHODS[method].uses
@@ -97,7 +123,43 @@ def merge_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
         "summary": result.summary,
         "excluded_clients": excluded,
     }
-    save_checkpoint(out / merged_checkpoint(name), result.state, meta)
+    return result.state, meta, result.summary
+
+
+def _save_merged(name: str, state: dict[str, Any], meta: dict[str, Any], root: Path, out: Path) -> None:
+    save_checkpoint(out / merged_checkpoint(name), state, meta)
     if is_transformer(meta["spec"]):
-        save_pretrained(meta["spec"], result.state, out / merged_pretrained_dir(name), root / TOKENIZER)
-    return {"method": method, **result.summary}
+        save_pretrained(meta["spec"], state, out / merged_pretrained_dir(name), root / TOKENIZER)
+
+
+def merge_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """Merge the aligned client checkpoints with one registered method; keep its curves in the metadata."""
+    state, meta, summary = _merged(params, root)
+    _save_merged(params["name"], state, meta, root, out)
+    return {"method": params["method"], **summary}
+
+
+def merge_candidate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """One candidate of a search: merged, and scored on the validation split (kept in its metadata)."""
+    state, meta, summary = _merged(params, root)
+    meta["validation"] = split_metrics(root, "validation", meta["spec"], state, params["noise_std"])
+    save_checkpoint(out / params["path"], state, meta)
+    return {"method": params["method"], **{f"val_{k}": v for k, v in meta["validation"].items()}, **summary}
+
+
+def select_candidate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+    """Keep the candidate with the best validation score as the merge's model; record every candidate's
+    score and the choice (``selection`` in its metadata)."""
+    loaded = [load_checkpoint(root / path) for path in params["candidates"]]
+    scores = [meta["validation"] for _, meta in loaded]
+    best = choose(scores, params["select_by"])
+    state, meta = loaded[best]
+    meta["selection"] = {
+        "split": "validation",
+        "select_by": params["select_by"],
+        "searched": params["searched"],
+        "chosen": best,
+        "candidates": [{"options": m["options"], "validation": m["validation"]} for _, m in loaded],
+    }
+    _save_merged(params["name"], state, meta, root, out)
+    return {"chosen": {key: meta["options"][key] for key in params["searched"]}, **meta["validation"]}

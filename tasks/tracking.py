@@ -23,7 +23,7 @@ from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
 from tasks.align import ALIGN_METRICS, BARRIER_PLOT
 from tasks.data import DATA_METRICS, PARTITIONS, PREPARED, client_file
-from tasks.evaluation import METRICS, PLOT, SANITY
+from tasks.evaluation import METRICS, PLOT, SANITY, SELECTION, SELECTION_PLOT
 from tasks.federated import FEDERATED_METRICS, FEDERATED_PLOT, final_checkpoint, global_checkpoint
 from tasks.merging import merged_checkpoint, merged_pretrained_dir
 from tasks.steps import Step
@@ -36,6 +36,7 @@ PARTITION_PLOT = "plots/partition.png"
 _ARTIFACTS = (
     DATA_METRICS,
     METRICS,
+    SELECTION,
     PLOT,
     PARTITION_METRICS,
     PARTITION_PLOT,
@@ -173,6 +174,19 @@ def registered_model_name(experiment: str, merge: str) -> str:
     return f"{experiment}.{merge}"
 
 
+def _log_selection(mlflow, selection: dict[str, Any]) -> None:
+    """A searched merge: each candidate's validation scores as ``val_<metric>`` at step = candidate index,
+    the chosen values as ``selected.<option>`` params, and the tag ``mergeflow.selected_on``."""
+    curves: dict[str, list[float]] = {}
+    for candidate in selection["candidates"]:
+        for metric, value in candidate["validation"].items():
+            curves.setdefault(f"val_{metric}", []).append(float(value))
+    _log_curves(mlflow, curves)
+    chosen = selection["candidates"][selection["chosen"]]
+    _log_params(mlflow, {f"selected.{key}": json.dumps(chosen["options"][key]) for key in selection["searched"]})
+    mlflow.set_tags({"mergeflow.selected_on": selection["split"], "mergeflow.select_by": selection["select_by"]})
+
+
 def _register(mlflow, model_uri: str, name: str, tags: dict[str, str]) -> None:
     """A new version of ``name`` unless a version already holds the same checkpoint (by sha256).
 
@@ -204,6 +218,8 @@ def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, 
         _log_params(mlflow, {"method": meta["method"], "excluded_clients": excluded, **options})
         mlflow.log_metrics({**_test_metrics(metrics[f"merged/{name}"]), **meta.get("summary", {})})
         _log_curves(mlflow, meta.get("curves", {}))
+        if "selection" in meta:
+            _log_selection(mlflow, meta["selection"])
         mlflow.log_artifact(str(path), "checkpoint")
         if context["log_models"]:
             logged = _log_model(mlflow, root, name, path, example)
@@ -372,6 +388,8 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
             mlflow.log_metrics({f"{name}.{k}": v for k, v in _test_metrics(metrics[name]).items()})
         for artifact in _ARTIFACTS:
             mlflow.log_artifact(str(root / artifact), Path(artifact).parent.name)
+        if json.loads((root / SELECTION).read_text()):
+            mlflow.log_artifact(str(root / SELECTION_PLOT), "plots")
         mlflow.log_metrics(_barrier_metrics(json.loads((root / ALIGN_METRICS).read_text())))
         _log_data(mlflow, root, info, metrics[SANITY])
         for client in range(config["partition"]["num_clients"]):

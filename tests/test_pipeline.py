@@ -63,7 +63,8 @@ def test_cold_run_executes_every_step_and_writes_outputs(workspace):
     metrics = json.loads((workspace / "metrics/evaluate.json").read_text())
     expected = {"base", "centralized", "ensemble", "best_client", "client_000", "client_001", "client_002"}
     expected |= {f"merged/{m}" for m in METHODS} | {f"federated/{a}" for a in FEDERATED["algorithms"]}
-    assert set(metrics) == expected | {"sanity"}
+    assert set(metrics) == expected | {"sanity", "splits"}
+    assert metrics.pop("splits")["models"] == "test"
     sanity = metrics.pop("sanity")
     assert sanity["warning"] is None and sanity["baseline"] == "majority class"
     for values in metrics.values():
