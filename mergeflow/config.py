@@ -589,6 +589,10 @@ class Params(_Section):
         from mergeflow.merge.search import searched_keys
 
         for name in self.merge.methods:
+            if "scorer" in METHODS[self.merge.resolve(name)[0]].needs and self.data.validation_fraction == 0:
+                raise ValueError(
+                    f"merge.methods: {name!r} chooses on the validation split; set data.validation_fraction > 0"
+                )
             searched = searched_keys(self.merge.resolve(name)[1])
             if searched and self.data.validation_fraction == 0:
                 raise ValueError(

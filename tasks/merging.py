@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import Params
 from mergeflow.merge import METHODS, run_merge
-from mergeflow.merge.search import candidate_id, choose, search_grid, searched_keys
+from mergeflow.merge.registry import Scorer
+from mergeflow.merge.search import HIGHER_IS_BETTER, candidate_id, choose, search_grid, searched_keys
 from mergeflow.models import is_transformer, parameter_names
 from mergeflow.models.hf import save_pretrained
 from tasks.align import aligned_checkpoint, aligned_factors, aligned_fisher
@@ -57,16 +58,24 @@ def candidate_checkpoint(name: str, options: dict[str, Any]) -> str:
     return f"{MERGED}/{name}.candidates/{candidate_id(options)}.safetensors"
 
 
+_VALIDATION = (f"{PREPARED}/validation.parquet", f"{PREPARED}/info.json")
+
+
 def _merge_step(params: Params, name: str, method: str, options: dict[str, Any], candidate: bool) -> Step:
     clients = range(params.partition.num_clients)
     factors = _uses_factors(method, params)
     step_params = {"name": name, "method": method, "options": options, "num_clients": len(clients), "factors": factors}
     inputs = _inputs(method, clients, factors) + ((TOKENIZER,) if params.model.arch == "hf" else ())
-    if not candidate:
-        return Step(f"merge/{name}", "tasks.merging:merge_clients", step_params, inputs=inputs, code=_CODE)
-    step_params |= {"path": candidate_checkpoint(name, options), "noise_std": params.evaluate.noise_std}
-    inputs += (f"{PREPARED}/validation.parquet", f"{PREPARED}/info.json")
     code = (*_CODE, "tasks/scoring.py")
+    if candidate or "scorer" in METHODS[method].uses:  # scored on the validation split, never on test
+        step_params |= {
+            "noise_std": params.evaluate.noise_std,
+            "select_by": params.merge.selection_metric(params.data.task),
+        }
+        inputs += _VALIDATION
+    if not candidate:
+        return Step(f"merge/{name}", "tasks.merging:merge_clients", step_params, inputs=inputs, code=code)
+    step_params["path"] = candidate_checkpoint(name, options)
     return Step(f"merge/{name}/{candidate_id(options)}", "tasks.merging:merge_candidate", step_params, inputs, code)
 
 
@@ -111,6 +120,7 @@ def _merged(params: dict[str, Any], root: Path) -> tuple[dict[str, Any], dict[st
         weights=[meta["num_examples"] for _, meta in loaded],
         fishers=fishers,
         factors=[load_file(root / aligned_factors(c))["U"] for c in clients] if params["factors"] else None,
+        scorer=_validation_scorer(params, root, base_meta["spec"]) if "scorer" in uses else None,
         **params["options"],
     )
     meta = {
@@ -124,6 +134,17 @@ def _merged(params: dict[str, Any], root: Path) -> tuple[dict[str, Any], dict[st
         "excluded_clients": excluded,
     }
     return result.state, meta, result.summary
+
+
+def _validation_scorer(params: dict[str, Any], root: Path, spec: dict[str, Any]) -> Scorer:
+    """A state dict's validation score by ``select_by``, signed so that higher is better."""
+    metric = params["select_by"]
+    sign = 1.0 if HIGHER_IS_BETTER[metric] else -1.0
+
+    def score(state: dict[str, Any]) -> float:
+        return sign * split_metrics(root, "validation", spec, state, params["noise_std"])[metric]
+
+    return score
 
 
 def _save_merged(name: str, state: dict[str, Any], meta: dict[str, Any], root: Path, out: Path) -> None:

@@ -79,3 +79,16 @@ def test_ties_and_dare_equal_peft_merge_utils():
         reference = getattr(merge_utils, name)(tasks, ones, density=0.4)
         ours = combine(drop_and_rescale(torch.stack(tasks), 0.6, torch.Generator().manual_seed(7)))
         torch.testing.assert_close(ours, reference, rtol=0, atol=1e-12)
+
+
+def test_greedy_soup_adds_a_client_only_when_the_held_out_score_does_not_drop():
+    from mergeflow.merge import run_merge
+
+    states = [{"w": torch.tensor([float(k)], dtype=torch.float64)} for k in range(4)]
+    # best single model 1 (or 2, the tie goes to the first); adding 2 reaches the optimum 1.5, 0 and 3 hurt
+    result = run_merge("greedy_soup", states, scorer=lambda s: -abs(float(s["w"]) - 1.5))
+    torch.testing.assert_close(result.state["w"], torch.tensor([1.5], dtype=torch.float64))
+    assert result.summary == {"soup_size": 2.0, "soup_score": 0.0}
+    assert result.curves["soup_score_tried"] == [-0.5, 0.0, -0.5, -0.5]
+    with pytest.raises(MergeflowError, match="needs scorer"):
+        run_merge("greedy_soup", states)

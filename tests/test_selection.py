@@ -38,7 +38,7 @@ def test_a_grid_of_lists_and_the_best_validation_score():
 def searched(tmp_path_factory, cli_env):
     """A fast pipeline with a validation split and two searched merges."""
     options = {"task_arithmetic": {"scaling": SCALINGS}, "ties": {"density": [0.2, 0.6], "scaling": 0.5}}
-    merge = {"methods": ["average", "task_arithmetic", "ties"], "options": options}
+    merge = {"methods": ["average", "task_arithmetic", "ties", "greedy_soup"], "options": options}
     params = fast_params(data={"validation_fraction": 0.15}, merge=merge)
     params["federated"].update(algorithms=["fedavg"])
     path = make_workspace(tmp_path_factory.mktemp("search") / "run", params)
@@ -64,6 +64,8 @@ def test_each_candidate_is_scored_on_validation_and_the_best_is_kept(searched):
     metrics = json.loads((searched / "metrics/evaluate.json").read_text())
     assert metrics["splits"] == {"models": "test", "sanity": "test", "selection": "validation"}
     assert (searched / "plots/selection.png").read_bytes()[:4] == b"\x89PNG"
+    soup = load_checkpoint(searched / "models/merged/greedy_soup.safetensors")[1]
+    assert 1 <= soup["summary"]["soup_size"] <= 3 and len(soup["curves"]["soup_score_tried"]) == 3
 
 
 def test_mlflow_shows_the_validation_curve_and_the_choice(searched):
@@ -99,10 +101,13 @@ def test_selection_never_reads_test_data_and_keeps_the_planted_best(searched, tm
     params = load_params(searched / "params.yaml", [])
     merges, selections = merging.plan_merge(params)
     candidates = [step for step in merges if step.name.startswith("merge/task_arithmetic/")]
-    for step in (*candidates, *selections):
+    (soup,) = [step for step in merges if step.name == "merge/greedy_soup"]
+    assert f"{merging.PREPARED}/validation.parquet" in soup.inputs
+    for step in (*candidates, *selections, soup):
         assert not any("test" in path for path in step.inputs), step.name
     for step in candidates:
         merging.merge_candidate(step.params, searched, tmp_path)
+    merging.merge_clients(soup.params, searched, tmp_path)
     assert read and set(read) == {"validation.parquet"}
 
     planted = {0.1: 0.5, 0.3: 0.9, 0.6: 0.7, 1.0: 0.2}  # the best is inside the grid, not at an edge

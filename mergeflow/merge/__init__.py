@@ -11,6 +11,7 @@ from mergeflow.merge import (  # noqa: F401  (registration)
     fisher,
     model_stock,
     slerp,
+    soup,
     ssf,
     task_arithmetic,
     ties,

@@ -9,8 +9,10 @@ Two scopes:
   all parameters, such as the exact Gaussian merge (one CG solve over the flattened model).
 
 Methods declare what they need besides the weights: ``"base"`` (the shared base model),
-``"sizes"`` (client data sizes), ``"fishers"`` (diagonal Fishers, one dict per client) and
-``"factors"`` (per-client Fisher factors U with F ≈ UᵀU over the flattened parameters).
+``"sizes"`` (client data sizes), ``"fishers"`` (diagonal Fishers, one dict per client),
+``"factors"`` (per-client Fisher factors U with F ≈ UᵀU over the flattened parameters),
+``"grams"`` (per-client Gram matrices XᵀX of each linear layer's inputs, keyed by its weight) and
+``"scorer"`` (a function scoring a whole state dict on held-out data, higher is better).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from mergeflow.errors import ConfigError, MergeflowError
 
 State = Mapping[str, torch.Tensor]
-NEEDS = ("base", "sizes", "fishers", "factors")
+NEEDS = ("base", "sizes", "fishers", "factors", "grams", "scorer")
+Scorer = Callable[[dict[str, torch.Tensor]], float]
 
 
 class NoOptions(BaseModel):
@@ -67,6 +70,8 @@ class ModelInputs:
     fishers: list[dict[str, torch.Tensor]] | None = None
     factors: list[torch.Tensor] | None = None
     names: list[str] = field(default_factory=list)
+    grams: list[dict[str, torch.Tensor]] | None = None
+    scorer: Scorer | None = None
 
     def flatten(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The ``names`` tensors concatenated into one float64 vector."""
@@ -230,6 +235,8 @@ def model_inputs(
     weights: Sequence[float] | None = None,
     fishers: Sequence[State] | None = None,
     factors: Sequence[torch.Tensor] | None = None,
+    grams: Sequence[State] | None = None,
+    scorer: Scorer | None = None,
 ) -> ModelInputs:
     """Whole-model inputs of a model-scope method, checked for compatible architectures.
 
@@ -249,6 +256,8 @@ def model_inputs(
         fishers=fisher_list,
         factors=[_factor_tensor(u) for u in factors] if factors is not None else None,
         names=names,
+        grams=[{k: v.to(torch.float64) for k, v in g.items()} for g in grams] if grams is not None else None,
+        scorer=scorer,
     )
 
 
@@ -265,6 +274,8 @@ def run_merge(
     weights: Sequence[float] | None = None,
     fishers: Sequence[State] | None = None,
     factors: Sequence[torch.Tensor] | None = None,
+    grams: Sequence[State] | None = None,
+    scorer: Scorer | None = None,
     **options: object,
 ) -> MergeResult:
     """Merge client state dicts with a registered method, returning its report too."""
@@ -273,14 +284,17 @@ def run_merge(
     spec = METHODS.get(method)
     if spec is None:
         raise MergeflowError(f"unknown merge method {method!r}; known: {', '.join(METHODS)}")
-    _require(spec, {"base": base, "sizes": weights, "fishers": fishers, "factors": factors})
+    given = {"base": base, "sizes": weights, "fishers": fishers, "factors": factors, "grams": grams, "scorer": scorer}
+    _require(spec, given)
     parsed = validate_options(method, options)
     if spec.scope == "tensor":
         _check_compatible([*states, base] if base is not None else states)
         w = normalized_weights(weights, len(states))
         fisher_list = [dict(f) for f in fishers] if fishers is not None else None
         return MergeResult(dict(merged_tensors(spec, states, base, w, fisher_list, parsed)))
-    inputs = model_inputs(states, base=base, weights=weights, fishers=fishers, factors=factors)
+    inputs = model_inputs(
+        states, base=base, weights=weights, fishers=fishers, factors=factors, grams=grams, scorer=scorer
+    )
     result = spec.fn(inputs, parsed)
     if not isinstance(result, MergeResult):
         result = MergeResult(result)
