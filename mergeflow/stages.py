@@ -95,7 +95,7 @@ STAGES: tuple[Stage, ...] = (
         summary="Per-client diagonal Fisher (and optional per-example factors), one cached task per client.",
         phases=("tasks.fisher:plan_fisher",),
         deps=("models/clients", "data/partitions"),
-        code=("mergeflow/fisher.py", "mergeflow/checkpoints.py", "tasks/fisher.py"),
+        code=("mergeflow/fisher.py", "mergeflow/grams.py", "mergeflow/checkpoints.py", "tasks/fisher.py"),
         params=("seed", "fisher", "evaluate.noise_std"),
         outs=("models/fishers",),
     ),

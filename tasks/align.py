@@ -24,6 +24,7 @@ from mergeflow.align import (
     make_loss_fn,
     permutation_spec,
     permute_flat_columns,
+    permute_grams,
 )
 from mergeflow.checkpoints import atomic_path, load_checkpoint, save_checkpoint, write_json
 from mergeflow.config import Params
@@ -31,7 +32,7 @@ from mergeflow.errors import MergeflowError
 from mergeflow.models import build_from_spec, parameter_names
 from mergeflow.plots import plot_barriers
 from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
-from tasks.fisher import factors_file, fisher_file
+from tasks.fisher import factors_file, fisher_file, grams_file
 from tasks.steps import Step
 from tasks.training import client_checkpoint
 
@@ -51,6 +52,11 @@ def aligned_fisher(client: int) -> str:
     return f"{ALIGNED}/client_{client:03d}.fisher.safetensors"
 
 
+def aligned_grams(client: int) -> str:
+    """Relative path of one client's linear-layer input Grams, permuted like its model's inputs."""
+    return f"{ALIGNED}/client_{client:03d}.grams.safetensors"
+
+
 def aligned_factors(client: int) -> str:
     """Relative path of one client's Fisher factors with permuted columns."""
     return f"{ALIGNED}/client_{client:03d}.factors.safetensors"
@@ -60,7 +66,7 @@ def plan_align(params: Params) -> list[Step]:
     """One step: alignment is cheap next to training, and every client needs the reference."""
     clients = range(params.partition.num_clients)
     inputs = [f"{PREPARED}/test.parquet", f"{PREPARED}/info.json", f"{PARTITIONS}/info.json"]
-    inputs += [path for c in clients for path in (client_checkpoint(c), fisher_file(c), client_file(c))]
+    inputs += [path for c in clients for path in (client_checkpoint(c), fisher_file(c), grams_file(c), client_file(c))]
     if params.fisher.low_rank:
         inputs += [factors_file(c) for c in clients]
     if params.align.method == "activations" and params.data.server_fraction > 0:
@@ -136,6 +142,7 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
         aligned_meta = {**meta, "aligned_to": reference}
         save_checkpoint(out / aligned_checkpoint(c), permuted(c, state), aligned_meta)
         _save_tensors(out / aligned_fisher(c), permuted(c, load_file(root / fisher_file(c))))
+        _save_tensors(out / aligned_grams(c), permuted(c, load_file(root / grams_file(c)), grams=True))
         if params["factors"]:
             factors = load_file(root / factors_file(c))["U"]
             shapes = [tuple(state[n].shape) for n in names]
@@ -155,8 +162,10 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     return {"reference": reference, **{f"barrier_{k}": _mean_barrier(report[k]) for k in ("before", "after")}}
 
 
-def _permuted(client: int, tensors: Any, names: list[str] | None = None, shapes: list | None = None) -> Any:
-    """No alignment (``align.method: none``): every client's tensors (or Fisher factors) as they are."""
+def _permuted(
+    client: int, tensors: Any, names: list[str] | None = None, shapes: list | None = None, grams: bool = False
+) -> Any:
+    """No alignment (``align.method: none``): every client's tensors (Fisher factors, Grams) as they are."""
     return tensors
 
 
@@ -164,7 +173,8 @@ def _aligned_permutations(
     params: dict[str, Any], root: Path, model, input_shape: list[int], states: list[dict], reference: int
 ):
     """Align every client to the reference; return ``permuted(client, tensors[, names, shapes])``, which
-    applies that client's permutation to a state dict or Fisher (or, given names and shapes, to factors)."""
+    applies that client's permutation to a state dict or Fisher (given names and shapes, to factors; with
+    ``grams``, to Gram matrices)."""
     settings = params["align"]
     spec = permutation_spec(model, input_shape)
     info = read_info(root, PARTITIONS)
@@ -183,9 +193,13 @@ def _aligned_permutations(
     )
     perms = [p for _, p in aligned]
 
-    def permuted(client: int, tensors: Any, names: list[str] | None = None, shapes: list | None = None) -> Any:
+    def permuted(
+        client: int, tensors: Any, names: list[str] | None = None, shapes: list | None = None, grams: bool = False
+    ) -> Any:
         if names is not None:
             return permute_flat_columns(spec, names, shapes, tensors, perms[client])
+        if grams:
+            return permute_grams(spec, tensors, perms[client])
         return apply_permutation(spec, tensors, perms[client])
 
     return permuted

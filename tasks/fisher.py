@@ -11,18 +11,24 @@ from safetensors.torch import save_file
 from mergeflow.checkpoints import atomic_path, load_model
 from mergeflow.config import Params
 from mergeflow.fisher import diagonal_fisher, fisher_factors
+from mergeflow.grams import linear_input_grams
 from mergeflow.seeding import derive_seed
 from tasks.data import PARTITIONS, client_file, read_arrays, read_info
 from tasks.steps import Step
 from tasks.training import client_checkpoint
 
 FISHERS = "models/fishers"
-_CODE = ("mergeflow/fisher.py", "mergeflow/checkpoints.py", "tasks/fisher.py")
+_CODE = ("mergeflow/fisher.py", "mergeflow/grams.py", "mergeflow/checkpoints.py", "tasks/fisher.py")
 
 
 def fisher_file(client: int) -> str:
     """Relative path of one client's diagonal Fisher (safetensors, parameter names as keys)."""
     return f"{FISHERS}/client_{client:03d}.safetensors"
+
+
+def grams_file(client: int) -> str:
+    """Relative path of one client's Gram matrices of linear-layer inputs (keys: the layers' weights)."""
+    return f"{FISHERS}/client_{client:03d}.grams.safetensors"
 
 
 def factors_file(client: int) -> str:
@@ -52,7 +58,8 @@ def _subset(n: int, size: int, seed: int) -> np.ndarray:
 
 
 def client_fisher(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
-    """Diagonal Fisher on up to n_examples of the client's data; factors on rank_examples if low_rank."""
+    """Diagonal Fisher and linear-layer input Grams on up to n_examples of the client's data; factors on
+    rank_examples if low_rank."""
     settings, client = params["fisher"], params["client"]
     info = read_info(root, PARTITIONS)
     X, y = read_arrays(root / client_file(client), info)
@@ -71,6 +78,10 @@ def client_fisher(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     with atomic_path(out / fisher_file(client)) as tmp:
         save_file({k: v.contiguous() for k, v in diagonal.items()}, str(tmp))
     summary = {"examples": len(rows)}
+    # RegMean's statistic on the same rows, scaled to the client's whole data (its weight in the merge).
+    grams = linear_input_grams(model, X[rows], batch_size=settings["batch_size"])
+    with atomic_path(out / grams_file(client)) as tmp:
+        save_file({k: (v * len(y) / len(rows)).contiguous() for k, v in grams.items()}, str(tmp))
     if settings["low_rank"]:
         rows = _subset(len(y), settings["rank_examples"], seed + 1)
         factors = fisher_factors(model, X[rows], y[rows], **common)

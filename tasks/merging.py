@@ -19,7 +19,7 @@ from mergeflow.merge.registry import Scorer
 from mergeflow.merge.search import HIGHER_IS_BETTER, candidate_id, choose, search_grid, searched_keys
 from mergeflow.models import is_transformer, parameter_names
 from mergeflow.models.hf import save_pretrained
-from tasks.align import aligned_checkpoint, aligned_factors, aligned_fisher
+from tasks.align import aligned_checkpoint, aligned_factors, aligned_fisher, aligned_grams
 from tasks.data import PREPARED, TOKENIZER
 from tasks.scoring import split_metrics
 from tasks.steps import Step
@@ -48,6 +48,8 @@ def _inputs(method: str, clients: range, with_factors: bool) -> tuple[str, ...]:
     paths = [BASE, *(aligned_checkpoint(c) for c in clients)]
     if "fishers" in METHODS[method].uses:
         paths += [aligned_fisher(c) for c in clients]
+    if "grams" in METHODS[method].uses:
+        paths += [aligned_grams(c) for c in clients]
     if with_factors:
         paths += [aligned_factors(c) for c in clients]
     return tuple(paths)
@@ -120,6 +122,7 @@ def _merged(params: dict[str, Any], root: Path) -> tuple[dict[str, Any], dict[st
         weights=[meta["num_examples"] for _, meta in loaded],
         fishers=fishers,
         factors=[load_file(root / aligned_factors(c))["U"] for c in clients] if params["factors"] else None,
+        grams=[load_file(root / aligned_grams(c)) for c in clients] if "grams" in uses else None,
         scorer=_validation_scorer(params, root, base_meta["spec"]) if "scorer" in uses else None,
         **params["options"],
     )

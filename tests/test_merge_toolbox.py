@@ -92,3 +92,46 @@ def test_greedy_soup_adds_a_client_only_when_the_held_out_score_does_not_drop():
     assert result.curves["soup_score_tried"] == [-0.5, 0.0, -0.5, -0.5]
     with pytest.raises(MergeflowError, match="needs scorer"):
         run_merge("greedy_soup", states)
+
+
+def test_regmean_on_linear_regressions_is_pooled_least_squares():
+    from mergeflow.grams import linear_input_grams
+
+    generator = torch.Generator().manual_seed(3)
+    truth = torch.randn(2, 5, generator=generator, dtype=torch.float64)
+    states, grams, xs, ys = [], [], [], []
+    for rows, shift in ((40, 0.0), (25, 2.0), (60, -1.0)):  # clients with different input distributions
+        x = torch.randn(rows, 5, generator=generator, dtype=torch.float64) + shift
+        y = x @ truth.T + 0.3 * torch.randn(rows, 2, generator=generator, dtype=torch.float64)
+        layer = torch.nn.Linear(5, 2, bias=False).double()
+        layer.weight.data = torch.linalg.lstsq(x, y).solution.T  # the client's own least squares
+        states.append({"weight": layer.weight.detach().clone()})
+        grams.append(linear_input_grams(layer, x, batch_size=16))
+        xs.append(x)
+        ys.append(y)
+    pooled = torch.linalg.lstsq(torch.cat(xs), torch.cat(ys)).solution.T
+    merged = merge("regmean", states, grams=grams, alpha=1.0)["weight"]
+    torch.testing.assert_close(merged, pooled, rtol=0, atol=1e-8)
+    shrunk = merge("regmean", states, grams=grams)["weight"]  # α = 0.9 regularises: close, not equal
+    assert 0 < (shrunk - pooled).abs().max() < 0.5
+    with pytest.raises(MergeflowError, match="needs grams"):
+        merge("regmean", states)
+
+
+def test_grams_are_permuted_like_the_layer_inputs():
+    from mergeflow.align import apply_permutation, permutation_spec, random_permutation
+    from mergeflow.align.permute import permute_grams
+    from mergeflow.grams import linear_input_grams
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    spec = permutation_spec(model, [4])
+    perms = random_permutation(spec, 1)
+    x = torch.randn(30, 4)
+    permuted_model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    permuted_model.load_state_dict(apply_permutation(spec, model.state_dict(), perms))
+    expected = linear_input_grams(permuted_model, x)
+    moved = permute_grams(spec, linear_input_grams(model, x), perms)
+    assert moved.keys() == expected.keys() == {"0.weight", "2.weight"}
+    for key in expected:
+        torch.testing.assert_close(moved[key], expected[key])

@@ -28,6 +28,7 @@ from mergeflow.align.permute import (
     flat_column_index,
     invert_permutation,
     permute_flat_columns,
+    permute_grams,
     permute_tensor,
     random_permutation,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "make_loss_fn",
     "permutation_spec",
     "permute_flat_columns",
+    "permute_grams",
     "permute_tensor",
     "random_permutation",
     "verify_spec",

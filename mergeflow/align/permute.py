@@ -58,6 +58,20 @@ def apply_permutation(
     return out
 
 
+def permute_grams(spec: PermutationSpec, grams: Mapping[str, torch.Tensor], perms: Perms) -> dict[str, torch.Tensor]:
+    """Gram matrices of linear layers' inputs (keyed by the layer's ``(out, in)`` weight), both axes
+    permuted as that weight's input axis is."""
+    _check_perms(spec, perms)
+    by_key = spec.by_key()
+    out = dict(grams)
+    for key, gram in grams.items():
+        for group, axis, block in by_key.get(key, []):
+            if axis == 1:
+                gram = permute_tensor(permute_tensor(gram, 0, perms[group], block), 1, perms[group], block)
+        out[key] = gram
+    return out
+
+
 def invert_permutation(perms: Perms) -> dict[str, torch.Tensor]:
     """The inverse of every permutation: ``apply_permutation`` with it undoes one with ``perms``."""
     return {name: torch.argsort(torch.as_tensor(p, dtype=torch.long)) for name, p in perms.items()}

@@ -10,6 +10,7 @@ from mergeflow.merge import (  # noqa: F401  (registration)
     exact,
     fisher,
     model_stock,
+    regmean,
     slerp,
     soup,
     ssf,

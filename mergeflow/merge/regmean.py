@@ -1,0 +1,33 @@
+"""RegMean (Jin et al. 2023): each linear layer solved in closed form from the clients' input Grams."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from mergeflow.merge.registry import MergeResult, ModelInputs, merge_method
+
+
+class RegMeanOptions(BaseModel):
+    """``alpha`` scales the Grams' off-diagonal entries (the paper's regularisation; 1 = exact Grams)."""
+
+    model_config = ConfigDict(extra="forbid")
+    alpha: float = Field(0.9, gt=0, le=1)
+
+
+def shrink(gram: torch.Tensor, alpha: float) -> torch.Tensor:
+    """α·G + (1 − α)·diag(G)."""
+    return alpha * gram + (1 - alpha) * torch.diag(torch.diagonal(gram))
+
+
+@merge_method("regmean", options=RegMeanOptions, needs=("grams",), scope="model")
+def regmean(x: ModelInputs, options: RegMeanOptions) -> MergeResult:
+    """RegMean: W* = Σ_k W_k G_k (Σ_k G_k)⁻¹ per linear layer (G_k = X_kᵀX_k), other parameters averaged."""
+    assert x.grams is not None  # guaranteed by needs=("grams",)
+    state = {name: torch.stack([s[name].to(torch.float64) for s in x.states]).mean(dim=0) for name in x.names}
+    for name in x.grams[0]:
+        grams = [shrink(g[name], options.alpha) for g in x.grams]
+        # (Σ G_k) Wᵀ = Σ G_k W_kᵀ; least squares gives the minimum-norm W where an input never varies.
+        rhs = sum(g @ s[name].to(torch.float64).T for g, s in zip(grams, x.states, strict=True))
+        state[name] = torch.linalg.lstsq(sum(grams), rhs, driver="gelsd").solution.T
+    return MergeResult(state, summary={"regmean_layers": float(len(x.grams[0]))})
