@@ -8,6 +8,8 @@ then times, each in a fresh subprocess so that peak RSS is its own:
 - a raw read of the same files (every byte, 64 MiB at a time): the I/O floor;
 - ``merge_files("average")``: mergeflow's streaming merge, tensor by tensor in and out;
 - ``merge_files("fisher")`` with K Fisher files beside the checkpoints;
+- ``merge_files`` with ``task_arithmetic``, ``ties``, ``dare_ties`` and ``model_stock`` (the first
+  checkpoint standing in for the base model);
 - a naive merge: ``load_file`` every model, stack, mean, ``save_file``.
 
 It prints wall time as a ratio to the raw read and peak RSS (less the interpreter with torch
@@ -35,6 +37,18 @@ merge_files("average", paths, out)
 """,
     "streaming fisher": """
 merge_files("fisher", paths, out, fishers=fishers, weights=[1.0] * len(paths))
+""",
+    "streaming task_arithmetic": """
+merge_files("task_arithmetic", paths, out, base=paths[0], scaling=0.3)
+""",
+    "streaming ties": """
+merge_files("ties", paths, out, base=paths[0], density=0.2)
+""",
+    "streaming dare_ties": """
+merge_files("dare_ties", paths, out, base=paths[0], drop_rate=0.9)
+""",
+    "streaming model_stock": """
+merge_files("model_stock", paths, out, base=paths[0])
 """,
     "naive load + stack": """
 from safetensors.torch import load_file, save_file

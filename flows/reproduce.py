@@ -11,6 +11,9 @@
   weight or activation matching.
 - ``federated`` and ``participation``: the federated algorithms under label skew, and FedAvg
   with partial against full participation.
+- ``merges``: every merge method beside the best client, the ensemble and the centralized oracle,
+  each searched option chosen on the validation split (``experiments/merges.yaml``: independent
+  inits, K = 2…5, aligned and not; ``experiments/merges_digits.yaml``: the default digits setting).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pydantic import ValidationError
 from mergeflow.checkpoints import write_json
 from mergeflow.config import apply_overrides, validate_params
 from mergeflow.errors import ConfigError
+from tasks.evaluation import SELECTION
 
 PRESETS = {
     "linear-gaussian": "experiments/linear_gaussian.yaml",
@@ -34,6 +38,7 @@ PRESETS = {
     "alignment": "experiments/alignment.yaml",
     "federated": "experiments/federated.yaml",
     "participation": "experiments/participation.yaml",
+    "merges": "experiments/merges.yaml",
 }
 
 
@@ -109,7 +114,8 @@ def _run_sweep(preset: Path, root: Path, name: str) -> list[dict[str, Any]]:
         run_pipeline(params, workspace)
         values = {key: str(yaml.safe_load(value)) for key, value in (p.split("=", 1) for p in point)}
         record = {"point": values, "params": params.model_dump(mode="json")}
-        for key, path in (("metrics", "metrics/evaluate.json"), ("align", "metrics/align.json")):
+        files = (("metrics", "metrics/evaluate.json"), ("align", "metrics/align.json"), ("selection", SELECTION))
+        for key, path in files:
             record[key] = json.loads((workspace / path).read_text())
         record["federated"] = json.loads((workspace / "metrics/federated.json").read_text())
         runs.append(record)
@@ -161,6 +167,35 @@ def alignment(preset: Path, root: Path) -> Path:
         rows.append([clients, method, *(_mean_std(v, 3) for v in columns)])
     header = ["K", "align", "barrier before", "barrier after", *(f"{n} acc" for n in _ALIGNMENT_MODELS)]
     return _write(root, "alignment", {"runs": runs}, _markdown(header, rows))
+
+
+_REFERENCES = ("best_client", "ensemble", "centralized")
+
+
+def _chosen(record: dict[str, Any]) -> str:
+    """The searched option values one search chose, e.g. ``density=0.5, scaling=1.0``."""
+    options = record["candidates"][record["chosen"]]["options"]
+    return ", ".join(f"{key}={options[key]}" for key in record["searched"])
+
+
+def merges(preset: Path, root: Path) -> Path:
+    """Test accuracy of every merge method by sweep group (mean ± std over seeds), beside the best client,
+    the ensemble and the centralized oracle; and the option values each search chose on validation."""
+    runs = _run_sweep(preset, root, preset.stem)
+    group_keys = [k for k in _read_yaml(preset).get("sweep", {}) if k != "seed"]
+    names = [f"merged/{m}" for m in runs[0]["params"]["merge"]["methods"]] + list(_REFERENCES)
+    rows, choices = [], []
+    for values, group in _groups(runs, group_keys).items():
+        rows.append([*values, *(_mean_std([r["metrics"][n]["accuracy"] for r in group], 3) for n in names)])
+        for merge in group[0]["selection"]:
+            choices.append([*values, merge, "; ".join(_chosen(r["selection"][merge]) for r in group)])
+    header = [*group_keys, *(n.removeprefix("merged/") for n in names)]
+    text = "### Test accuracy (mean ± std over seeds; searched options chosen on validation)\n\n"
+    text += _markdown(header, rows)
+    if choices:
+        text += "\n### Chosen on validation (one entry per seed)\n\n"
+        text += _markdown([*group_keys, "merge", "chosen"], choices)
+    return _write(root, preset.stem, {"runs": runs}, text)
 
 
 _LAST_ROUNDS = 3  # the Bayes-ADMM reference reports the mean of the last 3 rounds
@@ -230,6 +265,7 @@ def reproduce(name: str, root: Path, preset: str | None = None) -> Path:
         "alignment": alignment,
         "federated": federated,
         "participation": federated,
+        "merges": merges,
     }
     if name not in runners:
         raise ConfigError([f"reproduce: unknown experiment {name!r}; known: {', '.join(runners)}"])

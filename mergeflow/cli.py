@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     best.add_argument("--top", type=int, default=5)
     _add_params_options(best)
     reproduce = commands.add_parser("reproduce", help="run a paper reproduction (results/NAME.md)")
-    reproduce.add_argument("name", choices=("linear-gaussian", "pinwheel", "alignment", "federated", "participation"))
+    reproduce.add_argument(
+        "name", choices=("linear-gaussian", "pinwheel", "alignment", "federated", "participation", "merges")
+    )
     reproduce.add_argument("--preset", help="experiment preset (default: experiments/<name>.yaml)")
     return parser
 
