@@ -130,3 +130,24 @@ def test_a_search_needs_a_validation_split(tmp_path, capsys, monkeypatch):
     assert main(["run"]) == 2
     line = capsys.readouterr().err.strip()
     assert "merge.options.ties.density" in line and "data.validation_fraction" in line
+
+
+def test_the_merges_reproduction_tables_every_method_and_the_choices(tmp_path, cli_env):
+    import yaml
+
+    params = fast_params(
+        data={"validation_fraction": 0.15},
+        merge={"methods": ["average", "task_arithmetic"], "options": {"task_arithmetic": {"scaling": [0.2, 0.6]}}},
+    )
+    params["federated"].update(algorithms=[])
+    preset = tmp_path / "tiny.yaml"
+    preset.write_text(yaml.safe_dump({"sweep": {"seed": [0]}, "params": params}))
+    done = run_cli(["reproduce", "merges", "--preset", str(preset)], tmp_path, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = (tmp_path / "results/tiny.md").read_text()
+    header = "| average | task_arithmetic | best_client | ensemble | centralized |"
+    assert header in table and "chosen on validation" in table
+    runs = json.loads((tmp_path / "results/tiny.json").read_text())["runs"]
+    record = runs[0]["selection"]["task_arithmetic"]
+    chosen = record["candidates"][record["chosen"]]["options"]["scaling"]
+    assert f"| task_arithmetic | scaling={chosen} |" in table

@@ -7,6 +7,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mergeflow.merge.registry import MergeResult, ModelInputs, merge_method
 
+RCOND = 1e-6
+
 
 class RegMeanOptions(BaseModel):
     """``alpha`` scales the Grams' off-diagonal entries (the paper's regularisation; 1 = exact Grams)."""
@@ -27,7 +29,8 @@ def regmean(x: ModelInputs, options: RegMeanOptions) -> MergeResult:
     state = {name: torch.stack([s[name].to(torch.float64) for s in x.states]).mean(dim=0) for name in x.names}
     for name in x.grams[0]:
         grams = [shrink(g[name], options.alpha) for g in x.grams]
-        # (Σ G_k) Wᵀ = Σ G_k W_kᵀ; least squares gives the minimum-norm W where an input never varies.
+        # (Σ G_k) Wᵀ = Σ G_k W_kᵀ. Input directions the clients almost never take (eigenvalues below
+        # RCOND of the largest, e.g. digits' border pixels) get the minimum-norm W, not amplified noise.
         rhs = sum(g @ s[name].to(torch.float64).T for g, s in zip(grams, x.states, strict=True))
-        state[name] = torch.linalg.lstsq(sum(grams), rhs, driver="gelsd").solution.T
+        state[name] = torch.linalg.lstsq(sum(grams), rhs, rcond=RCOND, driver="gelsd").solution.T
     return MergeResult(state, summary={"regmean_layers": float(len(x.grams[0]))})
