@@ -112,11 +112,18 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="merge",
-        summary="Merge the aligned client models with each configured method (one cached task per method).",
+        summary="Merge the aligned client models with each method (one cached task per method or searched "
+        "candidate; searches chosen on the validation split).",
         phases=("tasks.merging:plan_merge",),
-        deps=("models/base", "models/aligned"),
-        code=("mergeflow/merge", "mergeflow/checkpoints.py", "tasks/merging.py"),
-        params=("merge",),
+        deps=("models/base", "models/aligned", "data/prepared"),
+        code=(
+            "mergeflow/merge",
+            "mergeflow/checkpoints.py",
+            "mergeflow/evaluation.py",
+            "tasks/merging.py",
+            "tasks/scoring.py",
+        ),
+        params=("merge", "evaluate.noise_std"),
         outs=("models/merged",),
     ),
     Stage(
