@@ -86,8 +86,8 @@ def test_same_params_and_seed_give_bit_identical_weights_and_metrics_on_a_dask_c
     assert done.returncode == 0, done.stderr[-3000:]
     assert ran_steps(path) == ALL_STEPS  # its own store: nothing came from the first run's cache
     hashes = _result_hashes(path)
-    # base, centralized, clients, diagonal Fishers and factors, the same three aligned, merges, metrics
-    one_shot = 1 + 1 + 3 + 3 + 3 + 3 * 3 + len(METHODS) + 1
+    # base, centralized, clients, diagonal Fishers, factors and input Grams, the same four aligned, merges, metrics
+    one_shot = 1 + 1 + 3 + 3 * 3 + 3 * 4 + len(METHODS) + 1
     # per algorithm: round 0 (server, global, 3 client states), then per round server, global,
     # 3 messages and 3 client states
     federated = len(fast_params()["federated"]["algorithms"]) * (5 + 2 * 8)
