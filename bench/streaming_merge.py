@@ -12,8 +12,9 @@ then times, each in a fresh subprocess so that peak RSS is its own:
   checkpoint standing in for the base model);
 - a naive merge: ``load_file`` every model, stack, mean, ``save_file``.
 
-It prints wall time as a ratio to the raw read and peak RSS (less the interpreter with torch
-imported) as a ratio to one model's size. Record the output in docs/benchmarks.md.
+It prints wall time as a ratio to the raw read and the peak anonymous memory the case adds
+(``RssAnon`` sampled every 5 ms, less its value before the case starts; page-cache pages of the
+files do not count) as a ratio to one model's size. Record the output in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -59,16 +60,37 @@ save_file({k: torch.stack([s[k] for s in states]).mean(0) for k in states[0]}, o
 }
 
 _PROLOGUE = """
-import json, resource, sys, time
+import json, sys, threading, time
 import torch, safetensors.torch
 from mergeflow.merge.streaming import merge_files
 torch.set_num_threads(2)
 paths, fishers, out = json.loads(sys.argv[1])
+
+
+def rss_anon():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("RssAnon:"))
+
+
+start_kib, peak = rss_anon(), [0]
+done = threading.Event()
+
+
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss_anon())
+        time.sleep(0.005)
+
+
+sampler = threading.Thread(target=sample)
+sampler.start()
 started = time.perf_counter()
 """
 _EPILOGUE = """
 seconds = time.perf_counter() - started
-print(json.dumps({"seconds": seconds, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+done.set()
+sampler.join()
+print(json.dumps({"seconds": seconds, "anon_kib": max(peak[0], rss_anon()) - start_kib}))
 """
 
 
@@ -92,7 +114,7 @@ def write_checkpoints(directory: Path, models: int, params: float) -> tuple[list
 
 
 def run_case(code: str, paths: list[str], fishers: list[str], out: str) -> dict[str, float]:
-    """Run one case in a fresh interpreter; its wall time and peak RSS."""
+    """Run one case in a fresh interpreter; its wall time and the peak anonymous memory it added."""
     done = subprocess.run(
         [sys.executable, "-c", _PROLOGUE + code + _EPILOGUE, json.dumps([paths, fishers, out])],
         capture_output=True,
@@ -116,13 +138,13 @@ def main() -> None:
         started = time.perf_counter()
         results[name] = run_case(code, paths, fishers, out)
         results[name]["wall"] = time.perf_counter() - started
-    floor = results.pop("import only")["peak_kib"] * 1024
+    results.pop("import only")
     raw = results["raw read"]["seconds"]
     print(f"K = {args.models} checkpoints of {model_bytes / 2**20:.0f} MiB (float32), torch threads 2")
-    print("| case | seconds | ÷ raw read | peak RSS above import (MiB) | ÷ one model |")
+    print("| case | seconds | ÷ raw read | peak anonymous memory (MiB) | ÷ one model |")
     print("|---|---:|---:|---:|---:|")
     for name, r in results.items():
-        extra = max(r["peak_kib"] * 1024 - floor, 0)
+        extra = r["anon_kib"] * 1024
         print(
             f"| {name} | {r['seconds']:.2f} | {r['seconds'] / raw:.2f} | {extra / 2**20:.0f} | "
             f"{extra / model_bytes:.2f} |"
