@@ -21,7 +21,7 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from mergeflow.config import OrchestrationConfig, Params, load_params, validate_params
 from mergeflow.errors import MergeflowError
 from mergeflow.stages import STAGES, get_stage
-from tasks.runner import run_stage
+from tasks.runner import cached_run, run_stage
 from tasks.steps import StepOutcome
 from tasks.store import STATE_DIR
 
@@ -104,10 +104,19 @@ def workspace_lock(root: Path) -> Iterator[None]:
 
 
 def run_and_record(params: Params, root: Path, stages: list[str] | None = None) -> tuple[list[dict[str, Any]], float]:
-    """Run the pipeline and write ``.mergeflow/last_run.json`` (each step, run or cached); also the seconds."""
+    """Run the pipeline and write ``.mergeflow/last_run.json`` (each step, run or cached); also the seconds.
+
+    A run whose every step is cached is materialised without starting Prefect (no server, no flow
+    run); otherwise the flow runs.
+    """
     with workspace_lock(root):
         started = time.perf_counter()
-        outcomes = run_pipeline(params, root, stages)
+        selected = STAGES if stages is None else tuple(get_stage(name) for name in stages)
+        cached = cached_run(selected, params, root.resolve())
+        if cached is not None:
+            outcomes = [asdict(outcome) for outcome in cached]
+        else:
+            outcomes = run_pipeline(params, root, stages)
         elapsed = time.perf_counter() - started
         record = root / LAST_RUN
         record.write_text(json.dumps({"seconds": elapsed, "steps": outcomes}, indent=2) + "\n")

@@ -1,33 +1,64 @@
-"""Run a registry stage: plan its steps from params, execute them cached, tidy its outputs."""
+"""Run a registry stage: plan its steps from params, execute them cached, tidy its outputs; or, when
+every step of a run is cached, materialise it all without Prefect."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-
-from prefect.logging import get_run_logger
 
 from mergeflow.config import Params
 from mergeflow.stages import Stage
-from tasks.steps import StepOutcome, resolve, run_steps
+from tasks.steps import Step, StepOutcome, cached_outcomes, resolve, run_steps
+
+
+def _waves(planned: list) -> list[list[Step]]:
+    """A plan is one batch of independent steps, or waves of batches run one after another
+    (federated rounds: each wave reads what the one before it wrote)."""
+    return planned if planned and isinstance(planned[0], list) else [planned]
+
+
+def _prune(stage: Stage, outcomes: list[StepOutcome], root: Path) -> list[str]:
+    """Remove the files under the stage's outputs that no step produced; their names."""
+    from tasks.store import ArtifactStore
+
+    produced = {name for outcome in outcomes for name in outcome.files}
+    return ArtifactStore(root).prune_outputs(stage.produced, produced)
 
 
 def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
     """Execute a stage's phases in order and remove stale files from its outputs."""
-    from tasks.store import ArtifactStore
+    from prefect.logging import get_run_logger
 
     log = get_run_logger()
     outcomes: list[StepOutcome] = []
     for phase in stage.phases:
-        planned = resolve(phase)(params)
-        # A plan is one batch of independent steps, or waves of batches run one after another
-        # (federated rounds: each wave reads what the one before it wrote).
-        waves = planned if planned and isinstance(planned[0], list) else [planned]
-        for wave in waves:
+        for wave in _waves(resolve(phase)(params)):
             outcomes += run_steps(wave, root, params.orchestration.torch_threads, params.orchestration.steps_per_task)
-    produced = {name for outcome in outcomes for name in outcome.files}
-    for stale in ArtifactStore(root).prune_outputs(stage.produced, produced):
+    for stale in _prune(stage, outcomes, root):
         log.info("removed stale output %s", stale)
     for outcome in outcomes:
         status = "cached  " if outcome.cached else f"ran {outcome.seconds:5.1f}s"
         log.info("%-12s %-32s %s", stage.name, outcome.name, status)
+    return outcomes
+
+
+def cached_run(stages: Sequence[Stage], params: Params, root: Path) -> list[StepOutcome] | None:
+    """Every step's outcome when the whole run is cache hits, its outputs materialised and stale
+    files pruned, with no Prefect server or task run; None at the first miss (the flow then runs,
+    and finds the hits so far again)."""
+    from prefect.settings import get_current_settings
+
+    if get_current_settings().tasks.refresh_cache:
+        return None
+    outcomes: list[StepOutcome] = []
+    for stage in stages:
+        stage_outcomes: list[StepOutcome] = []
+        for phase in stage.phases:
+            for wave in _waves(resolve(phase)(params)):
+                found = cached_outcomes(wave, root)
+                if found is None:
+                    return None
+                stage_outcomes += found
+        _prune(stage, stage_outcomes, root)
+        outcomes += stage_outcomes
     return outcomes

@@ -154,6 +154,36 @@ def _persisted_result(results, step: Step, key: str) -> dict[str, Any] | None:
         return None
 
 
+def read_record(root: Path, step: Step, key: str) -> dict[str, Any] | None:
+    """A step's persisted result read straight from its JSON record, without Prefect; None when it is
+    missing, expires, or is not the JSON record ``execute_step`` writes (the flow then decides)."""
+    try:
+        record = json.loads((_results_dir(root) / _record_name(step, key)).read_text())
+        if record["metadata"].get("expiration") is not None or record["metadata"]["serializer"]["type"] != "json":
+            return None
+        result = json.loads(record["result"])
+        return result if isinstance(result, dict) and isinstance(result.get("files"), dict) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def cached_outcomes(steps: list[Step], root: Path) -> list[StepOutcome] | None:
+    """The steps' outcomes when every one is a cache hit with its blobs in the store, materialised,
+    without Prefect; None (nothing materialised) at the first miss."""
+    store = ArtifactStore(root)
+    hits = []
+    for step in steps:
+        hit = read_record(root, step, step_key(step, root))
+        if hit is None or not store.has(hit["files"]):
+            return None
+        hits.append(hit)
+    for hit in hits:
+        store.materialise(hit["files"])
+    return [
+        StepOutcome(step.name, True, 0.0, hit["files"], hit["summary"]) for step, hit in zip(steps, hits, strict=True)
+    ]
+
+
 def run_steps(steps: list[Step], root: Path, torch_threads: int = 1, steps_per_task: int = 1) -> list[StepOutcome]:
     """Materialise cached steps; submit the others to the flow's task runner and wait.
 

@@ -103,6 +103,33 @@ def test_second_run_is_fully_cached(workspace, cli_env):
     assert (workspace / "models/merged/average.safetensors").read_bytes() == before
 
 
+def test_a_no_op_run_starts_no_prefect_and_restores_deleted_outputs(workspace, monkeypatch, capsys):
+    import prefect.client.orchestration
+
+    import flows.pipeline
+    from mergeflow.cli import main
+
+    def no_prefect(*args, **kwargs):
+        raise AssertionError("a run with nothing to do must not start Prefect")
+
+    monkeypatch.setattr(flows.pipeline, "run_pipeline", no_prefect)
+    monkeypatch.setattr(prefect.client.orchestration, "get_client", no_prefect)
+    monkeypatch.chdir(workspace)
+    merged = workspace / "models/merged/average.safetensors"
+    before = merged.read_bytes()
+    merged.unlink()
+    (workspace / "metrics/evaluate.json").unlink()
+    assert main(["run"]) == 0
+    assert merged.read_bytes() == before and (workspace / "metrics/evaluate.json").is_file()
+    assert "0 ran" in capsys.readouterr().out
+    assert ran_steps(workspace) == set()
+    from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
+
+    with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True}):  # forcing a re-run goes through the flow
+        with pytest.raises(AssertionError, match="must not start Prefect"):
+            main(["run"])
+
+
 def test_changing_a_merge_option_reruns_only_that_merge(workspace, cli_env):
     done = run_cli(["run", "-S", "merge.options.task_arithmetic.scaling=0.5"], workspace, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
