@@ -114,6 +114,7 @@ def test_a_no_op_run_starts_no_prefect_and_restores_deleted_outputs(workspace, m
 
     monkeypatch.setattr(flows.pipeline, "run_pipeline", no_prefect)
     monkeypatch.setattr(prefect.client.orchestration, "get_client", no_prefect)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # other tests' mlflow.set_tracking_uri sets it
     monkeypatch.chdir(workspace)
     merged = workspace / "models/merged/average.safetensors"
     before = merged.read_bytes()
