@@ -70,9 +70,9 @@ def _run(args: argparse.Namespace, stages: list[str] | None) -> int:
 
     params = load_params(args.params, args.overrides)
     if stages is None or "prepare" in stages:
-        from mergeflow.data.check import check_source
+        from tasks.data import check_data
 
-        check_source(params.section("data"), params.seed)  # a bad table fails before Prefect starts
+        check_data(params, Path.cwd())  # a bad table fails before Prefect starts
     from flows.environment import configure
 
     configure()

@@ -32,13 +32,14 @@ from mergeflow.data.tokenize import (
     training_texts,
 )
 from tasks.steps import Step
-from tasks.store import file_signature
+from tasks.store import STATE_DIR, file_signature
 
 PREPARED = "data/prepared"
 TEXT = f"{PREPARED}/text"
 TOKENIZER = f"{PREPARED}/tokenizer"
 PARTITIONS = "data/partitions"
 DATA_METRICS = "metrics/data.json"
+CHECKED = f"{STATE_DIR}/checked"  # markers of tables that passed the pre-flight check
 _CODE = ("mergeflow/data", "tasks/data.py")
 
 
@@ -104,20 +105,49 @@ def plan_prepare(params: Params) -> list[Step]:
     ]
 
 
+def _data_file_names(params: Params) -> list[str]:
+    """The ``data_files`` the source names, as a flat list (local paths, patterns or URLs)."""
+    options = {"hf": params.data.hf, "text": params.data.text}.get(params.data.source)
+    files = options.data_files if options is not None else None
+    if isinstance(files, dict):
+        return [f for value in files.values() for f in ([value] if isinstance(value, str) else value)]
+    return [files] if isinstance(files, str) else list(files or [])
+
+
 def local_data_files(params: Params) -> tuple[str, ...]:
     """The local files the data source reads (glob patterns expanded), so that editing one re-runs prepare."""
     import glob
 
-    options = {"hf": params.data.hf, "text": params.data.text}.get(params.data.source)
-    if options is None or options.data_files is None:
-        return ()
-    files = options.data_files
-    if isinstance(files, dict):
-        files = [f for value in files.values() for f in ([value] if isinstance(value, str) else value)]
-    elif isinstance(files, str):
-        files = [files]
-    local = [f for f in files if "://" not in f]
+    local = [f for f in _data_file_names(params) if "://" not in f]
     return tuple(sorted({str(Path(p).expanduser()) for f in local for p in (glob.glob(f) or [f])}))
+
+
+def check_data(params: Params, root: Path) -> None:
+    """The pre-flight check of the user's table (``check_source``), before any orchestration.
+
+    It is skipped when the same data options already passed on the same local files (by path, size
+    and modification time); a table with remote files is checked every time.
+    """
+    import hashlib
+
+    from mergeflow.data.check import check_source
+
+    data = params.section("data")
+    if data["source"] not in ("hf", "text"):
+        return
+    local = local_data_files(params)
+    marker = None
+    remote = any("://" in f for f in _data_file_names(params))
+    if local and not remote and all(Path(f).is_file() for f in local):
+        signatures = [file_signature(Path(f)) for f in local]
+        payload = json.dumps({"data": data, "seed": params.seed, "files": signatures}, sort_keys=True)
+        marker = root / CHECKED / hashlib.sha256(payload.encode()).hexdigest()
+        if marker.is_file():
+            return
+    check_source(data, params.seed)
+    if marker is not None:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
 
 
 def prepare(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:

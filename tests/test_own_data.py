@@ -284,8 +284,20 @@ def test_a_table_with_gaps_fails_before_any_prefect_work(tmp_path, monkeypatch, 
     mixed_scale_table(tmp_path / "table.csv", gaps=5)
     hf = {"path": "csv", "data_files": "table.csv", "label_column": "kind"}
     make_workspace(tmp_path, fast_params(data={"source": "hf", "hf": hf, "missing": policy}))
-    if needle is None:  # a good table gets as far as orchestration
+    if needle is None:  # a good table gets as far as orchestration; the same table is not checked twice
         with pytest.raises(AssertionError, match="Prefect must not start"):
+            main(["run", "-S", "data.categorical=onehot"])
+        import mergeflow.data.check
+
+        def checked_again(*args, **kwargs):
+            raise AssertionError("checked again")
+
+        monkeypatch.setattr(mergeflow.data.check, "check_source", checked_again)
+        with pytest.raises(AssertionError, match="Prefect must not start"):
+            main(["run", "-S", "data.categorical=onehot"])
+        with (tmp_path / "table.csv").open("a") as handle:  # an edited table is checked again
+            handle.write("1,1,1,1,1,1,north,kind_0\n")
+        with pytest.raises(AssertionError, match="checked again"):
             main(["run", "-S", "data.categorical=onehot"])
         return
     assert main(["run", "-S", "data.categorical=onehot"]) == 2

@@ -82,6 +82,14 @@ def missing_rows(table: pa.Table, columns: list[str]) -> np.ndarray:
     return mask
 
 
+def text_column_error(column: str, arrow_type: pa.DataType) -> DataError:
+    """The one line for a text feature column under ``data.categorical: error``."""
+    return DataError(
+        f"feature column {column!r} holds text ({arrow_type}); set data.categorical: onehot to one-hot "
+        "encode it, or leave it out of data.hf.feature_columns"
+    )
+
+
 def missing_error(column: str, count: int, rows: int, policy: Missing) -> DataError:
     """The one line for missing values under ``policy``, with the settings that handle them."""
     hint = "set data.missing: drop_rows (drop those rows) or mean (fill with the training mean)"
@@ -204,10 +212,7 @@ def fit_encoder(
     for name in columns:
         arrow_type = train.schema.field(name).type
         if _is_text(arrow_type) and categorical == "error":
-            raise DataError(
-                f"feature column {name!r} holds text ({arrow_type}); set data.categorical: onehot to one-hot "
-                "encode it, or leave it out of data.hf.feature_columns"
-            )
+            raise text_column_error(name, arrow_type)
         if is_categorical(arrow_type, categorical):
             categories = sorted({v for v in category_values(train, name) if v is not None})
             encoded.append(EncodedColumn(name, "onehot", len(categories), categories=categories))

@@ -21,7 +21,15 @@ import pyarrow as pa
 from sklearn.datasets import load_digits, load_wine
 
 from mergeflow.data.errors import DataError
-from mergeflow.data.features import Categorical, Missing, fit_encoder, is_categorical, missing_error, missing_rows
+from mergeflow.data.features import (
+    Categorical,
+    Missing,
+    fit_encoder,
+    is_categorical,
+    missing_error,
+    missing_rows,
+    text_column_error,
+)
 
 BUILTIN_SOURCES: tuple[str, ...] = ("digits", "wine", "pinwheel", "linreg")
 TASKS = ("classification", "regression")
@@ -316,10 +324,7 @@ def load_hf_raw(
     features = table.select(feature_columns)
     text = [c for c in feature_columns if is_categorical(features.schema.field(c).type, "error")]
     if text and categorical == "error":
-        raise DataError(
-            f"feature column {text[0]!r} holds text ({features.schema.field(text[0]).type}); set data.categorical: "
-            "onehot to one-hot encode it, or leave it out of data.hf.feature_columns"
-        )
+        raise text_column_error(text[0], features.schema.field(text[0]).type)
     if missing == "error":
         for column in feature_columns:
             gaps = int(missing_rows(features, [column]).sum())
