@@ -589,22 +589,23 @@ class Params(_Section):
         from mergeflow.merge.search import searched_keys
 
         for name in self.merge.methods:
-            if "scorer" in METHODS[self.merge.resolve(name)[0]].needs and self.data.validation_fraction == 0:
+            method, options = self.merge.resolve(name)
+            if "scorer" in METHODS[method].needs and self.data.validation_fraction == 0:
                 raise ValueError(
                     f"merge.methods: {name!r} chooses on the validation split; set data.validation_fraction > 0"
                 )
-            searched = searched_keys(self.merge.resolve(name)[1])
+            searched = searched_keys(options)
             if searched and self.data.validation_fraction == 0:
                 raise ValueError(
                     f"merge.options.{name}.{searched[0]}: a list is a search, chosen on the validation split; "
                     "set data.validation_fraction > 0"
                 )
-            if self.merge.resolve(name)[0] == "slerp" and self.partition.num_clients != 2:
+            if method == "slerp" and self.partition.num_clients != 2:
                 raise ValueError(
                     f"merge.methods: {name!r} (slerp) merges exactly two models, and partition.num_clients is "
                     f"{self.partition.num_clients}"
                 )
-            if "factors" in METHODS[self.merge.resolve(name)[0]].needs and not self.fisher.low_rank:
+            if "factors" in METHODS[method].needs and not self.fisher.low_rank:
                 raise ValueError(f"fisher.low_rank: merge method {name!r} needs Fisher factors; set it to true")
         rows = _known_training_rows(self.data)
         if rows is not None and self.partition.num_clients > rows:

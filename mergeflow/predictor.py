@@ -12,6 +12,7 @@ import pyarrow as pa
 import torch
 
 from mergeflow.checkpoints import load_model
+from mergeflow.data.encode import target_scale
 from mergeflow.data.features import FeatureEncoder
 from mergeflow.data.sources import _list_array
 from mergeflow.errors import MergeflowError
@@ -63,7 +64,7 @@ class TablePredictor:
         regression: ``prediction``, in the target's own units."""
         outputs = predict(self.model, self.features(rows), batch_size=batch_size)
         if self.info["task"] == "regression":
-            scale = self.info.get("target_scale", {"mean": 0.0, "std": 1.0})
+            scale = target_scale(self.info)
             return pd.DataFrame({"prediction": outputs.reshape(len(outputs), -1)[:, 0] * scale["std"] + scale["mean"]})
         names = self.info.get("class_names") or [str(c) for c in range(outputs.shape[1])]
         probabilities = softmax(outputs)

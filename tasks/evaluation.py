@@ -10,12 +10,14 @@ import numpy as np
 
 from mergeflow.checkpoints import load_checkpoint_meta, load_model, write_json
 from mergeflow.config import Params
-from mergeflow.evaluation import best_model, ensemble_outputs, evaluate_outputs, in_target_units, sanity_check
+from mergeflow.data.encode import target_scale
+from mergeflow.evaluation import best_model, ensemble_outputs, sanity_check
 from mergeflow.plots import plot_comparison, plot_selection
 from mergeflow.training import predict
 from tasks.data import PREPARED, read_arrays, read_groups, read_info
 from tasks.federated import final_checkpoint
 from tasks.merging import merged_checkpoint
+from tasks.scoring import score_outputs
 from tasks.steps import Step
 from tasks.training import BASE, CENTRALIZED, client_checkpoint
 
@@ -24,7 +26,13 @@ SELECTION = "metrics/selection.json"
 SELECTION_PLOT = "plots/selection.png"
 SANITY = "sanity"  # the key of the input-blind baseline and its warning in METRICS
 PLOT = "plots/comparison.png"
-_CODE = ("mergeflow/evaluation.py", "mergeflow/plots.py", "mergeflow/checkpoints.py", "tasks/evaluation.py")
+_CODE = (
+    "mergeflow/evaluation.py",
+    "mergeflow/plots.py",
+    "mergeflow/checkpoints.py",
+    "tasks/evaluation.py",
+    "tasks/scoring.py",
+)
 
 
 def plan_evaluate(params: Params) -> list[Step]:
@@ -66,21 +74,18 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     task = info["task"]
     X, y = read_arrays(root / PREPARED / "test.parquet", info)
     groups = read_groups(root / PREPARED / "test.parquet")
-    noise_std = info.get("noise_std") or settings["noise_std"]
-    scale = info.get("target_scale", {"mean": 0.0, "std": 1.0})  # a standardised regression target
+    scale = target_scale(info)  # a standardised regression target
 
     def score(outputs: np.ndarray) -> dict[str, Any]:
-        result: dict[str, Any] = evaluate_outputs(
-            outputs, y, task=task, n_bins=settings["ece_bins"], noise_std=noise_std
-        )
+        result: dict[str, Any] = score_outputs(outputs, y, info, settings["noise_std"], settings["ece_bins"])
         if groups is not None:  # the data's group column (domain, genre, part of speech, …)
             result["by_group"] = {
-                str(g): evaluate_outputs(
-                    outputs[groups == g], y[groups == g], task=task, n_bins=settings["ece_bins"], noise_std=noise_std
+                str(g): score_outputs(
+                    outputs[groups == g], y[groups == g], info, settings["noise_std"], settings["ece_bins"]
                 )
                 for g in np.unique(groups)
             }
-        return in_target_units(result, scale["std"]) if task == "regression" else result
+        return result
 
     predictions: dict[str, np.ndarray] = {}  # for the sanity check: class ids, or values in the target's units
 

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from mergeflow.checkpoints import atomic_path, load_checkpoint, load_checkpoint_meta, save_checkpoint, write_json
 from mergeflow.config import Params
+from mergeflow.data.encode import target_scale
 from mergeflow.errors import MergeflowError
 from mergeflow.evaluation import in_target_units
 from mergeflow.federated import (
@@ -231,7 +232,7 @@ def _write_global(root: Path, out: Path, params: dict[str, Any], server: dict, r
     validation = validation_data(root) if params["validation"] else None
     scores = global_scores(algorithm, server, model, data, validation, noise_std, samples, seed, round_index)
     if data.task == "regression":  # reported in the target's own units, as the evaluation's are
-        scores = in_target_units(scores, read_info(root).get("target_scale", {"std": 1.0})["std"])
+        scores = in_target_units(scores, target_scale(read_info(root))["std"])
     write_json(out / round_metrics_file(params["name"], round_index), {"round": round_index, **row, **scores})
 
 

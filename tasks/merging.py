@@ -12,7 +12,7 @@ from typing import Any
 
 from safetensors.torch import load_file
 
-from mergeflow.checkpoints import load_checkpoint, save_checkpoint
+from mergeflow.checkpoints import load_checkpoint, load_checkpoint_meta, save_checkpoint
 from mergeflow.config import Params
 from mergeflow.merge import METHODS, run_merge
 from mergeflow.merge.registry import Scorer
@@ -174,16 +174,15 @@ def merge_candidate(params: dict[str, Any], root: Path, out: Path) -> dict[str, 
 def select_candidate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     """Keep the candidate with the best validation score as the merge's model; record every candidate's
     score and the choice (``selection`` in its metadata)."""
-    loaded = [load_checkpoint(root / path) for path in params["candidates"]]
-    scores = [meta["validation"] for _, meta in loaded]
-    best = choose(scores, params["select_by"])
-    state, meta = loaded[best]
+    metas = [load_checkpoint_meta(root / path) for path in params["candidates"]]  # headers only
+    best = choose([meta["validation"] for meta in metas], params["select_by"])
+    state, meta = load_checkpoint(root / params["candidates"][best])
     meta["selection"] = {
         "split": "validation",
         "select_by": params["select_by"],
         "searched": params["searched"],
         "chosen": best,
-        "candidates": [{"options": m["options"], "validation": m["validation"]} for _, m in loaded],
+        "candidates": [{"options": m["options"], "validation": m["validation"]} for m in metas],
     }
     _save_merged(params["name"], state, meta, root, out)
     return {"chosen": {key: meta["options"][key] for key in params["searched"]}, **meta["validation"]}

@@ -5,12 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from mergeflow.data.encode import target_scale
 from mergeflow.evaluation import evaluate_outputs, in_target_units
 from mergeflow.models import build_from_spec
 from mergeflow.training import predict
 from tasks.data import PREPARED, read_arrays, read_info
+
+
+def score_outputs(outputs: np.ndarray, y: np.ndarray, info: dict[str, Any], noise_std: float, n_bins: int = 15) -> dict:
+    """Metrics of raw outputs against targets as the pipeline reports them: a regression model's MSE and
+    NLL in the target's own units (its training target may have been standardised), with the data's
+    own noise when it knows it."""
+    noise = info.get("noise_std") or noise_std
+    metrics = evaluate_outputs(outputs, y, task=info["task"], n_bins=n_bins, noise_std=noise)
+    return in_target_units(metrics, target_scale(info)["std"]) if info["task"] == "regression" else metrics
 
 
 def split_metrics(
@@ -21,8 +32,4 @@ def split_metrics(
     X, y = read_arrays(root / PREPARED / f"{split}.parquet", info)
     model = build_from_spec(spec)
     model.load_state_dict(state)
-    outputs = predict(model.eval(), X)
-    metrics = evaluate_outputs(outputs, y, task=info["task"], noise_std=info.get("noise_std") or noise_std)
-    if info["task"] == "regression":
-        return in_target_units(metrics, info.get("target_scale", {"std": 1.0})["std"])
-    return metrics
+    return score_outputs(predict(model.eval(), X), y, info, noise_std)

@@ -4,11 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import datasets
-
-from mergeflow.data.sources import load_raw
-from mergeflow.data.text import load_text
-
 
 def check_source(data: dict[str, Any], seed: int = 0) -> None:
     """Read a ``hf`` or ``text`` source as the prepare step will and raise its ``DataError`` now.
@@ -17,12 +12,19 @@ def check_source(data: dict[str, Any], seed: int = 0) -> None:
     are validated) are skipped: they are not the user's table.
     """
     source = data["source"]
+    if source not in ("hf", "text"):
+        return
+    import datasets  # only for a table to read: `mergeflow validate` on a built-in source stays light
+
+    from mergeflow.data.sources import load_raw
+    from mergeflow.data.text import load_text
+
     shown = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # a bad table gets one line, not progress bars before it
     try:
         if source == "hf":
             load_raw("hf", seed=seed, options=data["hf"], missing=data["missing"], categorical=data["categorical"])
-        elif source == "text":
+        else:
             load_text("text", seed=seed, options=data["text"])
     finally:
         if shown:

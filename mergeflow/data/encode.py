@@ -8,7 +8,7 @@ import datasets
 import numpy as np
 
 from mergeflow.data.errors import DataError
-from mergeflow.data.features import Categorical, Missing, Standardize, fit_encoder, missing_rows, scale_decision
+from mergeflow.data.features import Categorical, Missing, Standardize, fit_encoder, missing_rows, standardization
 from mergeflow.data.sources import RawData, make_dataset
 from mergeflow.data.split import split_indices
 
@@ -70,12 +70,14 @@ def _scale_target(y: np.ndarray, train: np.ndarray, standardize: Standardize) ->
     """A regression target z-scored with its training mean and std under the same rule as the features
     (``auto``: when it is not on a unit scale), and the scale to undo it (mean 0, std 1 when left alone)."""
     values = y[train].astype(np.float64)[:, None]
-    if standardize == "auto":
-        apply, reason = scale_decision(values)
-    else:
-        apply, reason = bool(standardize), f"data.standardize: {str(standardize).lower()}"
+    apply, reason = standardization(values, standardize)
     spread = float(values.std())
     if not apply or spread == 0:
         return y, {"mean": 0.0, "std": 1.0, "reason": reason}
     mean = float(values.mean())
     return ((y - mean) / spread).astype(np.float32), {"mean": mean, "std": spread, "reason": reason}
+
+
+def target_scale(info: dict[str, Any]) -> dict[str, float]:
+    """The mean and std a regression target was standardised with (0 and 1 when it was not)."""
+    return info.get("target_scale", {"mean": 0.0, "std": 1.0})

@@ -90,10 +90,10 @@ def text_column_error(column: str, arrow_type: pa.DataType) -> DataError:
     )
 
 
-def missing_error(column: str, count: int, rows: int, policy: Missing) -> DataError:
-    """The one line for missing values under ``policy``, with the settings that handle them."""
+def missing_error(column: str, count: int, rows: int, *, label: bool = False) -> DataError:
+    """The one line for missing values in a feature (or ``label``) column, with the settings that handle them."""
     hint = "set data.missing: drop_rows (drop those rows) or mean (fill with the training mean)"
-    if policy == "mean":
+    if label:
         hint = "set data.missing: drop_rows; a missing label cannot be filled"
     return DataError(f"column {column!r} has {count} missing value(s) in {rows} rows; {hint}")
 
@@ -166,7 +166,7 @@ class FeatureEncoder:
         gaps = np.isnan(block)
         if gaps.any():
             if column.fill is None:
-                raise missing_error(column.name, int(gaps.any(axis=1).sum()), table.num_rows, "error")
+                raise missing_error(column.name, int(gaps.any(axis=1).sum()), table.num_rows)
             block = np.where(gaps, np.asarray(column.fill), block)
         return block
 
@@ -185,6 +185,15 @@ def scale_decision(values: np.ndarray) -> tuple[bool, str]:
     if rms.max() > _UNIT_SCALE or rms.min() < 1 / _UNIT_SCALE:
         return True, f"feature magnitudes (root-mean-square) range from {rms.min():.3g} to {rms.max():.3g}"
     return False, "features are already on a unit scale"
+
+
+def standardization(values: np.ndarray, standardize: Standardize, *, tabular: bool = True) -> tuple[bool, str]:
+    """Whether ``data.standardize`` z-scores these training values ``(N, k)``, and why in words: ``True``
+    and ``False`` as set, ``"auto"`` by :func:`scale_decision` for tabular data, never for images and
+    token ids."""
+    if standardize != "auto":
+        return bool(standardize), f"data.standardize: {str(standardize).lower()}"
+    return scale_decision(values) if tabular else (False, "images and token ids keep their scale")
 
 
 def fit_encoder(
@@ -227,16 +236,13 @@ def fit_encoder(
             column.fill = means.tolist()
             block = np.where(gaps, means, block)
         elif gaps.any():
-            raise missing_error(name, int(gaps.any(axis=1).sum()), train.num_rows, missing)
+            raise missing_error(name, int(gaps.any(axis=1).sum()), train.num_rows)
         encoded.append(column)
         numeric.append(block)
         is_numeric.append(np.ones(block.shape[1], dtype=bool))
     encoder = FeatureEncoder(encoded, standardize=standardize)
     values = np.concatenate(numeric, axis=1) if numeric else np.zeros((train.num_rows, 0))
-    if standardize == "auto":
-        apply, encoder.reason = scale_decision(values) if tabular else (False, "images and token ids keep their scale")
-    else:
-        apply, encoder.reason = bool(standardize), f"data.standardize: {str(standardize).lower()}"
+    apply, encoder.reason = standardization(values, standardize, tabular=tabular)
     if apply and values.shape[1]:
         mask = np.concatenate(is_numeric)
         mean, std = np.zeros(mask.size), np.ones(mask.size)

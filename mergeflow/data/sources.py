@@ -222,7 +222,7 @@ def _labels(
     ``feature``) or float32 values."""
     arr = table.column(column).combine_chunks()
     if arr.null_count:
-        raise missing_error(column, arr.null_count, len(arr), "mean")
+        raise missing_error(column, arr.null_count, len(arr), label=True)
     values = arr.to_numpy(zero_copy_only=False)
     if task == "regression":
         try:
@@ -329,7 +329,7 @@ def load_hf_raw(
         for column in feature_columns:
             gaps = int(missing_rows(features, [column]).sum())
             if gaps:
-                raise missing_error(column, gaps, features.num_rows, missing)
+                raise missing_error(column, gaps, features.num_rows)
     group = np.asarray(table.column(group_column).to_pylist(), dtype=str) if group_column is not None else None
     info = {
         "source": f"hf:{path}",

@@ -9,8 +9,9 @@ import datasets
 import numpy as np
 from sklearn.model_selection import train_test_split
 
+from mergeflow.data.features import fit_encoder
 from mergeflow.data.sources import DataError, _list_array, wrap_table
-from mergeflow.data.storage import arrow_table, feature_matrix
+from mergeflow.data.storage import arrow_table
 
 
 def _subset(ds: datasets.Dataset, indices: np.ndarray) -> datasets.Dataset:
@@ -95,14 +96,10 @@ def standardize(
     """
     if fit_on not in splits:
         raise DataError(f"cannot fit standardisation on missing split {fit_on!r}")
-    x_fit = feature_matrix(splits[fit_on]).astype(np.float64)
-    mean = x_fit.mean(axis=0)
-    std = x_fit.std(axis=0)
-    std[std == 0] = 1.0
+    encoder = fit_encoder(arrow_table(splits[fit_on]), ["x"], standardize=True)
     out = {}
     for name, ds in splits.items():
         table = arrow_table(ds)
-        x = (feature_matrix(table) - mean) / std
         column = table.schema.get_field_index("x")
-        out[name] = wrap_table(table.set_column(column, "x", _list_array(x)))
-    return out, {"mean": mean.tolist(), "std": std.tolist()}
+        out[name] = wrap_table(table.set_column(column, "x", _list_array(encoder.transform(table))))
+    return out, {"mean": encoder.mean, "std": encoder.std}
