@@ -191,7 +191,7 @@ class HFModelConfig(_Section):
 
     pretrained: str | None = None
     config: dict[str, Any] | None = None
-    task: Literal["sequence_classification"] = "sequence_classification"
+    task: Literal["sequence_classification", "causal_lm"] = "sequence_classification"
     dropout: float = Field(0.0, ge=0, lt=1)
 
     def model_config_fields(self) -> dict[str, Any]:
@@ -535,6 +535,13 @@ class Params(_Section):
     orchestration: OrchestrationConfig = OrchestrationConfig()
     tracking: TrackingConfig = TrackingConfig()
 
+    @property
+    def task(self) -> str:
+        """What the models learn: ``causal_lm`` with ``model.hf.task: causal_lm``, else the data's task."""
+        if self.model.arch == "hf" and self.model.hf.task == "causal_lm":
+            return "causal_lm"
+        return self.data.task
+
     @model_validator(mode="after")
     def _cross_checks(self) -> Params:
         for cid in self.finetune.clients:
@@ -551,8 +558,10 @@ class Params(_Section):
             where = f"data.{self.data.source}.group_column"
             raise ValueError(f"partition.method: 'natural' needs a group column; set {where}")
         regression = self.data.task == "regression"
-        if regression and self.merge.select_by == "accuracy":
-            raise ValueError("merge.select_by: accuracy needs class labels, and the data is a regression task")
+        if self.task != "classification" and self.merge.select_by == "accuracy":
+            raise ValueError(f"merge.select_by: accuracy needs a classification task, and the task is {self.task}")
+        if self.task == "causal_lm":
+            self._check_causal_lm()
         if regression and self.partition.method in ("dirichlet", "pathological"):
             raise ValueError(
                 f"partition.method: {self.partition.method!r} skews class labels, and the data is a regression "
@@ -573,7 +582,9 @@ class Params(_Section):
             from mergeflow.models.hf import missing_modules
 
             hf = self.model.hf
-            missing = missing_modules(hf.pretrained, hf.model_config_fields(), self.finetune.lora.target_modules)
+            missing = missing_modules(
+                hf.pretrained, hf.model_config_fields(), self.finetune.lora.target_modules, hf.task
+            )
             if missing:
                 raise ValueError(f"finetune.lora.target_modules: {missing} match no module of the model")
         if self.model.arch == "hf" and self.fisher.backend == "backpack":
@@ -613,6 +624,29 @@ class Params(_Section):
                 f"partition.num_clients: {self.partition.num_clients} clients but only {rows} training samples"
             )
         return self
+
+    def _check_causal_lm(self) -> None:
+        """A causal LM predicts the next token with a decoder: no mse selection, no exact Fisher over V classes."""
+        if self.merge.select_by == "mse":
+            raise ValueError("merge.select_by: mse needs a regression task, and the task is causal_lm; use nll")
+        if self.fisher.kind == "exact":
+            raise ValueError(
+                "fisher.kind: 'exact' sums over every class, here every vocabulary token at every position; "
+                "use empirical or sampled for model.hf.task: causal_lm"
+            )
+        if self.pretrain.language_model is not None:
+            raise ValueError(
+                "pretrain.language_model: with model.hf.task: causal_lm the pretrain step already trains the "
+                "language model on the server split; remove it"
+            )
+        model_type = self.model.hf.model_config_fields().get("model_type")
+        if model_type is not None:
+            from mergeflow.models.hf import is_causal
+
+            if not is_causal(model_type):
+                raise ValueError(
+                    f"model.hf.task: causal_lm needs a decoder (gpt2, llama, …); config.model_type is {model_type!r}"
+                )
 
     def section(self, dotted: str) -> Any:
         """A section or key as plain JSON data, e.g. ``section("finetune")``."""

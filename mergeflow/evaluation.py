@@ -1,4 +1,4 @@
-"""Test metrics (accuracy, NLL, ECE, MSE), output ensembling and model ranking."""
+"""Test metrics (accuracy, NLL, ECE, MSE, token NLL and perplexity), output ensembling and model ranking."""
 
 from __future__ import annotations
 
@@ -67,6 +67,15 @@ def regression_metrics(pred: np.ndarray, y: np.ndarray, *, noise_std: float) -> 
     return {"mse": float(sq_err.mean()), "nll": float(nll.mean())}
 
 
+def language_model_metrics(outputs: np.ndarray) -> dict:
+    """Token NLL (nats per predicted token), perplexity and token count of a causal LM's per-row
+    ``(N, 2)`` outputs: summed next-token NLL and number of predicted tokens per row."""
+    outputs = np.asarray(outputs, dtype=np.float64).reshape(-1, 2)
+    tokens = float(outputs[:, 1].sum())
+    nll = float(outputs[:, 0].sum() / tokens) if tokens else float("nan")
+    return {"nll": nll, "perplexity": float(math.exp(nll)) if tokens else float("nan"), "tokens": int(tokens)}
+
+
 def _regression_column(outputs: np.ndarray) -> np.ndarray:
     """Predictions of ``(N,)`` or ``(N, 1)`` regression outputs as ``(N,)``."""
     outputs = np.asarray(outputs, dtype=np.float64)
@@ -82,11 +91,14 @@ def evaluate_outputs(
     noise_std: float = 1.0,
 ) -> dict:
     """Metrics of raw model outputs: logits for classification (softmaxed
-    here), predictions of shape ``(N,)`` or ``(N, 1)`` for regression."""
+    here), predictions of shape ``(N,)`` or ``(N, 1)`` for regression, per-row summed NLL and token
+    counts for a causal LM (``y`` unused)."""
     if task == "classification":
         return classification_metrics(softmax(outputs), y, n_bins=n_bins)
     if task == "regression":
         return regression_metrics(_regression_column(outputs), y, noise_std=noise_std)
+    if task == "causal_lm":
+        return language_model_metrics(outputs)
     raise ValueError(f"unknown task {task!r}")
 
 
@@ -114,14 +126,16 @@ def ensemble_outputs(outputs_list: list[np.ndarray], *, task: str) -> np.ndarray
 
 
 def best_model(metrics: dict[str, dict], *, task: str) -> str:
-    """Name of the model with the highest accuracy (classification) or lowest
-    mse (regression); ties go to the alphabetically first name."""
+    """Name of the model with the highest accuracy (classification), lowest mse (regression) or
+    lowest token NLL (causal LM); ties go to the alphabetically first name."""
     if not metrics:
         raise ValueError("best_model needs at least one model")
     if task == "classification":
         return min(metrics, key=lambda name: (-metrics[name]["accuracy"], name))
     if task == "regression":
         return min(metrics, key=lambda name: (metrics[name]["mse"], name))
+    if task == "causal_lm":
+        return min(metrics, key=lambda name: (metrics[name]["nll"], name))
     raise ValueError(f"unknown task {task!r}")
 
 
@@ -141,17 +155,40 @@ def in_target_units(metrics: dict, std: float) -> dict:
     return converted
 
 
+def unigram_row_nll(train_ids: np.ndarray, test_ids: np.ndarray, pad: int, vocab_size: int) -> np.ndarray:
+    """Per test row, the summed NLL of its next-token targets under the training split's unigram
+    frequencies (add-one smoothed): the input-blind baseline of a causal LM."""
+    train_ids, test_ids = np.asarray(train_ids), np.asarray(test_ids)
+    targets = train_ids[:, 1:][train_ids[:, 1:] != pad]
+    counts = np.bincount(targets, minlength=vocab_size).astype(np.float64) + 1.0
+    log_p = np.log(counts / counts.sum())
+    predicted = test_ids[:, 1:] != pad
+    return -np.where(predicted, log_p[np.where(predicted, test_ids[:, 1:], 0)], 0.0).sum(1)
+
+
+def _row_scores(task: str, predicted: np.ndarray, y_test: np.ndarray) -> np.ndarray:
+    """Higher-is-better score of each test row: correct (0/1), minus squared error, or minus summed token NLL."""
+    if task == "classification":
+        return (np.asarray(predicted) == y_test).astype(np.float64)
+    if task == "causal_lm":
+        return -np.asarray(predicted, dtype=np.float64).reshape(len(y_test), -1)[:, 0]
+    return -((y_test - np.asarray(predicted, dtype=np.float64).reshape(len(y_test))) ** 2)
+
+
 def sanity_check(
     predictions: dict[str, np.ndarray], y_train: np.ndarray, y_test: np.ndarray, *, task: str, hints: str
 ) -> dict[str, object]:
     """Compare every model with one that ignores its input, and warn when that is all they learned.
 
-    ``predictions`` are each model's test predictions: class ids, or regression values in the
-    target's units. The input-blind model predicts the training majority class (or the training
-    mean). A model is *at baseline* when its per-example gain over it (correct minus baseline-correct,
-    or baseline squared error minus its own) is not above two standard errors, a paired test on the
-    same test rows. The warning (None when the models learned something) names the centralized model
-    when it is at baseline, or "every model" when all are; ``hints`` lists likely causes.
+    ``predictions`` are each model's test predictions: class ids, regression values in the target's
+    units, or a causal LM's per-row ``(summed token NLL, tokens)``. The input-blind model predicts the
+    training majority class (or the training mean); for a causal LM it is the training unigram
+    distribution, and ``y_test`` holds its per-row summed NLL (:func:`unigram_row_nll`; ``y_train``
+    unused). A model is *at baseline* when its per-example gain over it (correct minus
+    baseline-correct, baseline squared error minus its own, or baseline NLL minus its own) is not
+    above two standard errors, a paired test on the same test rows. The warning (None when the models
+    learned something) names the centralized model when it is at baseline, or "every model" when all
+    are; ``hints`` lists likely causes.
     """
     y_test = np.asarray(y_test)
     if task == "classification":
@@ -160,6 +197,13 @@ def sanity_check(
         baseline_score = (y_test == constant).astype(np.float64)
         report: dict[str, object] = {"baseline": "majority class", "baseline_accuracy": float(baseline_score.mean())}
         reference = f"always predicting the majority class ({baseline_score.mean():.3f})"
+    elif task == "causal_lm":
+        baseline_score = -y_test.astype(np.float64)
+        tokens = float(np.asarray(next(iter(predictions.values())))[:, 1].sum()) if predictions else float("nan")
+        nll = float(y_test.sum() / tokens)
+        report = {"baseline": "unigram (training token frequencies)", "baseline_nll": nll}
+        report["baseline_perplexity"] = math.exp(nll)
+        reference = f"the training unigram distribution (a token NLL of {nll:.4g})"
     else:
         constant = float(np.mean(y_train))
         baseline_score = -((y_test.astype(np.float64) - constant) ** 2)
@@ -167,10 +211,7 @@ def sanity_check(
         reference = f"always predicting the training mean (a test MSE of {-baseline_score.mean():.4g})"
     gains, scores = {}, {}
     for name, predicted in predictions.items():
-        if task == "classification":
-            score = (np.asarray(predicted) == y_test).astype(np.float64)
-        else:
-            score = -((y_test - np.asarray(predicted, dtype=np.float64).reshape(len(y_test))) ** 2)
+        score = _row_scores(task, predicted, y_test)
         gain = score - baseline_score
         scores[name] = float(score.mean())
         gains[name] = (float(gain.mean()), 2 * float(gain.std(ddof=1)) / math.sqrt(len(gain)) if len(gain) > 1 else 0.0)
@@ -184,6 +225,8 @@ def sanity_check(
         mean, noise = gains["centralized"]
         if task == "classification":
             central = f"{scores['centralized']:.3f} test accuracy"
+        elif task == "causal_lm":
+            central = f"a token NLL of {-scores['centralized'] * len(y_test) / tokens:.4g}"
         else:
             central = f"a test MSE of {-scores['centralized']:.4g}"
         report["warning"] = (

@@ -9,7 +9,10 @@ Three kinds, all averaged over examples (so ``n_k * F`` is a client's data preci
 Never the square of a batch gradient (FusionBench's shortcut, wrong for batch size > 1).
 BackPACK gives per-example quantities in one backward pass (SumGradSquared, DiagGGNExact,
 BatchGrad, SqrtGGNExact); modules it cannot handle fall back to ``torch.func`` (vmap of
-per-example gradients). Regression models are Gaussian with noise ``noise_std``.
+per-example gradients). Regression models are Gaussian with noise ``noise_std``. A causal LM's
+example is a text: its score is the gradient of the summed log-likelihood of its next tokens (the
+data's for ``empirical``, drawn from the model at every position for ``sampled``); ``exact``
+would sum over the vocabulary at every position and is refused.
 
 ``fisher_factors`` returns U (rows × D, over the flattened parameters) with F ≈ UᵀU, so a
 low-rank-plus-diagonal precision can be used without ever forming D × D.
@@ -37,8 +40,15 @@ def _as_tensors(model: nn.Module, X, y, task: str) -> tuple[torch.Tensor, torch.
 
     dtype = next(model.parameters()).dtype
     X = as_inputs(X, dtype)
-    y = torch.as_tensor(y).to(torch.long if task == "classification" else dtype)
+    y = torch.as_tensor(y).to(dtype if task == "regression" else torch.long)
     return X, y
+
+
+def _check_kind(kind: str, task: str) -> None:
+    if kind not in FISHER_KINDS:
+        raise ValueError(f"fisher kind must be one of {FISHER_KINDS}, got {kind!r}")
+    if kind == "exact" and task == "causal_lm":
+        raise ValueError("the exact Fisher of a causal LM sums over the vocabulary at every position; use empirical")
 
 
 def _batches(n: int, batch_size: int) -> Iterator[slice]:
@@ -68,7 +78,18 @@ def _chunk(model: nn.Module, X: torch.Tensor) -> torch.Tensor:
     return trim_padding(X, pad)
 
 
+class _TokenNLL(nn.Module):
+    """Summed next-token cross-entropy of ``(N, L, V)`` logits, ignoring :data:`~mergeflow.training.IGNORE_INDEX`."""
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from mergeflow.training import token_cross_entropy
+
+        return token_cross_entropy(logits, labels, reduction="sum")
+
+
 def _loss_module(task: str) -> nn.Module:
+    if task == "causal_lm":
+        return _TokenNLL()
     return nn.CrossEntropyLoss(reduction="sum") if task == "classification" else nn.MSELoss(reduction="sum")
 
 
@@ -82,6 +103,8 @@ def _targets(
     generator: torch.Generator,
 ) -> torch.Tensor:
     """Labels for the empirical (data) and sampled (model) kinds; shaped for the loss module."""
+    if task == "causal_lm":
+        return _next_tokens(model, X, kind, generator)
     if kind == "sampled":
         with torch.no_grad():
             out = model(X)
@@ -92,18 +115,32 @@ def _targets(
     return y if task == "classification" else y[:, None]
 
 
+def _next_tokens(model: nn.Module, X: torch.Tensor, kind: str, generator: torch.Generator) -> torch.Tensor:
+    """A causal LM's targets: the data's next tokens, or (sampled) one token drawn from the model at every
+    position the data predicts."""
+    from mergeflow.training import IGNORE_INDEX, next_token_labels
+
+    labels = next_token_labels(X, model.pad_token_id)
+    if kind != "sampled":
+        return labels
+    with torch.no_grad():
+        probs = torch.softmax(model(X), dim=-1)
+    drawn = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).reshape(labels.shape)
+    return torch.where(labels != IGNORE_INDEX, drawn, IGNORE_INDEX)
+
+
 def _score_scale(task: str, noise_std: float) -> float:
     """Factor turning a per-example loss gradient into the score ∇ log p (up to sign).
 
     Classification: CE = −log p. Regression: MSE-sum (f−y)² has gradient 2(f−y)∇f, the
     score is (y−f)∇f/σ², so divide by 2σ².
     """
-    return 1.0 if task == "classification" else 1.0 / (2 * noise_std**2)
+    return 1.0 if task != "regression" else 1.0 / (2 * noise_std**2)
 
 
 def _ggn_scale(task: str, noise_std: float) -> float:
     """Factor turning BackPACK's GGN of the summed loss into the Fisher: MSE-sum has Hessian 2, Fisher 1/σ²."""
-    return 1.0 if task == "classification" else 1.0 / (2 * noise_std**2)
+    return 1.0 if task != "regression" else 1.0 / (2 * noise_std**2)
 
 
 # Modules every BackPACK extension used here supports (first- and second-order).
@@ -188,8 +225,7 @@ def diagonal_fisher(
     backend: str = "auto",
 ) -> dict[str, torch.Tensor]:
     """The diagonal Fisher, averaged over examples, as {parameter name: tensor}."""
-    if kind not in FISHER_KINDS:
-        raise ValueError(f"fisher kind must be one of {FISHER_KINDS}, got {kind!r}")
+    _check_kind(kind, task)
     X, y = _by_length(model, *_as_tensors(model, X, y, task))
     generator = torch.Generator().manual_seed(seed)
     use_backpack = _use_backpack(model, backend)
@@ -303,8 +339,7 @@ def fisher_factors(
     Empirical and sampled kinds give one row per example; the exact kind gives C rows per
     example for C classes (BackPACK's SqrtGGNExact, or √p_c-weighted scores).
     """
-    if kind not in FISHER_KINDS:
-        raise ValueError(f"fisher kind must be one of {FISHER_KINDS}, got {kind!r}")
+    _check_kind(kind, task)
     X, y = _by_length(model, *_as_tensors(model, X, y, task))
     generator = torch.Generator().manual_seed(seed)
     use_backpack = _use_backpack(model, backend)

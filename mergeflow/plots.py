@@ -16,12 +16,12 @@ def plot_comparison(
     task: str,
     title: str = "Test metrics by model",
 ) -> None:
-    """Write a PNG with two bar-chart panels: accuracy (classification) or mse
-    (regression) on the left, NLL on the right, one bar per model name.
+    """Write a PNG with two bar-chart panels: accuracy (classification), mse (regression) or
+    perplexity (causal LM) on the left, NLL on the right, one bar per model name.
 
     The file is written atomically, so readers never see a partial PNG.
     """
-    primary = {"classification": "accuracy", "regression": "mse"}.get(task)
+    primary = {"classification": "accuracy", "regression": "mse", "causal_lm": "perplexity"}.get(task)
     if primary is None:
         raise ValueError(f"unknown task {task!r}")
     names = list(metrics)
@@ -64,14 +64,14 @@ def plot_barriers(report: dict, path: str | Path) -> None:
 
 
 def plot_rounds(curves: dict[str, list[dict]], path: str | Path) -> None:
-    """Test accuracy (or MSE) and NLL of each federated algorithm's global model against the round.
+    """Test accuracy (or MSE, or perplexity) and NLL of each federated algorithm's global model against the round.
 
     ``curves`` maps an algorithm to its per-round metrics, round 0 being the starting model.
     """
     fig = Figure(figsize=(10.0, 4.0))
     axes = fig.subplots(1, 2)
     rows = [row for rows in curves.values() for row in rows]
-    primary = "accuracy" if rows and "accuracy" in rows[0] else "mse"
+    primary = next((key for key in ("accuracy", "mse", "perplexity") if rows and key in rows[0]), "nll")
     for ax, key in zip(axes, (primary, "nll"), strict=True):
         for name, rows in curves.items():
             ax.plot([r["round"] for r in rows], [r[key] for r in rows], marker="o", markersize=3, label=name)

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-TASKS = ("classification", "regression")
+TASKS = ("classification", "regression", "causal_lm")
+IGNORE_INDEX = -100  # positions a token loss skips (padding, and the last position of a causal LM)
 
 
 class DivergenceError(RuntimeError):
@@ -110,17 +111,44 @@ def minibatches(
         yield batches[i]
 
 
-def _loss_fn(task: str, targets: torch.Tensor) -> tuple[torch.Tensor, Callable]:
-    """Return the targets in the dtype the task needs and its loss function."""
+def next_token_labels(ids: torch.Tensor, pad: int) -> torch.Tensor:
+    """Causal-LM targets of right-padded ids: each position predicts the next token; padding and the
+    last position are :data:`IGNORE_INDEX`."""
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    labels[:, :-1] = torch.where(ids[:, 1:] != pad, ids[:, 1:], IGNORE_INDEX)
+    return labels
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of ``(N, L', V)`` token logits against ``(N, L)`` labels, over the positions that are
+    not :data:`IGNORE_INDEX`; labels are cut to the ``L'`` columns the model kept (it drops columns that
+    are padding in every row, whose labels are all ignored)."""
+    labels = labels[:, : logits.shape[1]]
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction=reduction
+    )
+
+
+def task_targets(task: str, y: np.ndarray | torch.Tensor, inputs: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    """The training targets of a task: class ids, float targets, or (causal LM) the next tokens of ``inputs``."""
     if task == "classification":
-        return targets.to(torch.long).reshape(-1), F.cross_entropy
+        return torch.as_tensor(y).to(torch.long).reshape(-1)
     if task == "regression":
-
-        def half_mse(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            return 0.5 * torch.mean((out[:, 0] - t) ** 2)
-
-        return targets.to(torch.float32).reshape(-1), half_mse
+        return torch.as_tensor(y).to(torch.float32).reshape(-1)
+    if task == "causal_lm":
+        return next_token_labels(inputs, model.pad_token_id)
     raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+
+
+def _half_mse(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return 0.5 * torch.mean((out[:, 0] - t) ** 2)
+
+
+LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "classification": F.cross_entropy,
+    "regression": _half_mse,
+    "causal_lm": token_cross_entropy,
+}
 
 
 def train(
@@ -141,13 +169,14 @@ def train(
     """Train ``model`` in place with mini-batches reshuffled every epoch.
 
     Classification minimises cross-entropy on the logits; regression minimises
-    ``0.5 * mean((output[:, 0] - y) ** 2)``.
+    ``0.5 * mean((output[:, 0] - y) ** 2)``; a causal LM the mean next-token cross-entropy (``y``
+    is then unused: the targets are the inputs shifted by one).
 
     Args:
         model: the model to train (modified in place).
         X: inputs, shape ``(N, *input_shape)``.
         y: class indices (classification) or targets (regression), shape ``(N,)``.
-        task: ``"classification"`` or ``"regression"``.
+        task: one of :data:`TASKS`.
         epochs: number of passes over the data.
         lr: learning rate.
         optimizer: a key of :data:`OPTIMIZERS` (``"sgd"`` or ``"adam"``).
@@ -165,7 +194,7 @@ def train(
         ValueError: on an unknown task or optimizer.
     """
     inputs = as_inputs(X)
-    targets, loss_fn = _loss_fn(task, torch.as_tensor(y))
+    targets, loss_fn = task_targets(task, y, inputs, model), LOSSES[task]
     opt = make_optimizer(optimizer, model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     gen = torch.Generator().manual_seed(int(seed))
     n = inputs.shape[0]
@@ -195,14 +224,16 @@ def train(
 def predict(model: nn.Module, X: np.ndarray | torch.Tensor, *, batch_size: int = 1024) -> np.ndarray:
     """Raw model outputs (logits or regression outputs) as float64 numpy.
 
-    Runs in eval mode without gradients; the model's previous train/eval mode
-    is restored afterwards.
+    A model with a ``prediction_outputs`` method (a causal LM: per-row summed token NLL and token
+    count) gives those instead of its forward's outputs. Runs in eval mode without gradients; the
+    model's previous train/eval mode is restored afterwards.
     """
     inputs = as_inputs(X)
+    forward = getattr(model, "prediction_outputs", model)
     was_training = model.training
     model.eval()
     try:
-        outputs = [model(inputs[i : i + batch_size]) for i in range(0, inputs.shape[0], batch_size)]
+        outputs = [forward(inputs[i : i + batch_size]) for i in range(0, inputs.shape[0], batch_size)]
     finally:
         model.train(was_training)
     return torch.cat(outputs).to(torch.float64).numpy()

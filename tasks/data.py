@@ -203,6 +203,8 @@ def plan_tokenize(params: Params) -> list[Step]:
         "tokenizer": params.section("data.tokenizer"),
         "pretrained": params.model.hf.pretrained,
     }
+    if params.task == "causal_lm":  # the texts' labels stay, for partitions and groups
+        step_params["task"] = params.task
     return [Step("tokenize", "tasks.data:tokenize", step_params, inputs=(TEXT,), code=_CODE)]
 
 
@@ -227,6 +229,7 @@ def tokenize(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
         save_dataset(encoded, out / PREPARED / f"{name}.parquet")
         lengths[name] = _mean_length(encoded, tokenizer.pad_token_id)
     info["input_shape"] = [settings["max_length"]]
+    info["task"] = params.get("task", info["task"])
     info["tokenizer"] = tokenizer_facts(tokenizer, settings["max_length"]) | {"directory": TOKENIZER}
     write_json(out / PREPARED / "info.json", info)
     return {"vocab_size": info["tokenizer"]["vocab_size"], "mean_tokens": lengths}

@@ -11,7 +11,7 @@ import numpy as np
 from mergeflow.checkpoints import load_checkpoint_meta, load_model, write_json
 from mergeflow.config import Params
 from mergeflow.data.encode import target_scale
-from mergeflow.evaluation import best_model, ensemble_outputs, sanity_check
+from mergeflow.evaluation import best_model, ensemble_outputs, sanity_check, unigram_row_nll
 from mergeflow.plots import plot_comparison, plot_selection
 from mergeflow.training import predict
 from tasks.data import PREPARED, read_arrays, read_groups, read_info
@@ -68,7 +68,8 @@ def plan_evaluate(params: Params) -> list[Step]:
 
 def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     """Metrics for base, clients, best client, ensemble, centralized, each merge and each federated
-    algorithm's final global model; the accuracy gain vs centralized for the last two."""
+    algorithm's final global model; the accuracy gain vs centralized for the last two. A causal LM has
+    no output ensemble (its outputs are per-row NLLs, not token distributions)."""
     settings = params["evaluate"]
     info = read_info(root)
     task = info["task"]
@@ -87,7 +88,7 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
             }
         return result
 
-    predictions: dict[str, np.ndarray] = {}  # for the sanity check: class ids, or values in the target's units
+    predictions: dict[str, np.ndarray] = {}  # for the sanity check: class ids, values in the target's units, NLLs
 
     def outputs_of(path: str, name: str) -> np.ndarray:
         outputs = predict(load_model(root / path), X, batch_size=settings["batch_size"])
@@ -97,6 +98,8 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     def remember(name: str, outputs: np.ndarray) -> None:
         if task == "classification":
             predictions[name] = outputs.argmax(axis=1)
+        elif task == "causal_lm":
+            predictions[name] = outputs
         else:
             predictions[name] = outputs.reshape(len(outputs), -1)[:, 0] * scale["std"] + scale["mean"]
 
@@ -112,9 +115,10 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
             client_outputs[name] = outputs
     best = best_model({name: metrics[name] for name in client_outputs}, task=task)
     metrics["best_client"] = {**metrics[best], "client": int(best.removeprefix("client_"))}
-    ensemble = ensemble_outputs(list(client_outputs.values()), task=task)
-    remember("ensemble", ensemble)
-    metrics["ensemble"] = score(ensemble)
+    if task != "causal_lm":
+        ensemble = ensemble_outputs(list(client_outputs.values()), task=task)
+        remember("ensemble", ensemble)
+        metrics["ensemble"] = score(ensemble)
     metrics["centralized"] = score(outputs_of(CENTRALIZED, "centralized"))
     combined = {f"merged/{m}": merged_checkpoint(m) for m in params["methods"]}
     combined |= {f"federated/{name}": path for name, path in params["federated"].items()}
@@ -123,9 +127,12 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
         if task == "classification":
             result["accuracy_gain"] = result["accuracy"] - metrics["centralized"]["accuracy"]
         metrics[name] = result
-    _, y_train = read_arrays(root / PREPARED / "train.parquet", info)
+    X_train, y_train = read_arrays(root / PREPARED / "train.parquet", info)
     if task == "regression":  # the baseline in the target's own units, as the metrics are
         y_train, y = y_train * scale["std"] + scale["mean"], y * scale["std"] + scale["mean"]
+    if task == "causal_lm":  # the input-blind language model: training unigram frequencies
+        tokens = info["tokenizer"]
+        y = unigram_row_nll(X_train, X, tokens["pad_token_id"], tokens["vocab_size"])
     sanity = sanity_check(predictions, y_train, y, task=task, hints=_likely_causes(info))
     plot_comparison(metrics, out / PLOT, task=task)
     splits = {"models": "test", SANITY: "test", "selection": "validation"}  # where each number comes from

@@ -72,7 +72,7 @@ def _merge_step(params: Params, name: str, method: str, options: dict[str, Any],
     if candidate or "scorer" in METHODS[method].uses:  # scored on the validation split, never on test
         step_params |= {
             "noise_std": params.evaluate.noise_std,
-            "select_by": params.merge.selection_metric(params.data.task),
+            "select_by": params.merge.selection_metric(params.task),
         }
         inputs += _VALIDATION
     if not candidate:
@@ -94,7 +94,7 @@ def plan_merge(params: Params) -> list[list[Step]]:
         merges += [_merge_step(params, name, method, candidate, candidate=True) for candidate in grid]
         paths = [candidate_checkpoint(name, candidate) for candidate in grid]
         select = {"name": name, "candidates": paths, "searched": searched_keys(options)}
-        select["select_by"] = params.merge.selection_metric(params.data.task)
+        select["select_by"] = params.merge.selection_metric(params.task)
         inputs = (*paths, BASE) + ((TOKENIZER,) if params.model.arch == "hf" else ())
         selections.append(Step(f"merge/{name}", "tasks.merging:select_candidate", select, inputs, _CODE))
     return [merges, selections] if selections else [merges]

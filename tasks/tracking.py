@@ -234,8 +234,8 @@ def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, 
 
 
 def _log_model(mlflow, root: Path, name: str, path: Path, example):
-    """Log a merged model: a transformer as a text-classification pipeline (text in, labels out; the
-    transformers flavour), any other model with the pytorch flavour (arrays in, outputs out)."""
+    """Log a merged model: a transformer as a text-classification or text-generation pipeline (text in,
+    labels or text out; the transformers flavour), any other model as a pyfunc over raw rows."""
     import torch
 
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
@@ -245,9 +245,13 @@ def _log_model(mlflow, root: Path, name: str, path: Path, example):
     import mlflow.transformers
     import transformers
 
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(directory)
+    config = transformers.AutoConfig.from_pretrained(directory)
+    generates = any(arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel") for arch in config.architectures or [])
+    auto = transformers.AutoModelForCausalLM if generates else transformers.AutoModelForSequenceClassification
+    model = auto.from_pretrained(directory)
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    pipe = transformers.pipeline("text-classification", model=model, tokenizer=tokenizer, truncation=True)
+    task = "text-generation" if generates else "text-classification"
+    pipe = transformers.pipeline(task, model=model, tokenizer=tokenizer, truncation=True)
     # Explicit requirements: the flavour would otherwise infer torchvision, which offline installs lack.
     requirements.append(f"transformers=={transformers.__version__}")
     return mlflow.transformers.log_model(transformers_model=pipe, name="model", pip_requirements=requirements)
@@ -385,6 +389,8 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
     with mlflow.start_run(experiment_id=experiment_id, run_name="pipeline", tags=tags) as parent:
         _log_params(mlflow, flatten(config))
         for name in ("base", "centralized", "ensemble", "best_client"):
+            if name not in metrics:  # a causal LM has no output ensemble
+                continue
             mlflow.log_metrics({f"{name}.{k}": v for k, v in _test_metrics(metrics[name]).items()})
         for artifact in _ARTIFACTS:
             mlflow.log_artifact(str(root / artifact), Path(artifact).parent.name)

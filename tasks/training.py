@@ -112,6 +112,7 @@ def _base_model(model_cfg: dict[str, Any], info: dict[str, Any], seed: int) -> t
             dropout=hf["dropout"],
             seed=seed,
             class_names=info["class_names"],
+            task="causal_lm" if info["task"] == "causal_lm" else "sequence_classification",
         )
     spec = model_spec(
         model_cfg["arch"],

@@ -135,6 +135,8 @@ def test_a_tiny_gpt2_pretrained_as_a_language_model_and_fine_tuned_with_lora_run
         ({"data": {"tokenizer": {"max_length": 0}}}, "data.tokenizer.max_length"),
         ({"data": {"source": "wordnet", "wordnet": {"root": "./nowhere"}}}, "apt-get install wordnet-base"),
         ({"finetune": {"lora": {"target_modules": ["q_proj"]}}}, "finetune.lora.target_modules: ['q_proj'] match no"),
+        ({"model": {"hf": {"task": "causal_lm"}}}, "causal_lm needs a decoder (gpt2, llama, …); config.model_type is"),
+        ({"model": {"hf": {"task": "causal_lm", "config": GPT2}}, "fisher": {"kind": "exact"}}, "fisher.kind: 'exact'"),
     ],
 )
 def test_bad_text_input_is_one_clear_line_and_writes_nothing(tmp_path, cli_env, change, message):
@@ -148,3 +150,43 @@ def test_bad_text_input_is_one_clear_line_and_writes_nothing(tmp_path, cli_env, 
     errors = [line for line in done.stderr.splitlines() if line.startswith("mergeflow: error:")]
     assert len(errors) == 1 and message in errors[0], done.stderr[-2000:]
     assert not (tmp_path / "data").exists() and not (tmp_path / "models").exists()
+
+
+def test_a_tiny_gpt2_causal_lm_trains_merges_federates_and_reloads_below_the_unigram_baseline(tmp_path, cli_env):
+    import mlflow
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mergeflow.checkpoints import load_model
+
+    params = text_params(
+        tmp_path,
+        GPT2,
+        merge={"methods": ["average", "fisher", "regmean"]},
+        federated={"algorithms": ["fedavg"], "rounds": 2, "local": {"epochs": 1, **ADAM}},
+    )
+    params["model"]["hf"]["task"] = "causal_lm"
+    params["pretrain"]["epochs"] = 10
+    params["data"]["tokenizer"]["vocab_size"] = 300  # word pieces: the topic of a text predicts its later pieces
+    make_workspace(tmp_path, params)
+    done = run_cli(["run"], tmp_path, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = _metrics(tmp_path)
+    baseline = metrics["sanity"]["baseline_nll"]  # the training unigram distribution's test token NLL
+    assert metrics["sanity"]["warning"] is None and "ensemble" not in metrics
+    assert metrics["centralized"]["nll"] < 0.9 * baseline, (metrics["centralized"], baseline)
+    for name in ("merged/average", "merged/fisher", "merged/regmean", "federated/fedavg"):
+        assert metrics[name]["nll"] < 0.97 * baseline, (name, metrics[name], baseline)
+        assert metrics[name]["perplexity"] < metrics["base"]["perplexity"], name
+    assert set(metrics["merged/average"]["by_group"]) == {"forum", "news"}
+    directory = tmp_path / "models/merged/fisher"
+    reloaded = AutoModelForCausalLM.from_pretrained(directory).eval()
+    assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
+    encoded = AutoTokenizer.from_pretrained(directory)(["the whale and the tiger"], return_tensors="pt")
+    ours = load_model(tmp_path / "models/merged/fisher.safetensors")(encoded["input_ids"])
+    torch.testing.assert_close(reloaded(**encoded).logits, ours, atol=1e-5, rtol=1e-5)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    versions = mlflow.tracking.MlflowClient().search_model_versions("name='mergeflow.fisher'")
+    pipe = mlflow.transformers.load_model(f"models:/mergeflow.fisher/{versions[0].version}")
+    torch.testing.assert_close(pipe.model.eval()(**encoded).logits, ours, atol=1e-5, rtol=1e-5)
+    run = mlflow.get_run(versions[0].run_id)
+    assert {"test_perplexity", "test_nll", "test_news_perplexity"} <= set(run.data.metrics)

@@ -86,29 +86,34 @@ def loss_barrier(
 
 
 def _outputs_fn(model: nn.Module, X, batch_size: int) -> Callable[[State], torch.Tensor]:
-    """A function from a state to the model's outputs on ``X`` (eval mode, no gradients, on a copy)."""
+    """A function from a state to the model's outputs on ``X`` (eval mode, no gradients, on a copy); a
+    causal LM's per-row summed token NLL and token count (its ``prediction_outputs``)."""
     probe = copy.deepcopy(model).eval()
+    forward = getattr(probe, "prediction_outputs", probe)
     param = next(probe.parameters())
     inputs = torch.as_tensor(X).to(param.device, param.dtype)
 
     @torch.no_grad()
     def outputs(state: State) -> torch.Tensor:
         probe.load_state_dict(state)
-        return torch.cat([probe(inputs[i : i + batch_size]) for i in range(0, len(inputs), batch_size)])
+        return torch.cat([forward(inputs[i : i + batch_size]) for i in range(0, len(inputs), batch_size)])
 
     return outputs
 
 
 def make_loss_fn(model: nn.Module, X, y, *, task: str = "classification", batch_size: int = 1024) -> StateFn:
     """``loss_fn(state)``: the mean loss of ``model`` with ``state`` on ``(X, y)``, as training
-    defines it (cross-entropy on logits, or ``0.5 · mean((out[:, 0] - y)²)`` for regression)."""
-    if task not in ("classification", "regression"):
+    defines it (cross-entropy on logits, ``0.5 · mean((out[:, 0] - y)²)`` for regression, the mean
+    next-token cross-entropy for a causal LM)."""
+    if task not in ("classification", "regression", "causal_lm"):
         raise ValueError(f"unknown task {task!r}")
     outputs = _outputs_fn(model, X, batch_size)
     targets = torch.as_tensor(y)
 
     def loss_fn(state: State) -> float:
         out = outputs(state)
+        if task == "causal_lm":
+            return float(out[:, 0].sum() / out[:, 1].sum())
         if task == "classification":
             return float(F.cross_entropy(out, targets.to(out.device, torch.long).reshape(-1)))
         return float(0.5 * torch.mean((out[:, 0] - targets.to(out.device, out.dtype).reshape(-1)) ** 2))

@@ -143,7 +143,7 @@ def partition_stats(parts: list[datasets.Dataset], info: dict[str, Any]) -> dict
     targets = [arrow_table(p).column("y").to_numpy() for p in parts]
     sizes = [len(t) for t in targets]
     stats: dict[str, Any] = {"num_clients": len(parts), "sizes": sizes, "total": sum(sizes)}
-    if info["task"] == "classification":
+    if info["task"] != "regression":  # class labels (a causal LM keeps its texts' labels for partitions)
         num_classes = int(info["num_classes"])
         histograms = [np.bincount(t, minlength=num_classes).tolist() for t in targets]
         stats["label_histograms"] = histograms

@@ -67,6 +67,6 @@ def to_arrays(ds: datasets.Dataset, info: dict[str, Any]) -> tuple[np.ndarray, n
     (classes) or float32."""
     table = arrow_table(ds)
     x = feature_matrix(table).reshape(table.num_rows, *info["input_shape"])
-    y_dtype = np.int64 if info["task"] == "classification" else np.float32
+    y_dtype = np.float32 if info["task"] == "regression" else np.int64
     y = table.column("y").to_numpy().astype(y_dtype, copy=False)
     return x, y

@@ -49,8 +49,9 @@ class ClientData:
 
     Attributes:
         X: float features, shape ``(N, *input_shape)``.
-        y: class indices (classification) or float targets (regression), shape ``(N,)``.
-        task: ``"classification"`` or ``"regression"``.
+        y: class indices (classification) or float targets (regression), shape ``(N,)``; a causal
+            LM's targets are its inputs shifted, ``y`` then only labels rows (partitions, groups).
+        task: one of :data:`mergeflow.training.TASKS`.
     """
 
     X: torch.Tensor

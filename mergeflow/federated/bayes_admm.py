@@ -178,7 +178,7 @@ class BayesADMM(FederatedAlgorithm):
         )
         if IVON_STEPS in client:
             opt.set_momentum(flat(client, IVON_MOMENTUM), int(client[IVON_STEPS]))
-        inputs, targets, loss_fn = prepared(data)
+        inputs, targets, loss_fn = prepared(data, model)
         n = inputs.shape[0]
         lengths = token_lengths(model, inputs)
         epoch_loss, steps = float("nan"), 0

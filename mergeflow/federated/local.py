@@ -15,13 +15,21 @@ import torch
 from torch import nn
 
 from mergeflow.federated.base import ClientData, LocalTraining
-from mergeflow.training import DivergenceError, _loss_fn, as_inputs, make_optimizer, minibatches, token_lengths
+from mergeflow.training import (
+    LOSSES,
+    DivergenceError,
+    as_inputs,
+    make_optimizer,
+    minibatches,
+    task_targets,
+    token_lengths,
+)
 
 
-def prepared(data: ClientData) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+def prepared(data: ClientData, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """Inputs, targets and loss function of a client, as :func:`mergeflow.training.train` uses them."""
-    targets, loss_fn = _loss_fn(data.task, torch.as_tensor(data.y))
-    return as_inputs(data.X), targets, loss_fn
+    inputs = as_inputs(data.X)
+    return inputs, task_targets(data.task, data.y, inputs, model), LOSSES[data.task]
 
 
 def check_finite(value: float, epoch: int, step: int) -> None:
@@ -42,7 +50,7 @@ def local_train(
     Returns:
         ``{"train_loss": mean data loss of the last epoch (nan without epochs), "steps": count}``.
     """
-    inputs, targets, loss_fn = prepared(data)
+    inputs, targets, loss_fn = prepared(data, model)
     opt = make_optimizer(
         train.optimizer, model.parameters(), lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay
     )

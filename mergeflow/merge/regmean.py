@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from mergeflow.grams import CONV1D
 from mergeflow.merge.registry import MergeResult, ModelInputs, merge_method
 
 RCOND = 1e-6
@@ -24,13 +25,19 @@ def shrink(gram: torch.Tensor, alpha: float) -> torch.Tensor:
 
 @merge_method("regmean", options=RegMeanOptions, needs=("grams",), scope="model")
 def regmean(x: ModelInputs, options: RegMeanOptions) -> MergeResult:
-    """RegMean: W* = Σ_k W_k G_k (Σ_k G_k)⁻¹ per linear layer (G_k = X_kᵀX_k), other parameters averaged."""
+    """RegMean: W* = Σ_k W_k G_k (Σ_k G_k)⁻¹ per linear layer (G_k = X_kᵀX_k; ``nn.Linear`` and GPT-2's
+    ``Conv1D``), other parameters averaged."""
     assert x.grams is not None  # guaranteed by needs=("grams",)
     state = {name: torch.stack([s[name].to(torch.float64) for s in x.states]).mean(dim=0) for name in x.names}
-    for name in x.grams[0]:
-        grams = [shrink(g[name], options.alpha) for g in x.grams]
-        # (Σ G_k) Wᵀ = Σ G_k W_kᵀ. Input directions the clients almost never take (eigenvalues below
+    for key in x.grams[0]:
+        grams = [shrink(g[key], options.alpha) for g in x.grams]
+        # Weights as (inputs, outputs): Wᵀ of nn.Linear, W itself of a Conv1D (GPT-2).
+        name, transposed = key.removeprefix(CONV1D), not key.startswith(CONV1D)
+        weights = [s[name].to(torch.float64) for s in x.states]
+        weights = [w.T for w in weights] if transposed else weights
+        # (Σ G_k) W = Σ G_k W_k. Input directions the clients almost never take (eigenvalues below
         # RCOND of the largest, e.g. digits' border pixels) get the minimum-norm W, not amplified noise.
-        rhs = sum(g @ s[name].to(torch.float64).T for g, s in zip(grams, x.states, strict=True))
-        state[name] = torch.linalg.lstsq(sum(grams), rhs, rcond=RCOND, driver="gelsd").solution.T
+        rhs = sum(g @ w for g, w in zip(grams, weights, strict=True))
+        solution = torch.linalg.lstsq(sum(grams), rhs, rcond=RCOND, driver="gelsd").solution
+        state[name] = solution.T if transposed else solution
     return MergeResult(state, summary={"regmean_layers": float(len(x.grams[0]))})

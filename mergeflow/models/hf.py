@@ -1,10 +1,15 @@
-"""Hugging Face transformers as mergeflow models: a sequence classifier over token-id tensors.
+"""Hugging Face transformers as mergeflow models: a sequence classifier or causal LM over token-id tensors.
 
 :class:`SequenceClassifier` wraps an ``AutoModelForSequenceClassification`` so that it takes one
 ``(N, L)`` tensor of right-padded token ids and returns ``(N, C)`` logits, like the MLPs. Every
-trainer, Fisher, merge and federated algorithm of mergeflow then runs on it unchanged. The wrapper
-builds the 4-D additive float attention mask itself: transformers' own 2-D mask path has
-data-dependent control flow that ``torch.func.vmap`` cannot trace, so per-example Fishers work.
+trainer, Fisher, merge and federated algorithm of mergeflow then runs on it unchanged.
+:class:`CausalLM` wraps an ``AutoModelForCausalLM`` the same way and returns ``(N, L, V)`` next-token
+logits. The wrapper builds the 4-D additive float attention mask itself: transformers' own 2-D mask
+path has data-dependent control flow that ``torch.func.vmap`` cannot trace, so per-example Fishers work.
+
+Tied weights (GPT-2's ``lm_head`` is its token embedding ``wte``) appear once in a wrapper's
+``state_dict``, under the parameter's own name: every merge then combines one tensor, and loading
+fills the tied key from it.
 
 A spec (JSON, stored in every checkpoint's header) holds the full ``config.to_dict()``, so a
 checkpoint rebuilds without the directory or hub name the base model came from.
@@ -21,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-HF_TASKS = ("sequence_classification",)
+HF_TASKS = ("sequence_classification", "causal_lm")
 # Config fields that hold a dropout probability, across BERT-, RoBERTa-, DistilBERT- and GPT-2-style configs.
 _DROPOUT_FIELDS = (
     "hidden_dropout_prob",
@@ -36,6 +41,7 @@ _DROPOUT_FIELDS = (
     "summary_first_dropout",
 )
 _INIT_LOCK = threading.Lock()
+_LM_ROWS = 64  # rows per forward when scoring a causal LM: its logits are rows × length × vocabulary
 
 
 class SequenceClassifier(nn.Module):
@@ -57,6 +63,8 @@ class SequenceClassifier(nn.Module):
         self.pad_token_id = int(pad_token_id)
         self.sep_token_id = None if sep_token_id is None else int(sep_token_id)
         self.causal = causal
+        self.register_state_dict_post_hook(_drop_tied_aliases)
+        self.register_load_state_dict_pre_hook(_fill_tied_aliases)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.long()
@@ -75,13 +83,59 @@ class SequenceClassifier(nn.Module):
             extra["token_type_ids"] = ((is_sep.cumsum(1) - is_sep) >= 1).long()
         return self.model(input_ids=ids, attention_mask=mask, **extra).logits
 
-    def token_embedding(self) -> tuple[str, nn.Embedding]:
-        """The token-embedding table: its parameter name here and its module (for sparse Fishers)."""
+    def token_embedding(self) -> tuple[str, nn.Embedding] | None:
+        """The token-embedding table, its parameter name here and its module, when only the embedding
+        uses it (sparse Fishers); None when it is tied to an output layer, whose gradient is dense."""
         module = self.model.get_input_embeddings()
-        for name, parameter in self.named_parameters():
-            if parameter is module.weight:
-                return name, module
-        raise LookupError("the token-embedding table is not a parameter of this model")
+        names = [
+            name for name, parameter in self.named_parameters(remove_duplicate=False) if parameter is module.weight
+        ]
+        if len(names) != 1:
+            return None
+        return names[0], module
+
+
+class CausalLM(SequenceClassifier):
+    """A transformers causal LM over right-padded token ids: ``(N, L, V)`` next-token logits."""
+
+    def prediction_outputs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Per row, the summed next-token NLL and the number of predicted tokens: ``(N, 2)``.
+
+        What evaluation needs of a language model, without keeping ``N × L × V`` logits.
+        """
+        from mergeflow.training import next_token_labels, token_cross_entropy
+
+        rows = []
+        for chunk in input_ids.long().split(_LM_ROWS):
+            labels = next_token_labels(chunk, self.pad_token_id)
+            logits = self(chunk)
+            losses = token_cross_entropy(logits, labels, reduction="none").reshape(len(chunk), -1)
+            counts = (labels[:, : logits.shape[1]] >= 0).sum(1).to(losses.dtype)
+            rows.append(torch.stack([losses.sum(1), counts], dim=1))
+        return torch.cat(rows)
+
+
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """Parameter names that are another parameter (tied weights): {alias: the name ``named_parameters`` keeps}."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        if id(parameter) in first:
+            aliases[name] = first[id(parameter)]
+        else:
+            first[id(parameter)] = name
+    return aliases
+
+
+def _drop_tied_aliases(module: nn.Module, state: dict[str, Any], prefix: str, _metadata: Any) -> None:
+    for alias in tied_aliases(module):
+        state.pop(prefix + alias, None)
+
+
+def _fill_tied_aliases(module: nn.Module, state: dict[str, Any], prefix: str, *_args: Any) -> None:
+    for alias, source in tied_aliases(module).items():
+        if prefix + alias not in state and prefix + source in state:
+            state[prefix + alias] = state[prefix + source]
 
 
 def trim_padding(ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
@@ -122,6 +176,7 @@ def build_base(
     dropout: float,
     seed: int,
     class_names: list[str] | None = None,
+    task: str = "sequence_classification",
 ) -> tuple[SequenceClassifier, dict[str, Any]]:
     """The base model and its spec: pretrained weights with a new, seeded head, or a seeded random init.
 
@@ -138,8 +193,9 @@ def build_base(
             dropout draws from the global RNG).
         seed: seed of the random init (the head of a pretrained model, everything otherwise).
         class_names: the labels' names, kept in the config (``id2label``) for reloaded models.
+        task: one of :data:`HF_TASKS`; ``causal_lm`` builds a :class:`CausalLM` (no new head, no labels).
     """
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoConfig
 
     overrides = {k: v for k, v in config.items() if k != "model_type"}
     if pretrained:
@@ -151,15 +207,16 @@ def build_base(
         sizes |= {"pad_token_id": pad_token_id, "bos_token_id": special, "eos_token_id": special}
         hf_config = AutoConfig.for_model(config["model_type"], num_labels=num_labels, **sizes, **overrides)
     hf_config.pad_token_id = int(pad_token_id)
-    if class_names:
+    if class_names and task == "sequence_classification":
         hf_config.id2label = dict(enumerate(class_names))
         hf_config.label2id = {name: i for i, name in enumerate(class_names)}
     hf_config._attn_implementation = "eager"
     _set_dropout(hf_config, dropout)
+    auto_class = _auto_class(task)
     with seeded(seed):
         if pretrained:
             # A new head (another number of classes) replaces the checkpoint's; the body must load as it is.
-            model, report = AutoModelForSequenceClassification.from_pretrained(
+            model, report = auto_class.from_pretrained(
                 pretrained, config=hf_config, ignore_mismatched_sizes=True, output_loading_info=True
             )
             prefix = f"{model.base_model_prefix}."
@@ -167,7 +224,7 @@ def build_base(
             if body:
                 raise ValueError(f"{pretrained}: the config overrides change the pretrained body ({body[0]}, …)")
         else:
-            model = AutoModelForSequenceClassification.from_config(hf_config)
+            model = auto_class.from_config(hf_config)
     spec = {
         "arch": "hf",
         "input_shape": [int(max_length)],
@@ -177,19 +234,32 @@ def build_base(
         "sep_token_id": sep_token_id,
         "causal": is_causal(hf_config.model_type),
         "seed": int(seed),
-    }
-    return SequenceClassifier(model.float(), pad_token_id, sep_token_id, spec["causal"]), spec
+    } | ({"hf_task": task} if task != "sequence_classification" else {})
+    return _wrapper(task)(model.float(), pad_token_id, sep_token_id, spec["causal"]), spec
+
+
+def _auto_class(task: str):
+    """transformers' auto class of a task of :data:`HF_TASKS`."""
+    import transformers
+
+    if task not in HF_TASKS:
+        raise ValueError(f"model.hf.task must be one of {HF_TASKS}, got {task!r}")
+    name = "AutoModelForCausalLM" if task == "causal_lm" else "AutoModelForSequenceClassification"
+    return getattr(transformers, name)
+
+
+def _wrapper(task: str) -> type[SequenceClassifier]:
+    return CausalLM if task == "causal_lm" else SequenceClassifier
 
 
 def build_from_hf_spec(spec: dict[str, Any]) -> SequenceClassifier:
     """The architecture of an ``arch: hf`` spec (seeded init; a checkpoint's weights then load over it)."""
-    from transformers import AutoModelForSequenceClassification
-
+    task = spec.get("hf_task", "sequence_classification")
     config = _config_from_dict(spec["hf_config"])
     config._attn_implementation = "eager"
     with seeded(spec["seed"]):
-        model = AutoModelForSequenceClassification.from_config(config)
-    return SequenceClassifier(model.float(), spec["pad_token_id"], spec["sep_token_id"], spec["causal"])
+        model = _auto_class(task).from_config(config)
+    return _wrapper(task)(model.float(), spec["pad_token_id"], spec["sep_token_id"], spec["causal"])
 
 
 def is_causal(model_type: str) -> bool:
@@ -207,7 +277,7 @@ def transformers_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 def save_pretrained(
     spec: dict[str, Any], state: dict[str, torch.Tensor], directory: str | Path, tokenizer_dir: str | Path | None
 ) -> None:
-    """Write a directory that ``AutoModelForSequenceClassification.from_pretrained`` reloads.
+    """Write a directory that ``AutoModelForSequenceClassification`` (``…ForCausalLM``) ``.from_pretrained`` reloads.
 
     The weights (safetensors), the config, and the tokenizer beside them when given.
     """
@@ -221,13 +291,15 @@ def save_pretrained(
         AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(directory)
 
 
-def missing_modules(pretrained: str | None, config: dict[str, Any], target_modules: list[str]) -> list[str]:
+def missing_modules(
+    pretrained: str | None, config: dict[str, Any], target_modules: list[str], task: str = "sequence_classification"
+) -> list[str]:
     """The LoRA targets that name no module of the model ``pretrained``/``config`` describe.
 
     The architecture is built on the meta device (no weights, no memory), so this is cheap enough
     to run while the params are validated, before any work.
     """
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoConfig
 
     from mergeflow.models.lora import unmatched_targets
 
@@ -237,5 +309,5 @@ def missing_modules(pretrained: str | None, config: dict[str, Any], target_modul
     else:
         hf_config = AutoConfig.for_model(config["model_type"], **overrides)
     with torch.device("meta"):
-        model = AutoModelForSequenceClassification.from_config(hf_config)
+        model = _auto_class(task).from_config(hf_config)
     return unmatched_targets(model, target_modules)

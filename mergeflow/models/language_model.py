@@ -13,13 +13,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from mergeflow.models.hf import SequenceClassifier, seeded
-from mergeflow.training import DivergenceError, minibatches
+from mergeflow.training import IGNORE_INDEX, DivergenceError, minibatches, next_token_labels, token_cross_entropy
 
 LM_OBJECTIVES = ("mlm", "clm")
-_IGNORE = -100
 
 
 @dataclass(frozen=True)
@@ -39,19 +37,12 @@ def mask_tokens(
         raise ValueError("masked-LM pre-training needs a tokenizer with a mask token")
     candidates = ~torch.isin(ids, torch.tensor([special.pad, *special.never_masked]))
     chosen = candidates & (torch.rand(ids.shape, generator=generator) < probability)
-    labels = torch.where(chosen, ids, torch.full_like(ids, _IGNORE))
+    labels = torch.where(chosen, ids, torch.full_like(ids, IGNORE_INDEX))
     draw = torch.rand(ids.shape, generator=generator)
     inputs = torch.where(chosen & (draw < 0.8), torch.full_like(ids, special.mask), ids)
     random_tokens = torch.randint(vocab_size, ids.shape, generator=generator)
     inputs = torch.where(chosen & (draw >= 0.8) & (draw < 0.9), random_tokens, inputs)
     return inputs, labels
-
-
-def next_token_labels(ids: torch.Tensor, pad: int) -> torch.Tensor:
-    """Causal-LM labels: each position predicts the next token; padding and the last position are ignored."""
-    labels = torch.full_like(ids, _IGNORE)
-    labels[:, :-1] = torch.where(ids[:, 1:] != pad, ids[:, 1:], _IGNORE)
-    return labels
 
 
 def pretrain_language_model(
@@ -99,10 +90,8 @@ def pretrain_language_model(
                 inputs, labels = mask_tokens(batch, special, vocab_size, generator, mask_probability)
             else:
                 inputs, labels = batch, next_token_labels(batch, special.pad)
-            logits = wrapper(inputs)
-            labels = labels[:, : logits.shape[1]]  # the wrapper trims columns that are padding everywhere
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=_IGNORE)
-            predicted = int((labels != _IGNORE).sum())
+            loss = token_cross_entropy(wrapper(inputs), labels)
+            predicted = int((labels != IGNORE_INDEX).sum())
             if predicted == 0:
                 continue
             if not math.isfinite(loss.item()):
