@@ -442,11 +442,15 @@ class FederatedConfig(_Section):
     run, ``exclude`` drops its message for that round (its state is kept). Gaussian global models
     (Bayes-ADMM) are also scored by their Monte-Carlo predictive with ``predictive_samples``
     draws (0 = off), as ``bma_*`` metrics beside those of the mean.
+    ``exchange: adapters`` (transformers with ``finetune.lora``): clients train and send only LoRA
+    adapters and the head; the body stays the base model's, and the global model folds the global
+    adapters in (W + B̄·Ā). ``full`` trains and sends every parameter.
     """
 
     algorithms: list[str] = []
     rounds: int = Field(10, ge=1)
     fraction: float = Field(1.0, gt=0, le=1)
+    exchange: Literal["full", "adapters"] = "full"
     on_divergence: Literal["fail", "exclude"] = "fail"
     predictive_samples: int = Field(32, ge=0)
     local: LocalTrainConfig = LocalTrainConfig()
@@ -587,6 +591,8 @@ class Params(_Section):
             )
             if missing:
                 raise ValueError(f"finetune.lora.target_modules: {missing} match no module of the model")
+        if self.federated.exchange == "adapters" and self.finetune.lora is None:
+            raise ValueError("federated.exchange: 'adapters' exchanges LoRA adapters; set finetune.lora (r, alpha, …)")
         if self.model.arch == "hf" and self.fisher.backend == "backpack":
             raise ValueError("fisher.backend: BackPACK does not cover transformers modules; use auto or functorch")
         if self.pretrain.enabled and self.data.server_fraction == 0:

@@ -34,12 +34,15 @@ from mergeflow.federated import (
     client_drift,
     client_generator,
     get_algorithm,
+    load_parameters,
+    model_parameters,
     sample_participants,
 )
 from mergeflow.federated.divergence import guarded_client_update, surviving_messages
 from mergeflow.federated.loop import global_scores, weighted_loss
 from mergeflow.models import build_from_spec
 from mergeflow.plots import plot_rounds
+from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError
 from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
 from tasks.steps import Step
@@ -50,7 +53,13 @@ FEDERATED_INDEX = f"{FEDERATED}/index.json"
 FEDERATED_METRICS = "metrics/federated.json"
 FEDERATED_PLOT = "plots/federated.png"
 PARTITION_METRICS = "metrics/partition.json"
-_CODE = ("mergeflow/federated", "mergeflow/checkpoints.py", "mergeflow/evaluation.py", "tasks/federated.py")
+_CODE = (
+    "mergeflow/federated",
+    "mergeflow/models",
+    "mergeflow/checkpoints.py",
+    "mergeflow/evaluation.py",
+    "tasks/federated.py",
+)
 
 
 def _round_dir(name: str, round_index: int) -> str:
@@ -102,7 +111,39 @@ def _settings(params: Params, name: str) -> dict[str, Any]:
         "num_clients": params.partition.num_clients,
         "seed": params.seed,
         "noise_std": params.evaluate.noise_std,
-    }
+    } | _exchange(params)
+
+
+def _exchange(params: Params) -> dict[str, Any]:
+    """The adapters clients exchange under ``federated.exchange: adapters`` (nothing for full models)."""
+    if params.federated.exchange != "adapters":
+        return {}
+    return {"adapters": params.section("finetune.lora")}
+
+
+def federated_model(root: Path, params: dict[str, Any]) -> torch.nn.Module:
+    """The model a federated step trains and scores: the base architecture (its parameters come from the
+    server state), or with exchanged adapters the base model itself, frozen, with LoRA adapters."""
+    if not params.get("adapters"):
+        return build_from_spec(load_checkpoint_meta(root / BASE)["spec"])
+    from mergeflow.models.lora import attach_adapters
+
+    base_state, base_meta = load_checkpoint(root / BASE)
+    model = build_from_spec(base_meta["spec"])
+    model.load_state_dict(base_state)
+    return attach_adapters(model, params["adapters"], derive_seed(params["seed"], "federated", "adapters"))
+
+
+def _global_weights(root: Path, params: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The global model's full weights: the server's parameters, or the base model with the global
+    adapters folded in."""
+    if not params.get("adapters"):
+        base_state = load_checkpoint(root / BASE)[0]
+        return {k: v.to(base_state[k].dtype) for k, v in state.items()}
+    from mergeflow.models.lora import fold_adapters
+
+    model = load_parameters(federated_model(root, params), state)
+    return fold_adapters(model).state_dict()
 
 
 def _evaluation_settings(params: Params) -> dict[str, Any]:
@@ -222,11 +263,11 @@ def loop_inputs(root: Path, num_clients: int) -> tuple[Callable[[], torch.nn.Mod
 def _write_global(root: Path, out: Path, params: dict[str, Any], server: dict, round_index: int, row: dict) -> None:
     """The global model as a checkpoint, and its metrics for this round."""
     algorithm = get_algorithm(params["algorithm"])
-    base_state, base_meta = load_checkpoint(root / BASE)
-    weights = {k: v.to(base_state[k].dtype) for k, v in algorithm.global_state(server).items()}
-    meta = {"spec": base_meta["spec"], "role": "federated", "algorithm": params["algorithm"], "round": round_index}
+    weights = _global_weights(root, params, algorithm.global_state(server))
+    spec = load_checkpoint_meta(root / BASE)["spec"]
+    meta = {"spec": spec, "role": "federated", "algorithm": params["algorithm"], "round": round_index}
     save_checkpoint(out / global_checkpoint(params["name"], round_index), weights, meta)
-    model = build_from_spec(base_meta["spec"])
+    model = federated_model(root, params)
     data, noise = _test_data(root)
     noise_std, samples, seed = noise or params["noise_std"], params["predictive_samples"], params["seed"]
     validation = validation_data(root) if params["validation"] else None
@@ -240,8 +281,10 @@ def init_rounds(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]
     """Round 0: the server and client states from the base model, and the base model's metrics."""
     algorithm = get_algorithm(params["algorithm"])
     options = algorithm.parse_options(params["options"])
-    base_state, _ = load_checkpoint(root / BASE)
-    initial = {k: v for k, v in base_state.items() if v.is_floating_point()}
+    if params.get("adapters"):
+        initial = model_parameters(federated_model(root, params))
+    else:
+        initial = {k: v for k, v in load_checkpoint(root / BASE)[0].items() if v.is_floating_point()}
     server = algorithm.init_server(initial, params["num_clients"], options)
     _save(out / server_file(params["name"], 0), server)
     for k in range(params["num_clients"]):
@@ -258,7 +301,7 @@ def client_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     X, y = read_arrays(root / client_file(k), info)
     message, state, metrics = guarded_client_update(
         algorithm,
-        build_from_spec(load_checkpoint_meta(root / BASE)["spec"]),
+        federated_model(root, params),
         load_file(root / server_file(name, r - 1)),
         load_file(root / client_state_file(name, params["state_round"], k)),
         ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"]),

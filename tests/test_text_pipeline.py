@@ -10,7 +10,7 @@ import torch
 from conftest import fast_params, make_workspace, ran_steps, run_cli
 from text_fixtures import write_topic_csv
 
-from mergeflow.checkpoints import load_checkpoint_meta
+from mergeflow.checkpoints import load_checkpoint, load_checkpoint_meta
 
 pytestmark = pytest.mark.slow
 
@@ -112,8 +112,13 @@ def test_a_merged_transformer_reloads_with_from_pretrained_from_its_directory(be
 def test_a_tiny_gpt2_pretrained_as_a_language_model_and_fine_tuned_with_lora_runs_through_the_pipeline(
     tmp_path, cli_env
 ):
+    from safetensors.torch import load_file
+
+    from tasks.federated import global_checkpoint, message_file
+
     lora = {"r": 4, "alpha": 8, "target_modules": ["c_attn"]}
-    params = text_params(tmp_path, GPT2, merge={"methods": ["average"]}, federated={"algorithms": []})
+    federated = {"algorithms": ["fedavg"], "rounds": 2, "exchange": "adapters", "local": {"epochs": 2, **ADAM}}
+    params = text_params(tmp_path, GPT2, merge={"methods": ["average"]}, federated=federated)
     params["finetune"] |= {"lora": lora, "lr": 0.01}
     params["pretrain"]["language_model"] = {"epochs": 2, "lr": 0.001, "text": "train"}  # next-token LM first
     make_workspace(tmp_path, params | {"tracking": {"log_models": False}})
@@ -123,6 +128,15 @@ def test_a_tiny_gpt2_pretrained_as_a_language_model_and_fine_tuned_with_lora_run
     assert metrics["centralized"]["accuracy"] > 0.9 and metrics["merged/average"]["accuracy"] > 0.8
     lm_losses = load_checkpoint_meta(tmp_path / "models/base/base.safetensors")["language_model_losses"]
     assert len(lm_losses) == 2 and lm_losses[1] < lm_losses[0]
+    # federated.exchange: adapters: clients send the LoRA factors and the head, nothing of the body
+    message = load_file(tmp_path / message_file("fedavg", 2, 0))
+    assert message and all("lora_" in key or ".score." in key for key in message), sorted(message)[:5]
+    assert metrics["federated/fedavg"]["accuracy"] > 0.9, metrics["federated/fedavg"]
+    base = load_checkpoint(tmp_path / "models/base/base.safetensors")[0]
+    final = load_checkpoint(tmp_path / global_checkpoint("fedavg", 2))[0]
+    assert set(final) == set(base)
+    for key, value in base.items():  # the global model is the base model plus B̄·Ā on the targets, and its head
+        assert torch.equal(final[key], value) == ("c_attn.weight" not in key and ".score." not in key), key
 
 
 @pytest.mark.parametrize(

@@ -236,19 +236,25 @@ def add_prefix(prefix: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, to
     return {prefix + k: v for k, v in tensors.items()}
 
 
+def exchanged_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters clients train and exchange: every parameter that requires a gradient (all of
+    them, unless frozen, e.g. a transformer's body under ``federated.exchange: adapters``)."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
 def model_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Detached float64 copies of the model's parameters, keyed by parameter name."""
-    return {name: _f64(p) for name, p in model.named_parameters()}
+    """Detached float64 copies of the model's exchanged parameters, keyed by parameter name."""
+    return {name: _f64(p) for name, p in exchanged_parameters(model)}
 
 
 @torch.no_grad()
 def load_parameters(model: nn.Module, params: Mapping[str, torch.Tensor]) -> nn.Module:
-    """Copy ``params`` (any float dtype) into the model's parameters in place.
+    """Copy ``params`` (any float dtype) into the model's exchanged parameters in place.
 
     Raises:
-        KeyError: when a model parameter is missing from ``params``.
+        KeyError: when an exchanged parameter is missing from ``params``.
     """
-    for name, p in model.named_parameters():
+    for name, p in exchanged_parameters(model):
         if name not in params:
             raise KeyError(f"parameter {name!r} missing from the federated state")
         p.copy_(params[name].reshape(p.shape))

@@ -55,6 +55,7 @@ from mergeflow.federated.base import (
     Message,
     ServerState,
     StrictOptions,
+    exchanged_parameters,
     load_parameters,
     register_algorithm,
     take_prefix,
@@ -154,7 +155,7 @@ class BayesADMM(FederatedAlgorithm):
         IVON starts at q̄ (h = 0), or at h = ``hess_init`` before the first server update; its
         momentum and step count carry over from the client's previous round.
         """
-        names = [name for name, _ in model.named_parameters()]
+        names = [name for name, _ in exchanged_parameters(model)]
         load_parameters(model, take_prefix(server, MEAN))
         scale = len(data) / options.temperature  # N_k / τ
 
@@ -162,7 +163,7 @@ class BayesADMM(FederatedAlgorithm):
             return torch.cat([state[prefix + n].reshape(-1) for n in names])
 
         opt = IVONWithPrior(
-            model.parameters(),
+            [p for _, p in exchanged_parameters(model)],
             lr=options.lr,
             ess=scale / options.rho,
             generator=generator,
@@ -203,7 +204,7 @@ class BayesADMM(FederatedAlgorithm):
             raise DivergenceError("IVON-ADMM client posterior is not finite and positive")
         message: Message = {}
         offset = 0
-        for name, p in model.named_parameters():
+        for name, p in exchanged_parameters(model):
             size = p.numel()
             message[MEAN + name] = mean[offset : offset + size].reshape(p.shape).to(torch.float64, copy=True)
             message[PRECISION + name] = precision[offset : offset + size].reshape(p.shape).to(torch.float64, copy=True)
@@ -218,7 +219,7 @@ class BayesADMM(FederatedAlgorithm):
         momentum, ivon_steps = opt.get_momentum()
         state[IVON_STEPS] = torch.tensor(float(ivon_steps), dtype=torch.float64)
         offset = 0
-        for name, p in model.named_parameters():
+        for name, p in exchanged_parameters(model):
             size = p.numel()
             state[IVON_MOMENTUM + name] = momentum[offset : offset + size].reshape(p.shape).to(torch.float64, copy=True)
             offset += size

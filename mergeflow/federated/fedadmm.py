@@ -34,6 +34,7 @@ from mergeflow.federated.base import (
     ServerState,
     StrictOptions,
     add_prefix,
+    exchanged_parameters,
     load_parameters,
     model_parameters,
     register_algorithm,
@@ -82,7 +83,7 @@ class FedADMM(FederatedAlgorithm):
         """SGD on ℓ̄_k + (⟨v_k, θ⟩ + ρ/2‖θ − θ̄‖²)/N_k, then v_k += ρ(θ_k − θ̄)."""
         anchor = take_prefix(server, MEAN)
         load_parameters(model, anchor)
-        named = dict(model.named_parameters())
+        named = dict(exchanged_parameters(model))
         dtype = {k: p.dtype for k, p in named.items()}
         anchors = {k: anchor[k].to(dtype[k]) for k in named}
         duals = {k: client[DUAL + k].to(dtype[k]) for k in named}

@@ -11,7 +11,15 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from mergeflow.federated.base import MEAN, ClientState, Message, ServerState, register_algorithm, take_prefix
+from mergeflow.federated.base import (
+    MEAN,
+    ClientState,
+    Message,
+    ServerState,
+    exchanged_parameters,
+    register_algorithm,
+    take_prefix,
+)
 from mergeflow.federated.fedavg import FedAvg, FedAvgOptions
 from mergeflow.federated.quadratic import THETA, QuadraticProblem, eye_like, psolve
 
@@ -33,7 +41,7 @@ class FedProx(FedAvg):
         """μ/2 Σ_p ‖p − θ̄_p‖² over all parameters."""
         if options.mu == 0.0:
             return None
-        named = dict(model.named_parameters())
+        named = dict(exchanged_parameters(model))
         anchors = {name: t.to(named[name].dtype) for name, t in take_prefix(server, MEAN).items()}
 
         def proximal() -> torch.Tensor:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mergeflow.federated.base import ClientData, LocalTraining
+from mergeflow.federated.base import ClientData, LocalTraining, exchanged_parameters
 from mergeflow.training import (
     LOSSES,
     DivergenceError,
@@ -52,7 +52,11 @@ def local_train(
     """
     inputs, targets, loss_fn = prepared(data, model)
     opt = make_optimizer(
-        train.optimizer, model.parameters(), lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay
+        train.optimizer,
+        [p for _, p in exchanged_parameters(model)],
+        lr=train.lr,
+        momentum=train.momentum,
+        weight_decay=train.weight_decay,
     )
     n = inputs.shape[0]
     lengths = token_lengths(model, inputs)

@@ -32,12 +32,11 @@ def unmatched_targets(model: nn.Module, target_modules: list[str]) -> list[str]:
     return [t for t in target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]
 
 
-@contextmanager
-def lora(model: SequenceClassifier, settings: dict[str, Any], seed: int) -> Iterator[SequenceClassifier]:
-    """Within the block, ``model`` trains LoRA adapters and its head only; on exit they are folded in.
+def attach_adapters(model: SequenceClassifier, settings: dict[str, Any], seed: int) -> SequenceClassifier:
+    """Give ``model`` LoRA adapters (in place) and freeze everything but them and the head.
 
     Args:
-        model: the classifier to fine-tune (changed in place: its weights become W + B·A).
+        model: the transformer wrapper; its weights stay as they are (B = 0 at the start).
         settings: ``r``, ``alpha``, ``dropout`` and ``target_modules`` (module name suffixes).
         seed: seed of the adapters' init (A is random, B zero, so training starts at the base model).
     """
@@ -57,12 +56,26 @@ def lora(model: SequenceClassifier, settings: dict[str, Any], seed: int) -> Iter
         if name in heads:
             parameter.requires_grad_(True)
     model.model = wrapped
+    return model
+
+
+def fold_adapters(model: SequenceClassifier) -> SequenceClassifier:
+    """Fold the adapters into the weights (W + B·A), drop them and make every parameter trainable again."""
+    model.model = model.model.merge_and_unload()
+    for parameter in model.model.parameters():
+        parameter.requires_grad_(True)
+    return model
+
+
+@contextmanager
+def lora(model: SequenceClassifier, settings: dict[str, Any], seed: int) -> Iterator[SequenceClassifier]:
+    """Within the block, ``model`` trains LoRA adapters and its head only; on exit they are folded in
+    (see :func:`attach_adapters`; ``model`` is changed in place: its weights become W + B·A)."""
+    attach_adapters(model, settings, seed)
     try:
         yield model
     finally:
-        model.model = wrapped.merge_and_unload()
-        for parameter in model.model.parameters():
-            parameter.requires_grad_(True)
+        fold_adapters(model)
 
 
 def trainable_count(model: nn.Module) -> int:
