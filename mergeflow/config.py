@@ -335,13 +335,19 @@ class AlignConfig(_Section):
 
 
 class FisherConfig(_Section):
-    """Per-client Fisher estimation: diagonal always, per-example factors when ``low_rank``."""
+    """Per-client Fisher estimation: diagonal always, factors F ≈ UᵀU when ``low_rank``.
+
+    The factors are the per-example scores of ``rank_examples`` examples, or, with
+    ``factor_memory_mb``, a Frequent Directions sketch of the scores of all ``n_examples`` examples
+    in about that much memory (its rows: the budget over 12 bytes per parameter).
+    """
 
     kind: Literal["empirical", "sampled", "exact"] = "exact"
     n_examples: int = Field(1024, ge=1)
     batch_size: int = Field(256, ge=1)
     low_rank: bool = False
     rank_examples: int = Field(64, ge=1)
+    factor_memory_mb: float | None = Field(None, gt=0)
     backend: Literal["auto", "backpack", "functorch"] = "auto"
 
 

@@ -322,6 +322,41 @@ def flatten_parameters(values: dict[str, torch.Tensor], model: nn.Module) -> tor
     return torch.cat([values[n].reshape(*lead, -1) for n in names], dim=-1)
 
 
+def _score_blocks(
+    model: nn.Module, X, y, *, kind: str, task: str, batch_size: int, noise_std: float, seed: int, backend: str
+) -> Iterator[torch.Tensor]:
+    """Per-example score rows (rows × D over the flattened parameters), a chunk of examples at a time;
+    their Gram summed over all chunks is N·F."""
+    _check_kind(kind, task)
+    X, y = _by_length(model, *_as_tensors(model, X, y, task))
+    generator = torch.Generator().manual_seed(seed)
+    use_backpack = _use_backpack(model, backend)
+    for rows in _batches(len(X), batch_size):
+        xb, yb = _chunk(model, X[rows]), y[rows]
+        if kind == "exact" and use_backpack:
+            from backpack.extensions import SqrtGGNExact
+
+            target = yb if task == "classification" else yb[:, None]
+            sqrt = _backpack_quantity(model, xb, target, task, SqrtGGNExact(), "sqrt_ggn_exact")
+            flat = flatten_parameters(sqrt, model)  # (C, N, D)
+            yield flat.reshape(-1, flat.shape[-1]) * _ggn_scale(task, noise_std) ** 0.5
+        elif kind == "exact":
+            for target, weight in _exact_targets(model, xb, task):
+                if task == "regression":
+                    target = target + noise_std
+                grads = flatten_parameters(_functorch_grads(model, xb, target, task), model)
+                yield grads * weight.sqrt()[:, None] * _score_scale(task, noise_std)
+        else:
+            target = _targets(model, xb, yb, kind, task, noise_std, generator)
+            if use_backpack:
+                from backpack.extensions import BatchGrad
+
+                grads = _backpack_quantity(model, xb, target, task, BatchGrad(), "grad_batch")
+            else:
+                grads = _functorch_grads(model, xb, target, task)
+            yield flatten_parameters(grads, model) * _score_scale(task, noise_std)
+
+
 def fisher_factors(
     model: nn.Module,
     X,
@@ -339,33 +374,50 @@ def fisher_factors(
     Empirical and sampled kinds give one row per example; the exact kind gives C rows per
     example for C classes (BackPACK's SqrtGGNExact, or √p_c-weighted scores).
     """
-    _check_kind(kind, task)
-    X, y = _by_length(model, *_as_tensors(model, X, y, task))
-    generator = torch.Generator().manual_seed(seed)
-    use_backpack = _use_backpack(model, backend)
-    blocks = []
-    for rows in _batches(len(X), batch_size):
-        xb, yb = _chunk(model, X[rows]), y[rows]
-        if kind == "exact" and use_backpack:
-            from backpack.extensions import SqrtGGNExact
-
-            target = yb if task == "classification" else yb[:, None]
-            sqrt = _backpack_quantity(model, xb, target, task, SqrtGGNExact(), "sqrt_ggn_exact")
-            flat = flatten_parameters(sqrt, model)  # (C, N, D)
-            blocks.append(flat.reshape(-1, flat.shape[-1]) * _ggn_scale(task, noise_std) ** 0.5)
-        elif kind == "exact":
-            for target, weight in _exact_targets(model, xb, task):
-                if task == "regression":
-                    target = target + noise_std
-                grads = flatten_parameters(_functorch_grads(model, xb, target, task), model)
-                blocks.append(grads * weight.sqrt()[:, None] * _score_scale(task, noise_std))
-        else:
-            target = _targets(model, xb, yb, kind, task, noise_std, generator)
-            if use_backpack:
-                from backpack.extensions import BatchGrad
-
-                grads = _backpack_quantity(model, xb, target, task, BatchGrad(), "grad_batch")
-            else:
-                grads = _functorch_grads(model, xb, target, task)
-            blocks.append(flatten_parameters(grads, model) * _score_scale(task, noise_std))
+    options = {"kind": kind, "task": task, "noise_std": noise_std, "seed": seed, "backend": backend}
+    blocks = list(_score_blocks(model, X, y, batch_size=batch_size, **options))
     return torch.cat(blocks) / len(X) ** 0.5
+
+
+def factor_rows_within(memory_bytes: float, dim: int) -> int:
+    """Sketch rows ℓ whose memory fits ``memory_bytes``: the 2ℓ-row float32 buffer and a chunk of at most
+    ℓ per-example score rows, 3ℓ·D·4 bytes in all (at least one row)."""
+    return max(1, int(memory_bytes // (3 * 4 * dim)))
+
+
+def fisher_sketch(
+    model: nn.Module,
+    X,
+    y,
+    *,
+    rows: int,
+    kind: str = "exact",
+    task: str = "classification",
+    batch_size: int = 256,
+    noise_std: float = 1.0,
+    seed: int = 0,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """U (at most ``rows`` × D) with UᵀU a Frequent Directions sketch of the averaged Fisher over every example.
+
+    The per-example scores of all of ``X`` stream through the sketch (:class:`~mergeflow.sketch.FrequentDirections`),
+    a chunk of at most ``rows`` examples at a time, so memory stays about ``3 · rows · D`` floats however many
+    examples there are. F − UᵀU is positive semi-definite with spectral norm at most the returned
+    ``shrinkage`` (the diagonal merges use diag(F) exactly and UᵀU for the off-diagonal part).
+
+    Returns:
+        U, and ``{"rows", "examples", "shrinkage", "trace"}`` (shrinkage and trace of F, per example).
+    """
+    from mergeflow.sketch import FrequentDirections
+
+    dim = sum(p.numel() for p in model.parameters())
+    sketch = FrequentDirections(rows, dim, dtype=next(model.parameters()).dtype)
+    options = {"kind": kind, "task": task, "noise_std": noise_std, "seed": seed, "backend": backend}
+    trace = 0.0
+    for block in _score_blocks(model, X, y, batch_size=min(batch_size, rows), **options):
+        trace += float((block.to(torch.float64) ** 2).sum())
+        sketch.insert(block)
+    n = len(X)
+    factors = sketch.sketch() / n**0.5
+    summary = {"rows": float(len(factors)), "examples": float(n), "shrinkage": sketch.shrinkage / n, "trace": trace / n}
+    return factors, summary

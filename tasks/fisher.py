@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from mergeflow.checkpoints import atomic_path, load_model
 from mergeflow.config import Params
-from mergeflow.fisher import diagonal_fisher, fisher_factors
+from mergeflow.fisher import diagonal_fisher, factor_rows_within, fisher_factors, fisher_sketch
 from mergeflow.grams import linear_input_grams
 from mergeflow.seeding import derive_seed
 from tasks.data import PARTITIONS, client_file, read_arrays, read_info
@@ -18,7 +18,13 @@ from tasks.steps import Step
 from tasks.training import client_checkpoint
 
 FISHERS = "models/fishers"
-_CODE = ("mergeflow/fisher.py", "mergeflow/grams.py", "mergeflow/checkpoints.py", "tasks/fisher.py")
+_CODE = (
+    "mergeflow/fisher.py",
+    "mergeflow/sketch.py",
+    "mergeflow/grams.py",
+    "mergeflow/checkpoints.py",
+    "tasks/fisher.py",
+)
 
 
 def fisher_file(client: int) -> str:
@@ -83,9 +89,20 @@ def client_fisher(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     with atomic_path(out / grams_file(client)) as tmp:
         save_file({k: (v * len(y) / len(rows)).contiguous() for k, v in grams.items()}, str(tmp))
     if settings["low_rank"]:
-        rows = _subset(len(y), settings["rank_examples"], seed + 1)
-        factors = fisher_factors(model, X[rows], y[rows], **common)
+        factors, sketch = _factors(model, X, y, rows, settings, common, seed)
         with atomic_path(out / factors_file(client)) as tmp:
             save_file({"U": factors.contiguous()}, str(tmp))
         summary["factor_rows"] = int(factors.shape[0])
+        summary |= {f"sketch_{key}": value for key, value in sketch.items()}
     return summary
+
+
+def _factors(model, X, y, rows: np.ndarray, settings: dict[str, Any], common: dict[str, Any], seed: int):
+    """Per-example factors of ``rank_examples`` examples, or a sketch of the diagonal's examples within
+    ``factor_memory_mb``; and the sketch's facts (rows, examples, shrinkage, trace) when sketched."""
+    if settings["factor_memory_mb"] is None:
+        chosen = _subset(len(y), settings["rank_examples"], seed + 1)
+        return fisher_factors(model, X[chosen], y[chosen], **common), {}
+    dim = sum(p.numel() for p in model.parameters())
+    budget = factor_rows_within(settings["factor_memory_mb"] * 2**20, dim)
+    return fisher_sketch(model, X[rows], y[rows], rows=budget, **common)

@@ -129,3 +129,50 @@ def test_unknown_kind_is_refused():
     X, y = _data()
     with pytest.raises(ValueError, match="fisher kind"):
         diagonal_fisher(build_model("linear", [5], 3), X, y, kind="fancy")
+
+
+def test_frequent_directions_bounds_its_error_by_the_shrinkage_it_reports():
+    from mergeflow.sketch import FrequentDirections
+
+    generator = torch.Generator().manual_seed(0)
+    A = torch.randn(300, 40, generator=generator, dtype=torch.float64) @ torch.diag(
+        torch.logspace(0, -3, 40, dtype=torch.float64)
+    )
+    exact = FrequentDirections(300, 40, dtype=torch.float64)
+    exact.insert(A)
+    torch.testing.assert_close(exact.sketch().T @ exact.sketch(), A.T @ A)  # room for every row: no error
+    assert exact.shrinkage == 0
+    for rows in (5, 10, 20):
+        sketch = FrequentDirections(rows, 40, dtype=torch.float64)
+        for block in A.split(17):
+            sketch.insert(block)
+        B = sketch.sketch()
+        error = torch.linalg.eigvalsh(A.T @ A - B.T @ B)
+        assert len(B) <= rows and sketch.seen == 300
+        assert float(error.min()) > -1e-9  # BᵀB never overstates AᵀA
+        assert float(error.max()) <= sketch.shrinkage + 1e-9 <= float((A**2).sum()) / (rows + 1) + 1e-9
+
+
+def test_a_fisher_sketch_within_a_budget_sees_every_example_and_beats_a_subset_of_the_same_rows():
+    from mergeflow.fisher import factor_rows_within, fisher_sketch
+
+    model = build_model("mlp", [8], 3, widths=[16], seed=0)
+    generator = torch.Generator().manual_seed(1)
+    X = torch.randn(400, 8, generator=generator)
+    y = torch.randint(0, 3, (400,), generator=generator)
+    options = {"kind": "empirical", "backend": "functorch", "batch_size": 64}
+    full = fisher_factors(model, X, y, **options)  # all 400 examples: F = UᵀU
+    F = full.T.double() @ full.double()
+    whole, facts = fisher_sketch(model, X, y, rows=400, **options)
+    torch.testing.assert_close(whole.T.double() @ whole.double(), F, rtol=1e-5, atol=1e-7)
+    assert facts["shrinkage"] == 0 and facts["examples"] == 400
+    dim = sum(p.numel() for p in model.parameters())
+    rows = factor_rows_within(12 * dim * 20, dim)
+    assert rows == 20
+    sketched, facts = fisher_sketch(model, X, y, rows=rows, **options)
+    assert sketched.shape == (20, dim) and facts["trace"] == pytest.approx(float(torch.trace(F)), rel=1e-5)
+    sketch_error = torch.linalg.matrix_norm(F - sketched.T.double() @ sketched.double(), ord=2)
+    assert sketch_error <= facts["shrinkage"] * (1 + 1e-6)
+    subset = fisher_factors(model, X[:20], y[:20], **options)  # the per-example factors of 20 examples
+    subset_error = torch.linalg.matrix_norm(F - subset.T.double() @ subset.double(), ord=2)
+    assert sketch_error < 0.5 * subset_error

@@ -168,6 +168,7 @@ def test_bad_text_input_is_one_clear_line_and_writes_nothing(tmp_path, cli_env, 
 
 def test_a_tiny_gpt2_causal_lm_trains_merges_federates_and_reloads_below_the_unigram_baseline(tmp_path, cli_env):
     import mlflow
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mergeflow.checkpoints import load_model
@@ -175,10 +176,11 @@ def test_a_tiny_gpt2_causal_lm_trains_merges_federates_and_reloads_below_the_uni
     params = text_params(
         tmp_path,
         GPT2,
-        merge={"methods": ["average", "fisher", "regmean"]},
+        merge={"methods": ["average", "fisher", "regmean", "exact"]},
         federated={"algorithms": ["fedavg"], "rounds": 2, "local": {"epochs": 1, **ADAM}},
     )
     params["model"]["hf"]["task"] = "causal_lm"
+    params["fisher"] |= {"low_rank": True, "factor_memory_mb": 1}  # a sketch of every example's scores in 1 MiB
     params["pretrain"]["epochs"] = 10
     params["data"]["tokenizer"]["vocab_size"] = 300  # word pieces: the topic of a text predicts its later pieces
     make_workspace(tmp_path, params)
@@ -192,6 +194,9 @@ def test_a_tiny_gpt2_causal_lm_trains_merges_federates_and_reloads_below_the_uni
         assert metrics[name]["nll"] < 0.97 * baseline, (name, metrics[name], baseline)
         assert metrics[name]["perplexity"] < metrics["base"]["perplexity"], name
     assert set(metrics["merged/average"]["by_group"]) == {"forum", "news"}
+    factors = load_file(tmp_path / "models/fishers/client_000.factors.safetensors")["U"]
+    assert 1 <= len(factors) and 3 * len(factors) * factors.shape[1] * 4 <= 2**20
+    assert metrics["merged/exact"]["tokens"] == metrics["base"]["tokens"]  # merged on the sketched factors
     directory = tmp_path / "models/merged/fisher"
     reloaded = AutoModelForCausalLM.from_pretrained(directory).eval()
     assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
