@@ -67,6 +67,9 @@ def _merge_step(params: Params, name: str, method: str, options: dict[str, Any],
     clients = range(params.partition.num_clients)
     factors = _uses_factors(method, params)
     step_params = {"name": name, "method": method, "options": options, "num_clients": len(clients), "factors": factors}
+    spec = METHODS[method]
+    if "base" in spec.uses and "base" not in spec.needs:  # an optional base is the clients' only if they share it
+        step_params["shared_base"] = params.finetune.init == "shared"
     inputs = _inputs(method, clients, factors) + ((TOKENIZER,) if params.model.arch == "hf" else ())
     code = (*_CODE, "tasks/scoring.py")
     if candidate or "scorer" in METHODS[method].uses:  # scored on the validation split, never on test
@@ -118,7 +121,7 @@ def _merged(params: dict[str, Any], root: Path) -> tuple[dict[str, Any], dict[st
     result = run_merge(
         method,
         [state for state, _ in loaded],
-        base=base_state if "base" in uses else None,
+        base=base_state if "base" in uses and params.get("shared_base", True) else None,
         weights=[meta["num_examples"] for _, meta in loaded],
         fishers=fishers,
         factors=[load_file(root / aligned_factors(c))["U"] for c in clients] if params["factors"] else None,

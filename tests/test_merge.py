@@ -140,6 +140,26 @@ def test_exact_without_factors_and_prior_is_the_diagonal_fisher_merge():
     assert result.summary["cg_iterations"] == 1  # without factors the preconditioner inverts the diagonal system
 
 
+def test_exact_merge_keeps_the_base_where_no_client_has_data_and_pools_the_prior_from_it():
+    # Coordinate 0: data in every client; coordinate 1: no Fisher anywhere (a weight no client's data touched).
+    base = {"w": torch.tensor([0.0, 2.0], dtype=torch.float64)}
+    states = [
+        {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)},
+        {"w": torch.tensor([3.0, 2.0], dtype=torch.float64)},
+    ]
+    fishers = [{"w": torch.tensor([1.0, 0.0], dtype=torch.float64)}] * 2
+    delta = 0.5
+    with_base = run_merge("exact", states, base=base, fishers=fishers, by_size=False, prior_precision=delta).state["w"]
+    zero = run_merge("exact", states, fishers=fishers, by_size=False, prior_precision=delta).state["w"]
+    # The product of N(θ_k, (F_k + δ)⁻¹) over the prior N(θ₀, δ⁻¹) counted once, coordinate by coordinate:
+    # (Σ(F_k + δ)θ_k − δθ₀) / (ΣF_k + δ).
+    assert float(with_base[0]) == pytest.approx((1.5 * 1 + 1.5 * 3 - 0.5 * 0) / 2.5)
+    assert float(with_base[1]) == pytest.approx(2.0)  # the base weight, not 2 × 2.0
+    assert float(zero[1]) == pytest.approx(4.0)  # a zero-mean prior: the sum of the clients' weights
+    with pytest.raises(MergeflowError, match="prior_mean 'base' needs the base model"):
+        run_merge("exact", states, fishers=fishers, prior_precision=delta, prior_mean="base", by_size=False)
+
+
 @pytest.mark.parametrize("preconditioner", ["jacobi", "woodbury"])
 def test_exact_merge_is_the_same_without_the_preconditioner(preconditioner):
     states, fishers, factors, sizes, full = _linear_gaussian()
@@ -334,7 +354,8 @@ def test_merge_step_orders_factor_columns_like_the_model_not_like_the_file(tmp_p
     X = torch.randn(40, 4, generator=generator)
     y = torch.randint(0, 3, (40,), generator=generator)
     states, fishers, factors = [], [], []
-    save_checkpoint(tmp_path / BASE, build_from_spec(spec).state_dict(), {"spec": spec})
+    base = build_from_spec(spec).state_dict()
+    save_checkpoint(tmp_path / BASE, base, {"spec": spec})
     for client in range(2):
         model = build_from_spec({**spec, "seed": client + 1})
         states.append(model.state_dict())
@@ -347,7 +368,7 @@ def test_merge_step_orders_factor_columns_like_the_model_not_like_the_file(tmp_p
     step = {"name": "exact", "method": "exact", "options": options, "num_clients": 2, "factors": True}
     merge_clients(step, tmp_path, tmp_path / "out")
     merged, _ = load_checkpoint(tmp_path / "out" / merged_checkpoint("exact"))
-    expected = merge("exact", states, weights=[40, 40], fishers=fishers, factors=factors, **options)
+    expected = merge("exact", states, base=base, weights=[40, 40], fishers=fishers, factors=factors, **options)
     for key in names:
         torch.testing.assert_close(merged[key], expected[key])
 

@@ -196,7 +196,7 @@ def test_a_tiny_gpt2_causal_lm_trains_merges_federates_and_reloads_below_the_uni
     assert set(metrics["merged/average"]["by_group"]) == {"forum", "news"}
     factors = load_file(tmp_path / "models/fishers/client_000.factors.safetensors")["U"]
     assert 1 <= len(factors) and 3 * len(factors) * factors.shape[1] * 4 <= 2**20
-    assert metrics["merged/exact"]["tokens"] == metrics["base"]["tokens"]  # merged on the sketched factors
+    assert metrics["merged/exact"]["nll"] < 0.97 * baseline  # on the sketched factors, the prior centred at the base
     directory = tmp_path / "models/merged/fisher"
     reloaded = AutoModelForCausalLM.from_pretrained(directory).eval()
     assert reloaded.lm_head.weight is reloaded.transformer.wte.weight

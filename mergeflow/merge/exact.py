@@ -1,8 +1,13 @@
 """The exact Gaussian merge: the product of the clients' Gaussian posteriors.
 
-θ* = (Σ_k Λ_k − (K−1)δI)⁻¹ Σ_k Λ_k θ_k with Λ_k = n_k(U_kᵀU_k + D_k) + δI, the prior
-counted once. Solved by conjugate gradients over the whole flattened model with
-matrix-free products, so a low-rank-plus-diagonal precision never becomes D × D.
+θ* = (Σ_k Λ_k − (K−1)δI)⁻¹ (Σ_k Λ_k θ_k − (K−1)δθ₀) with Λ_k = n_k(U_kᵀU_k + D_k) + δI: every
+client's posterior holds the prior N(θ₀, δ⁻¹I), which the product counts once. The prior mean θ₀
+is the shared base model the clients were fine-tuned from (``prior_mean: base``), or zero
+(``zero``, the prior of SSF's linear reproduction). It matters where the data say nothing: there
+θ* = θ₀ + Σ_k (θ_k − θ₀), so a zero prior mean would return K times a pretrained weight that no
+client's data touched (an unseen token's embedding, say). Solved by conjugate gradients over the
+whole flattened model with matrix-free products, so a low-rank-plus-diagonal precision never
+becomes D × D.
 
 The default preconditioner inverts Σ Λ_k exactly by Woodbury: it is a diagonal plus the
 stacked factors of all clients (R rows in all), so one R × R Cholesky factor, built once at
@@ -21,15 +26,18 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from mergeflow.errors import MergeflowError
 from mergeflow.merge.precision import ClientPrecision, client_precisions
 from mergeflow.merge.registry import MergeResult, ModelInputs, merge_method
 
 
 class ExactOptions(BaseModel):
-    """Prior precision δ, whether precisions scale with data size, and the CG budget."""
+    """Prior precision δ and mean (``auto``: the base model when one is given, else zero), whether
+    precisions scale with data size, and the CG budget."""
 
     model_config = ConfigDict(extra="forbid")
     prior_precision: float = Field(1e-3, ge=0)
+    prior_mean: Literal["auto", "base", "zero"] = "auto"
     by_size: bool = True
     max_iterations: int = Field(1000, ge=1)
     tolerance: float = Field(1e-12, gt=0)
@@ -119,16 +127,20 @@ def woodbury_inverse(
     return apply
 
 
-@merge_method("exact", options=ExactOptions, needs=("fishers",), uses=("factors",), scope="model")
+@merge_method("exact", options=ExactOptions, needs=("fishers",), uses=("factors", "base"), scope="model")
 def exact(x: ModelInputs, options: ExactOptions) -> MergeResult:
-    """Product of Gaussian posteriors, θ* = (Σ Λ_k)⁻¹ Σ Λ_k θ_k, by matrix-free CG."""
+    """Product of Gaussian posteriors, θ* = (Σ Λ_k − (K−1)δ)⁻¹ (Σ Λ_k θ_k − (K−1)δθ₀), by matrix-free CG."""
     clients = client_precisions(x, by_size=options.by_size)
     delta = options.prior_precision
+    if options.prior_mean == "base" and x.base is None:
+        raise MergeflowError("exact: prior_mean 'base' needs the base model (base=...)")
+    use_base = options.prior_mean == "base" or (options.prior_mean == "auto" and x.base is not None)
+    prior_mean = x.flatten(x.base) if use_base else torch.zeros_like(clients[0].theta)
 
     def system(v: torch.Tensor) -> torch.Tensor:
         return sum(c.matvec(v) for c in clients) + delta * v
 
-    rhs = sum(c.matvec(c.theta) + delta * c.theta for c in clients)
+    rhs = sum(c.matvec(c.theta) + delta * c.theta for c in clients) - (len(clients) - 1) * delta * prior_mean
     start = sum(w * c.theta for w, c in zip(x.weights, clients, strict=True))
     theta, residuals = conjugate_gradient(
         system,
