@@ -13,14 +13,15 @@ import hashlib
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import datasets
 import numpy as np
 import pyarrow as pa
-from sklearn.datasets import load_digits, load_wine
 
 from mergeflow.data.errors import DataError
+
+if TYPE_CHECKING:  # datasets and scikit-learn load where they are used: `mergeflow validate` needs neither
+    import datasets
 from mergeflow.data.features import (
     Categorical,
     Missing,
@@ -61,6 +62,8 @@ def wrap_table(table: pa.Table) -> datasets.Dataset:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
+    import datasets
+
     return datasets.Dataset(table, fingerprint=hashlib.sha256(sink.getvalue()).hexdigest()[:32])
 
 
@@ -118,6 +121,8 @@ def _classification_info(
 
 def load_digits_source() -> tuple[datasets.Dataset, dict[str, Any]]:
     """The sklearn 8x8 digits (1797 images, 10 classes), pixels scaled to [0, 1]."""
+    from sklearn.datasets import load_digits
+
     bunch = load_digits()
     ds = make_dataset(bunch.data / 16.0, bunch.target.astype(np.int64))
     names = [str(c) for c in range(10)]
@@ -126,6 +131,8 @@ def load_digits_source() -> tuple[datasets.Dataset, dict[str, Any]]:
 
 def load_wine_source() -> tuple[datasets.Dataset, dict[str, Any]]:
     """The sklearn wine set (178 rows, 13 raw features, 3 classes)."""
+    from sklearn.datasets import load_wine
+
     bunch = load_wine()
     ds = make_dataset(bunch.data, bunch.target.astype(np.int64))
     names = [str(n) for n in bunch.target_names]
@@ -229,6 +236,8 @@ def _labels(
             return values.astype(np.float32), None
         except (TypeError, ValueError) as exc:
             raise DataError(f"regression label column {column!r} is not numeric") from exc
+    import datasets
+
     if isinstance(feature, datasets.ClassLabel):
         return values.astype(np.int64), list(feature.names)
     uniques, codes = np.unique(values, return_inverse=True)
@@ -248,6 +257,8 @@ def load_table(
 ) -> datasets.Dataset:
     """One split read with ``datasets.load_dataset``: a builder (``csv``, ``json``, ``parquet``) with
     local ``data_files``, or a hub name (needs network); ``DataError`` for missing files or no rows."""
+    import datasets
+
     local = path.startswith((".", "/", "~")) or Path(path).suffix in _FILE_SUFFIXES
     if local and not Path(path).expanduser().exists():
         raise DataError(f"data path {path!r} does not exist")
