@@ -26,8 +26,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from mergeflow.errors import MergeflowError
-from mergeflow.merge.precision import ClientPrecision, client_precisions
+from mergeflow.merge.precision import ClientPrecision, PriorMean, client_precisions, prior_mean
 from mergeflow.merge.registry import MergeResult, ModelInputs, merge_method
 
 
@@ -37,7 +36,7 @@ class ExactOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     prior_precision: float = Field(1e-3, ge=0)
-    prior_mean: Literal["auto", "base", "zero"] = "auto"
+    prior_mean: PriorMean = "auto"
     by_size: bool = True
     max_iterations: int = Field(1000, ge=1)
     tolerance: float = Field(1e-12, gt=0)
@@ -132,15 +131,12 @@ def exact(x: ModelInputs, options: ExactOptions) -> MergeResult:
     """Product of Gaussian posteriors, θ* = (Σ Λ_k − (K−1)δ)⁻¹ (Σ Λ_k θ_k − (K−1)δθ₀), by matrix-free CG."""
     clients = client_precisions(x, by_size=options.by_size)
     delta = options.prior_precision
-    if options.prior_mean == "base" and x.base is None:
-        raise MergeflowError("exact: prior_mean 'base' needs the base model (base=...)")
-    use_base = options.prior_mean == "base" or (options.prior_mean == "auto" and x.base is not None)
-    prior_mean = x.flatten(x.base) if use_base else torch.zeros_like(clients[0].theta)
+    theta0 = prior_mean(x, options.prior_mean)
 
     def system(v: torch.Tensor) -> torch.Tensor:
         return sum(c.matvec(v) for c in clients) + delta * v
 
-    rhs = sum(c.matvec(c.theta) + delta * c.theta for c in clients) - (len(clients) - 1) * delta * prior_mean
+    rhs = sum(c.matvec(c.theta) + delta * c.theta for c in clients) - (len(clients) - 1) * delta * theta0
     start = sum(w * c.theta for w, c in zip(x.weights, clients, strict=True))
     theta, residuals = conjugate_gradient(
         system,

@@ -8,6 +8,7 @@ precision (counted once in a product of posteriors). Shared by the exact and SSF
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -68,3 +69,16 @@ def client_precisions(x: ModelInputs, *, by_size: bool) -> list[ClientPrecision]
         residual = (diagonal - _squared_column_sums(factors)).clamp_min(0)
         out.append(ClientPrecision(x.flatten(state), factors * scale**0.5, residual * scale))
     return out
+
+
+PriorMean = Literal["auto", "base", "zero"]
+
+
+def prior_mean(x: ModelInputs, choice: str) -> torch.Tensor:
+    """θ₀, the mean of the prior every client's posterior holds: the shared base model (``base``, or
+    ``auto`` when one is given) or zero, flattened."""
+    if choice == "base" and x.base is None:
+        raise MergeflowError("prior_mean 'base' needs the base model (base=...)")
+    if choice == "base" or (choice == "auto" and x.base is not None):
+        return x.flatten(x.base)
+    return torch.zeros(sum(x.states[0][n].numel() for n in x.names), dtype=torch.float64)

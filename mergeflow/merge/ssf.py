@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from mergeflow.merge.precision import ClientPrecision, client_precisions
+from mergeflow.merge.precision import ClientPrecision, PriorMean, client_precisions, prior_mean
 from mergeflow.merge.registry import MergeResult, ModelInputs, merge_method
 
 
@@ -46,6 +46,7 @@ class SSFOptions(BaseModel):
     schedule: Literal["constant", "cosine"] = "cosine"
     start: Literal["random", "average"] = "average"
     prior_precision: float = Field(1e-3, ge=0)
+    prior_mean: PriorMean = "auto"
     by_size: bool = True
     seed: int = 0
 
@@ -169,6 +170,7 @@ def ssf_iterates(x: ModelInputs, options: SSFOptions) -> Iterator[tuple[torch.Te
     """
     clients = [_compressed(c) for c in client_precisions(x, by_size=options.by_size)]
     delta = options.prior_precision
+    theta0 = prior_mean(x, options.prior_mean)  # as in the exact merge
     generator = torch.Generator().manual_seed(options.seed)
     average = sum(w * c.theta for w, c in zip(x.weights, clients, strict=True))
     if options.start == "average":
@@ -198,7 +200,7 @@ def ssf_iterates(x: ModelInputs, options: SSFOptions) -> Iterator[tuple[torch.Te
         quadratic = sum(
             _conditional_quadratic(theta - c.theta, s, masked, rest) for c, s in zip(clients, systems, strict=True)
         )
-        prior = (count - 1) * delta * (theta[masked] ** 2).sum()
+        prior = (count - 1) * delta * ((theta[masked] - theta0[masked]) ** 2).sum()
         loss = 0.5 * (quadratic - prior) / masked.numel()
         loss.backward()
         optimizer.step()
@@ -207,7 +209,7 @@ def ssf_iterates(x: ModelInputs, options: SSFOptions) -> Iterator[tuple[torch.Te
         yield theta.detach().clone(), float(loss.detach())
 
 
-@merge_method("ssf", options=SSFOptions, needs=("fishers",), uses=("factors",), scope="model")
+@merge_method("ssf", options=SSFOptions, needs=("fishers",), uses=("factors", "base"), scope="model")
 def ssf(x: ModelInputs, options: SSFOptions) -> MergeResult:
     """Self-supervised Fisher merging: SGD on the clients' masked Gaussian conditionals."""
     losses: list[float] = []
