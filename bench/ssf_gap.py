@@ -91,7 +91,7 @@ def composite_optimum(
     inputs: ModelInputs, delta: float, masked: int, max_masks: int, mc_masks: int, seed: int = 0
 ) -> torch.Tensor:
     """θ_CL, the minimiser of SSF's objective averaged over masks of ``masked`` coordinates (window = D)."""
-    clients = client_precisions(inputs, by_size=True)
+    clients = [c.scaled() for c in client_precisions(inputs, by_size=True)]
     dim = len(clients[0].theta)
     if math.comb(dim, masked) <= max_masks:
         masks = torch.tensor(list(itertools.combinations(range(dim), masked)))

@@ -88,40 +88,45 @@ def _preconditioner(
     if kind == "jacobi":
         inverse_diagonal = 1.0 / (sum(c.precision_diagonal() for c in clients) + delta).clamp_min(1e-30)
         return lambda r: r * inverse_diagonal
-    return woodbury_inverse(sum(c.diagonal for c in clients) + delta, [c.factors for c in clients])
+    diagonal = sum(c.diagonal for c in clients) + delta
+    return woodbury_inverse(diagonal, [c.factors for c in clients], [c.factor_scale for c in clients])
 
 
 def woodbury_inverse(
-    diagonal: torch.Tensor, factors: list[torch.Tensor], block: int = 256
+    diagonal: torch.Tensor, factors: list[torch.Tensor], scales: list[float] | None = None, columns: int = 1 << 15
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """v ↦ (A + Σ_k U_kᵀU_k)⁻¹ v for a positive diagonal A, by Woodbury's identity.
+    """v ↦ (A + Σ_k s_k U_kᵀU_k)⁻¹ v for a positive diagonal A, by Woodbury's identity, in float32.
 
-    (A + UᵀU)⁻¹ = A⁻¹ − A⁻¹Uᵀ (I + U A⁻¹ Uᵀ)⁻¹ U A⁻¹ with U the stacked factors; the R × R
-    capacitance is built from blocks of rows widened to float64, so float32 factors of a large
-    model are never copied whole.
+    (A + SᵀS)⁻¹ = A⁻¹ − A⁻¹Sᵀ (I + S A⁻¹ Sᵀ)⁻¹ S A⁻¹ with S the stacked √s_k U_k. The R × R
+    capacitance is one float32 GEMM per block of ``columns`` columns, summed in float64, and
+    factored in float64; applying it costs two float32 passes over the factors. As a CG
+    preconditioner it need not be exact: its float32 rounding costs CG an iteration or two, which
+    are exact (float64) products, while the float64 build it replaces was most of the merge's time.
     """
+    scales = scales or [1.0] * len(factors)
     inverse_a = 1.0 / diagonal.clamp_min(1e-30)
-    blocks = [rows for u in factors for rows in torch.split(u, block)]
-    sizes = [len(rows) for rows in blocks]
-    capacitance = torch.eye(sum(sizes), dtype=torch.float64)
-    offsets = [sum(sizes[:i]) for i in range(len(blocks))]
-    for i, rows_i in enumerate(blocks):
-        scaled = rows_i.to(torch.float64) * inverse_a
-        for j in range(i, len(blocks)):
-            product = scaled @ blocks[j].to(torch.float64).T
-            capacitance[offsets[i] : offsets[i] + sizes[i], offsets[j] : offsets[j] + sizes[j]] += product
-            if j != i:
-                capacitance[offsets[j] : offsets[j] + sizes[j], offsets[i] : offsets[i] + sizes[i]] += product.T
+    root_inverse = inverse_a.sqrt().to(torch.float32)
+    rows = sum(len(u) for u in factors)
+    capacitance = torch.eye(rows, dtype=torch.float64)
+    for start in range(0, diagonal.numel(), columns):
+        stop = start + columns
+        stacked = torch.cat([u[:, start:stop].to(torch.float32) * s**0.5 for u, s in zip(factors, scales, strict=True)])
+        stacked *= root_inverse[start:stop]
+        capacitance += (stacked @ stacked.T).to(torch.float64)
     cholesky = torch.linalg.cholesky(capacitance)
+    roots = [torch.tensor(s**0.5, dtype=torch.float32) for s in scales]
 
     def apply(v: torch.Tensor) -> torch.Tensor:
         scaled = inverse_a * v
-        projected = torch.cat([rows.to(torch.float64) @ scaled for rows in blocks]) if blocks else scaled[:0]
-        weights = torch.cholesky_solve(projected[:, None], cholesky)[:, 0]
-        correction = torch.zeros_like(v)
-        for rows, offset, size in zip(blocks, offsets, sizes, strict=True):
-            correction += rows.to(torch.float64).T @ weights[offset : offset + size]
-        return scaled - inverse_a * correction
+        narrow = scaled.to(torch.float32)
+        projected = torch.cat([(u.to(torch.float32) @ narrow) * r for u, r in zip(factors, roots, strict=True)])
+        weights = torch.cholesky_solve(projected.to(torch.float64)[:, None], cholesky)[:, 0].to(torch.float32)
+        correction = torch.zeros_like(narrow)
+        offset = 0
+        for u, r in zip(factors, roots, strict=True):
+            correction.addmv_(u.to(torch.float32).T, weights[offset : offset + len(u)], alpha=float(r))
+            offset += len(u)
+        return scaled - inverse_a * correction.to(torch.float64)
 
     return apply
 

@@ -168,7 +168,7 @@ def ssf_iterates(x: ModelInputs, options: SSFOptions) -> Iterator[tuple[torch.Te
 
     The merge method keeps the last θ; experiments can watch θ converge step by step.
     """
-    clients = [_compressed(c) for c in client_precisions(x, by_size=options.by_size)]
+    clients = [_compressed(c.scaled()) for c in client_precisions(x, by_size=options.by_size)]
     delta = options.prior_precision
     theta0 = prior_mean(x, options.prior_mean)  # as in the exact merge
     generator = torch.Generator().manual_seed(options.seed)
