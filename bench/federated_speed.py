@@ -1,7 +1,7 @@
 """Wall time of FedAvg (10 clients, 5 rounds): the plain loop vs mergeflow's Prefect flow vs Flower's simulation.
 
 Usage:
-    python bench/federated_speed.py [--epochs 2] [--workers 1 2] [--steps-per-task 1 10] [--repeat 3]
+    python bench/federated_speed.py [--epochs 2] [--workers 1 2] [--steps-per-task auto 1 10] [--repeat 3]
                                     [--flower-python /tmp/flwr-venv/bin/python]
     (Prefect logs go to stderr: append ``2>/dev/null`` to see only the table.)
 
@@ -116,7 +116,7 @@ def best_of(repeat: int, run: Callable[[], Any]) -> Timing:
     return best
 
 
-def bench_params(args: argparse.Namespace, workers: int, steps_per_task: int = 1) -> dict[str, Any]:
+def bench_params(args: argparse.Namespace, workers: int, steps_per_task: int | str = "auto") -> dict[str, Any]:
     """params.yaml with the benchmark's settings."""
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["data"]["source"] = "digits"
@@ -282,7 +282,11 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="flow max_workers, one cold run each")
     parser.add_argument(
-        "--steps-per-task", type=int, nargs="+", default=[1, 10], help="orchestration.steps_per_task values to time"
+        "--steps-per-task",
+        type=lambda value: value if value == "auto" else int(value),
+        nargs="+",
+        default=["auto", 1, 10],
+        help="orchestration.steps_per_task values to time (auto: the default, one task run per worker per wave)",
     )
     parser.add_argument("--repeat", type=int, default=3, help="best of N for the loop and the flow runs")
     parser.add_argument("--flower-python", type=Path, default=Path("/tmp/flwr-venv/bin/python"))

@@ -513,12 +513,28 @@ class OrchestrationConfig(_Section):
     so threads and Dask give bit-identical weights. ``steps_per_task`` > 1 runs that many
     uncached steps (e.g. clients of a round) in one Prefect task run: less orchestration per
     step when steps take milliseconds, while each step is still cached, and resumed, on its own.
+    ``auto`` splits each wave's uncached steps into one task run per worker (``max_workers``
+    threads, or ``dask_workers``), so the workers stay busy and a round costs a few task runs.
     """
 
     task_runner: Literal["threads", "dask"] = "threads"
     max_workers: int = Field(1, ge=1)
     torch_threads: int = Field(1, ge=1)
-    steps_per_task: int = Field(1, ge=1)
+    steps_per_task: int | Literal["auto"] = Field("auto")
+
+    def batch_size(self, uncached: int) -> int:
+        """Uncached steps per Prefect task run, for a wave with ``uncached`` of them."""
+        if self.steps_per_task != "auto":
+            return int(self.steps_per_task)
+        workers = self.max_workers if self.task_runner == "threads" else self.dask_workers
+        return max(1, -(-uncached // workers))
+
+    @field_validator("steps_per_task")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be 'auto' or at least 1")
+        return value
     dask_address: str | None = None
     dask_workers: int = Field(2, ge=1)
 

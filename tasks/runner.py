@@ -33,7 +33,7 @@ def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
     outcomes: list[StepOutcome] = []
     for phase in stage.phases:
         for wave in _waves(resolve(phase)(params)):
-            outcomes += run_steps(wave, root, params.orchestration.torch_threads, params.orchestration.steps_per_task)
+            outcomes += run_steps(wave, root, params.orchestration.torch_threads, params.orchestration.batch_size)
     for stale in _prune(stage, outcomes, root):
         log.info("removed stale output %s", stale)
     for outcome in outcomes:

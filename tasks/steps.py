@@ -184,12 +184,15 @@ def cached_outcomes(steps: list[Step], root: Path) -> list[StepOutcome] | None:
     ]
 
 
-def run_steps(steps: list[Step], root: Path, torch_threads: int = 1, steps_per_task: int = 1) -> list[StepOutcome]:
+def run_steps(
+    steps: list[Step], root: Path, torch_threads: int = 1, steps_per_task: int | Callable[[int], int] = 1
+) -> list[StepOutcome]:
     """Materialise cached steps; submit the others to the flow's task runner and wait.
 
-    Uncached steps run one per task run, or ``steps_per_task`` to a task run: fewer task runs
-    cost less orchestration when steps are short, while each step is still cached on its own.
-    A cache hit whose blobs were deleted from the store is re-executed.
+    Uncached steps run one per task run, or ``steps_per_task`` to a task run (a number, or a
+    function of how many are uncached): fewer task runs cost less orchestration when steps are
+    short, while each step is still cached on its own. A cache hit whose blobs were deleted from
+    the store is re-executed.
     """
     store = ArtifactStore(root)
     # PREFECT_TASKS_REFRESH_CACHE forces every step to run, as it does for Prefect's own lookup.
@@ -203,7 +206,8 @@ def run_steps(steps: list[Step], root: Path, torch_threads: int = 1, steps_per_t
             found[index] = hit
         else:  # a miss, or a hit whose blobs are gone: it runs and (over)writes its record
             missing.append((index, step, key))
-    pending = _submit(missing, root, torch_threads, steps_per_task)
+    per_task = steps_per_task(len(missing)) if callable(steps_per_task) else steps_per_task
+    pending = _submit(missing, root, torch_threads, per_task)
     outcomes = []
     for index, step in enumerate(steps):
         cached = index in found

@@ -98,3 +98,16 @@ def test_bad_merge_variants_name_their_key(options, key):
     with pytest.raises(ConfigError) as error:
         validate_params({"merge": {"methods": ["v"], "options": options}})
     assert key in str(error.value)
+
+
+def test_steps_per_task_auto_gives_each_worker_one_task_run_per_wave():
+    from mergeflow.config import OrchestrationConfig
+
+    assert OrchestrationConfig().steps_per_task == "auto"
+    assert OrchestrationConfig(max_workers=2).batch_size(10) == 5
+    assert OrchestrationConfig(max_workers=4).batch_size(10) == 3  # 4 task runs: 3, 3, 3, 1
+    assert OrchestrationConfig(max_workers=4).batch_size(1) == 1
+    assert OrchestrationConfig(task_runner="dask", max_workers=1, dask_workers=5).batch_size(10) == 2
+    assert OrchestrationConfig(max_workers=4, steps_per_task=3).batch_size(10) == 3
+    with pytest.raises(ValueError, match="must be 'auto' or at least 1"):
+        OrchestrationConfig(steps_per_task=0)
