@@ -521,6 +521,8 @@ class OrchestrationConfig(_Section):
     max_workers: int = Field(1, ge=1)
     torch_threads: int = Field(1, ge=1)
     steps_per_task: int | Literal["auto"] = Field("auto")
+    dask_address: str | None = None
+    dask_workers: int = Field(2, ge=1)
 
     def batch_size(self, uncached: int) -> int:
         """Uncached steps per Prefect task run, for a wave with ``uncached`` of them."""
@@ -535,8 +537,6 @@ class OrchestrationConfig(_Section):
         if isinstance(value, int) and value < 1:
             raise ValueError("must be 'auto' or at least 1")
         return value
-    dask_address: str | None = None
-    dask_workers: int = Field(2, ge=1)
 
 
 class TrackingConfig(_Section):
