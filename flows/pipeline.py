@@ -3,10 +3,6 @@ and the scheduled flow that ``mergeflow serve`` deploys."""
 
 from __future__ import annotations
 
-import fcntl
-import json
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -18,12 +14,12 @@ from prefect.context import SettingsContext, get_settings_context
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
+from flows.runs import run_and_record
 from mergeflow.config import OrchestrationConfig, Params, load_params, validate_params
 from mergeflow.errors import MergeflowError
 from mergeflow.stages import STAGES, get_stage
-from tasks.runner import cached_run, run_stage
+from tasks.runner import run_stage
 from tasks.steps import StepOutcome
-from tasks.store import STATE_DIR
 
 
 @flow(name="mergeflow-pipeline")
@@ -76,51 +72,6 @@ def run_pipeline(params: Params, root: Path, stages: list[str] | None = None) ->
     configured = pipeline.with_options(task_runner=runner, flow_run_name=name)
     with heartbeat_off():
         return configured(params.model_dump(mode="json"), str(root.resolve()), stages)
-
-
-LAST_RUN = Path(STATE_DIR) / "last_run.json"
-
-
-@contextmanager
-def workspace_lock(root: Path) -> Iterator[None]:
-    """One pipeline run at a time per project directory.
-
-    Runs share the content-addressed store safely, but each one materialises its outputs at
-    the same paths that the other's steps read; a second run waits here, then finds the
-    first one's work in the cache.
-    """
-    path = root / STATE_DIR / "pipeline.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"mergeflow: another run holds {path}; waiting for it", file=sys.stderr, flush=True)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def run_and_record(params: Params, root: Path, stages: list[str] | None = None) -> tuple[list[dict[str, Any]], float]:
-    """Run the pipeline and write ``.mergeflow/last_run.json`` (each step, run or cached); also the seconds.
-
-    A run whose every step is cached is materialised without starting Prefect (no server, no flow
-    run); otherwise the flow runs.
-    """
-    with workspace_lock(root):
-        started = time.perf_counter()
-        selected = STAGES if stages is None else tuple(get_stage(name) for name in stages)
-        cached = cached_run(selected, params, root.resolve())
-        if cached is not None:
-            outcomes = [asdict(outcome) for outcome in cached]
-        else:
-            outcomes = run_pipeline(params, root, stages)
-        elapsed = time.perf_counter() - started
-        record = root / LAST_RUN
-        record.write_text(json.dumps({"seconds": elapsed, "steps": outcomes}, indent=2) + "\n")
-    return outcomes, elapsed
 
 
 @flow(name="mergeflow-scheduled")

@@ -76,7 +76,7 @@ def _run(args: argparse.Namespace, stages: list[str] | None) -> int:
     from flows.environment import configure
 
     configure()
-    from flows.pipeline import run_and_record
+    from flows.runs import run_and_record
 
     outcomes, elapsed = run_and_record(params, Path.cwd(), stages)
     ran = [o["name"] for o in outcomes if not o["cached"]]

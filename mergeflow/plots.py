@@ -1,12 +1,17 @@
-"""Comparison bar charts of per-model test metrics (no pyplot global state)."""
+"""Comparison bar charts of per-model test metrics (no pyplot global state).
+
+matplotlib loads when a figure is drawn: planning a run imports this module without it.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING
 
 from mergeflow.checkpoints import atomic_path
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def plot_comparison(
@@ -26,6 +31,8 @@ def plot_comparison(
         raise ValueError(f"unknown task {task!r}")
     names = list(metrics)
     positions = range(len(names))
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(max(10.0, 0.9 * len(names)), 5.0))
     axes = fig.subplots(1, 2)
     for ax, key in zip(axes, (primary, "nll"), strict=True):
@@ -48,6 +55,8 @@ def plot_barriers(report: dict, path: str | Path) -> None:
     ``report`` is the align stage's metrics: ``{"reference": r, "before": {name: curve}, "after": {...}}``
     with each curve holding ``ts``, ``losses`` and ``barrier``.
     """
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(7.0, 4.5))
     ax = fig.subplots()
     for phase, style in (("before", "--"), ("after", "-")):
@@ -68,6 +77,8 @@ def plot_rounds(curves: dict[str, list[dict]], path: str | Path) -> None:
 
     ``curves`` maps an algorithm to its per-round metrics, round 0 being the starting model.
     """
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(10.0, 4.0))
     axes = fig.subplots(1, 2)
     rows = [row for rows in curves.values() for row in rows]
@@ -87,6 +98,8 @@ def plot_rounds(curves: dict[str, list[dict]], path: str | Path) -> None:
 def plot_selection(selection: dict[str, dict], path: str | Path) -> None:
     """Each searched merge's validation score per candidate (labelled by the searched values), the chosen
     one circled. ``selection`` maps a merge name to the ``selection`` record of its checkpoint."""
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(6.0, 3.2 * len(selection)))
     axes = fig.subplots(len(selection), 1, squeeze=False)[:, 0]
     for ax, (name, record) in zip(axes, selection.items(), strict=True):

@@ -3,12 +3,14 @@ every step of a run is cached, materialise it all without Prefect."""
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from mergeflow.config import Params
 from mergeflow.stages import Stage
-from tasks.steps import Step, StepOutcome, cached_outcomes, resolve, run_steps
+from tasks.steps import Step, StepOutcome, cached_outcomes, resolve
 
 
 def _waves(planned: list) -> list[list[Step]]:
@@ -29,6 +31,8 @@ def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
     """Execute a stage's phases in order and remove stale files from its outputs."""
     from prefect.logging import get_run_logger
 
+    from tasks.execution import run_steps
+
     log = get_run_logger()
     outcomes: list[StepOutcome] = []
     for phase in stage.phases:
@@ -46,9 +50,7 @@ def cached_run(stages: Sequence[Stage], params: Params, root: Path) -> list[Step
     """Every step's outcome when the whole run is cache hits, its outputs materialised and stale
     files pruned, with no Prefect server or task run; None at the first miss (the flow then runs,
     and finds the hits so far again)."""
-    from prefect.settings import get_current_settings
-
-    if get_current_settings().tasks.refresh_cache:
+    if _refresh_cache():
         return None
     outcomes: list[StepOutcome] = []
     for stage in stages:
@@ -62,3 +64,14 @@ def cached_run(stages: Sequence[Stage], params: Params, root: Path) -> list[Step
         _prune(stage, stage_outcomes, root)
         outcomes += stage_outcomes
     return outcomes
+
+
+def _refresh_cache() -> bool:
+    """Whether Prefect is told to refresh every cache (``PREFECT_TASKS_REFRESH_CACHE``): from its settings
+    when Prefect is loaded already (temporary settings in a process), else from the environment, so a
+    fully cached command-line run never imports Prefect."""
+    if "prefect.settings" in sys.modules:
+        from prefect.settings import get_current_settings
+
+        return bool(get_current_settings().tasks.refresh_cache)
+    return os.environ.get("PREFECT_TASKS_REFRESH_CACHE", "").strip().lower() in ("1", "true", "t", "yes", "on")

@@ -95,12 +95,14 @@ def test_same_params_and_seed_give_bit_identical_weights_and_metrics_on_a_dask_c
     assert hashes == cold_run[1]
 
 
-def test_second_run_is_fully_cached(workspace, cli_env):
+def test_second_run_is_fully_cached_and_imports_no_prefect_datasets_or_flwr(workspace, cli_env):
     before = (workspace / "models/merged/average.safetensors").read_bytes()
-    done = run_cli(["run"], workspace, cli_env)
+    done = run_cli(["run"], workspace, {**cli_env, "PYTHONPROFILEIMPORTTIME": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert ran_steps(workspace) == set()
     assert (workspace / "models/merged/average.safetensors").read_bytes() == before
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert imported and not {"prefect", "datasets", "flwr_datasets", "mlflow", "matplotlib"} & imported
 
 
 def test_a_no_op_run_starts_no_prefect_and_restores_deleted_outputs(workspace, monkeypatch, capsys):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from mergeflow.data import save_dataset
-from tasks.steps import Step, run_steps
+from tasks.execution import run_steps
+from tasks.steps import Step
 from tasks.store import sha256_file
 
 CALLS: list[str] = []

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 
 from mergeflow.data.errors import DataError
 from mergeflow.data.features import Categorical, Missing, Standardize, fit_encoder, missing_rows, standardization
 from mergeflow.data.sources import RawData, make_dataset
 from mergeflow.data.split import split_indices
+
+if TYPE_CHECKING:  # datasets loads where it is used: planning a run does not need it
+    import datasets
 
 
 def encode_splits(

@@ -4,29 +4,24 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
-from flwr_datasets.partitioner import (
-    DirichletPartitioner,
-    IidPartitioner,
-    NaturalIdPartitioner,
-    PathologicalPartitioner,
-)
-from flwr_datasets.partitioner.partitioner import Partitioner
-from matplotlib import colormaps
-from matplotlib.figure import Figure
 
 from mergeflow.data.sources import DataError
 from mergeflow.data.storage import arrow_table
-from mergeflow.plots import save_figure
+
+if TYPE_CHECKING:  # flwr-datasets and matplotlib load where they are used: planning a run needs neither
+    import datasets
+    from flwr_datasets.partitioner.partitioner import Partitioner
 
 PARTITION_METHODS = ("iid", "dirichlet", "pathological", "natural")
 REGRESSION_METHODS = ("iid", "natural")
 
 
 def _is_regression(ds: datasets.Dataset) -> bool:
+    import datasets
+
     feature = ds.features["y"]
     return isinstance(feature, datasets.Value) and feature.dtype.startswith("float")
 
@@ -42,6 +37,13 @@ def _partitioner(
     partition_by: str,
 ) -> tuple[Partitioner, datasets.Dataset]:
     """The flwr-datasets partitioner for ``method`` and the dataset to assign to it."""
+    from flwr_datasets.partitioner import (
+        DirichletPartitioner,
+        IidPartitioner,
+        NaturalIdPartitioner,
+        PathologicalPartitioner,
+    )
+
     if method == "iid":
         shuffled = train.shuffle(seed=seed).flatten_indices(keep_in_memory=True)
         return IidPartitioner(num_partitions=num_clients), shuffled
@@ -157,6 +159,8 @@ def partition_stats(parts: list[datasets.Dataset], info: dict[str, Any]) -> dict
 
 def _class_colors(num_classes: int) -> np.ndarray:
     """Distinct colours for up to 20 classes, a continuous colormap beyond."""
+    from matplotlib import colormaps
+
     if num_classes <= 10:
         return colormaps["tab10"](np.arange(num_classes))
     if num_classes <= 20:
@@ -166,6 +170,10 @@ def _class_colors(num_classes: int) -> np.ndarray:
 
 def plot_partition_stats(stats: dict[str, Any], path: str | Path) -> None:
     """Save a PNG: label counts per client as stacked bars, or client sizes for regression."""
+    from matplotlib.figure import Figure
+
+    from mergeflow.plots import save_figure
+
     clients = np.arange(stats["num_clients"])
     fig = Figure(figsize=(8, max(3.0, 0.3 * len(clients) + 1.5)))
     ax = fig.add_subplot()

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
-from sklearn.model_selection import train_test_split
 
 from mergeflow.data.features import fit_encoder
 from mergeflow.data.sources import DataError, _list_array, wrap_table
 from mergeflow.data.storage import arrow_table
+
+if TYPE_CHECKING:  # datasets loads where it is used: planning a run does not need it
+    import datasets
 
 
 def _subset(ds: datasets.Dataset, indices: np.ndarray) -> datasets.Dataset:
@@ -27,6 +28,8 @@ def _split_off(indices: np.ndarray, labels: np.ndarray | None, size: int, seed: 
         n_classes = len(counts)
         if counts.min() >= 2 and size >= n_classes and len(indices) - size >= n_classes:
             stratify = labels[indices]
+    from sklearn.model_selection import train_test_split
+
     rest, taken = train_test_split(indices, test_size=size, random_state=seed, shuffle=True, stratify=stratify)
     return rest, taken
 

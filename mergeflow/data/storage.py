@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mergeflow.data.sources import DataError, wrap_table
+
+if TYPE_CHECKING:  # datasets loads where it is used: planning a run does not need it
+    import datasets
 
 
 def arrow_table(ds: datasets.Dataset) -> pa.Table:

@@ -14,13 +14,15 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 import pyarrow as pa
 
 from mergeflow.data.sources import DataError, _labels, _missing_column, load_table, wrap_table
+
+if TYPE_CHECKING:  # datasets loads where it is used: planning a run does not need it
+    import datasets
 
 # Where a WordNet database is looked for when none is configured: Debian's wordnet-base, then nltk_data.
 WORDNET_ROOTS = ("/usr/share/wordnet", "~/nltk_data/corpora/wordnet", "/usr/share/nltk_data/corpora/wordnet")

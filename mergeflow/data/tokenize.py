@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 import pyarrow as pa
 
 from mergeflow.data.sources import DataError, wrap_table
+
+if TYPE_CHECKING:  # datasets loads where it is used: planning a run does not need it
+    import datasets
 
 TOKENIZER_KINDS = ("bpe",)
 _BATCH = 4096
