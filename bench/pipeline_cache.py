@@ -4,8 +4,9 @@ Usage: python bench/pipeline_cache.py [--params params.yaml] [--no-dvc]
 
 Two groups, each in a fresh workspace with a fresh Prefect home and artifact store:
 
-- ``mergeflow run``: three separate processes (what a user types): cold, unchanged, and
-  after ``merge.options.task_arithmetic.scaling=0.5``;
+- ``mergeflow run``: separate processes (what a user types): ``mergeflow validate``, cold,
+  unchanged (with its per-step lookup cost, from ``.mergeflow/last_run.json``), and after
+  ``merge.options.task_arithmetic.scaling=0.5``;
 - ``dvc repro`` in a git copy of the project (``git ls-files``): the same three cases, where
   every DVC stage is its own ``mergeflow stage`` process.
 
@@ -17,6 +18,7 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -70,10 +72,18 @@ def mergeflow_cases(params: Path, tmp: Path) -> list[tuple[str, float]]:
     shutil.copy(params, workspace / "params.yaml")
     env = fresh_env(tmp / "prefect-run")
     run = [str(BIN / "mergeflow"), "run"]
+    validate, _ = timed([str(BIN / "mergeflow"), "validate"], workspace, env)
     cold, _ = timed(run, workspace, env)
     cached, _ = timed(run, workspace, env)
+    record = json.loads((workspace / ".mergeflow" / "last_run.json").read_text())
+    lookup = record["seconds"] / len(record["steps"]) * 1000
     changed, _ = timed([*run, "-S", f"{'.'.join(CHANGE)}=0.5"], workspace, env)
-    return [("cold run", cold), ("fully cached re-run", cached), ("one merge option changed", changed)]
+    return [
+        ("cold run", cold),
+        ("`mergeflow validate`", validate),
+        (f"fully cached re-run ({len(record['steps'])} steps looked up, {lookup:.2f} ms each)", cached),
+        ("one merge option changed", changed),
+    ]
 
 
 def dvc_cases(params: Path, tmp: Path) -> list[tuple[str, float]]:
