@@ -502,6 +502,9 @@ class EvaluateConfig(_Section):
     noise_std: float = Field(1.0, gt=0)
 
 
+SHORT_STEP_SECONDS = 0.5  # steps shorter than this run one after another in one task run (auto)
+
+
 class OrchestrationConfig(_Section):
     """Where per-client and per-round tasks run.
 
@@ -513,8 +516,10 @@ class OrchestrationConfig(_Section):
     so threads and Dask give bit-identical weights. ``steps_per_task`` > 1 runs that many
     uncached steps (e.g. clients of a round) in one Prefect task run: less orchestration per
     step when steps take milliseconds, while each step is still cached, and resumed, on its own.
-    ``auto`` splits each wave's uncached steps into one task run per worker (``max_workers``
-    threads, or ``dask_workers``), so the workers stay busy and a round costs a few task runs.
+    ``auto`` runs a wave's uncached steps in one task run when the stage's steps so far took
+    under half a second each (a federated round of small models: threads would only contend for
+    the GIL), and otherwise splits them into one task run per worker (``max_workers`` threads, or
+    ``dask_workers``), so the workers stay busy and a wave costs a few task runs.
     """
 
     task_runner: Literal["threads", "dask"] = "threads"
@@ -524,10 +529,13 @@ class OrchestrationConfig(_Section):
     dask_address: str | None = None
     dask_workers: int = Field(2, ge=1)
 
-    def batch_size(self, uncached: int) -> int:
-        """Uncached steps per Prefect task run, for a wave with ``uncached`` of them."""
+    def batch_size(self, uncached: int, typical_seconds: float | None = None) -> int:
+        """Uncached steps per Prefect task run, for a wave with ``uncached`` of them, after steps of the
+        same stage that took ``typical_seconds`` each (None: none ran yet)."""
         if self.steps_per_task != "auto":
             return int(self.steps_per_task)
+        if typical_seconds is not None and typical_seconds < SHORT_STEP_SECONDS:
+            return max(1, uncached)
         workers = self.max_workers if self.task_runner == "threads" else self.dask_workers
         return max(1, -(-uncached // workers))
 

@@ -37,7 +37,12 @@ def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
     outcomes: list[StepOutcome] = []
     for phase in stage.phases:
         for wave in _waves(resolve(phase)(params)):
-            outcomes += run_steps(wave, root, params.orchestration.torch_threads, params.orchestration.batch_size)
+            typical = _typical_seconds(outcomes)
+
+            def batch_size(uncached: int, typical: float | None = typical) -> int:
+                return params.orchestration.batch_size(uncached, typical)
+
+            outcomes += run_steps(wave, root, params.orchestration.torch_threads, batch_size)
     for stale in _prune(stage, outcomes, root):
         log.info("removed stale output %s", stale)
     for outcome in outcomes:
@@ -75,3 +80,9 @@ def _refresh_cache() -> bool:
 
         return bool(get_current_settings().tasks.refresh_cache)
     return os.environ.get("PREFECT_TASKS_REFRESH_CACHE", "").strip().lower() in ("1", "true", "t", "yes", "on")
+
+
+def _typical_seconds(outcomes: list[StepOutcome]) -> float | None:
+    """The median time of the steps that ran so far (None when none did)."""
+    ran = sorted(outcome.seconds for outcome in outcomes if not outcome.cached)
+    return ran[len(ran) // 2] if ran else None

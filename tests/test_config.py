@@ -100,7 +100,7 @@ def test_bad_merge_variants_name_their_key(options, key):
     assert key in str(error.value)
 
 
-def test_steps_per_task_auto_gives_each_worker_one_task_run_per_wave():
+def test_steps_per_task_auto_batches_short_steps_and_spreads_long_ones_over_the_workers():
     from mergeflow.config import OrchestrationConfig
 
     assert OrchestrationConfig().steps_per_task == "auto"
@@ -109,5 +109,8 @@ def test_steps_per_task_auto_gives_each_worker_one_task_run_per_wave():
     assert OrchestrationConfig(max_workers=4).batch_size(1) == 1
     assert OrchestrationConfig(task_runner="dask", max_workers=1, dask_workers=5).batch_size(10) == 2
     assert OrchestrationConfig(max_workers=4, steps_per_task=3).batch_size(10) == 3
+    assert OrchestrationConfig(max_workers=4).batch_size(10, typical_seconds=0.02) == 10  # short steps: one task run
+    assert OrchestrationConfig(max_workers=4).batch_size(10, typical_seconds=3.0) == 3
+    assert OrchestrationConfig(max_workers=4, steps_per_task=1).batch_size(10, typical_seconds=0.02) == 1
     with pytest.raises(ValueError, match="must be 'auto' or at least 1"):
         OrchestrationConfig(steps_per_task=0)
