@@ -8,45 +8,26 @@ import math
 import numpy as np
 import pytest
 import torch
-from text_fixtures import write_topic_csv
+from text_fixtures import tiny_transformer, tokenized_topics
 
-from mergeflow.data.storage import to_arrays
-from mergeflow.data.text import load_text_source
-from mergeflow.data.tokenize import encode_dataset, train_tokenizer, training_texts
 from mergeflow.evaluation import evaluate_outputs, sanity_check, unigram_row_nll
 from mergeflow.fisher import diagonal_fisher, fisher_factors
 from mergeflow.grams import CONV1D, linear_input_grams
 from mergeflow.merge import merge
 from mergeflow.models import build_from_spec
-from mergeflow.models.hf import CausalLM, build_base, save_pretrained
+from mergeflow.models.hf import CausalLM, save_pretrained
 from mergeflow.training import next_token_labels, predict, train
-
-GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2}
 
 
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
     """The topic CSV as token ids (right-padded to 20) and its tokenizer."""
-    path = write_topic_csv(tmp_path_factory.mktemp("clm") / "topics.csv", rows=200)
-    ds, _ = load_text_source("csv", data_files=str(path), text_column="sentence", label_column="topic")
-    tokenizer = train_tokenizer(training_texts(ds), vocab_size=300)
-    X, y = to_arrays(encode_dataset(ds, tokenizer, 20), {"input_shape": [20], "task": "causal_lm"})
+    ds, _, tokenizer, X, y = tokenized_topics(tmp_path_factory.mktemp("clm"))
     return ds, tokenizer, torch.tensor(X), torch.tensor(y)
 
 
-def _lm(seed: int = 0, config: dict | None = None) -> tuple[CausalLM, dict]:
-    return build_base(
-        pretrained=None,
-        config=config or GPT2,
-        num_labels=1,
-        vocab_size=300,
-        max_length=20,
-        pad_token_id=0,
-        sep_token_id=None,
-        dropout=0.0,
-        seed=seed,
-        task="causal_lm",
-    )
+def _lm(seed: int = 0) -> tuple[CausalLM, dict]:
+    return tiny_transformer("gpt2", seed=seed, num_labels=1, task="causal_lm")
 
 
 def test_a_tied_lm_head_is_one_tensor_in_the_state_and_reloads_tied(texts, tmp_path):

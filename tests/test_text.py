@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from text_fixtures import write_topic_csv, write_wordnet
+from text_fixtures import tiny_transformer, tokenized_topics, write_topic_csv, write_wordnet
 
 from mergeflow.data import DataError
 from mergeflow.data.storage import to_arrays
@@ -17,35 +17,11 @@ from mergeflow.models import build_from_spec
 from mergeflow.models.hf import build_base, save_pretrained
 from mergeflow.training import minibatches, train
 
-TINY = {
-    "bert": {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-             "intermediate_size": 64},
-    "gpt2": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2},
-}  # fmt: skip
-
 
 @pytest.fixture(scope="module")
 def topics(tmp_path_factory):
-    """The topic CSV as a text dataset, a WordPiece tokenizer trained on it, and its token ids."""
-    path = write_topic_csv(tmp_path_factory.mktemp("text") / "topics.csv", rows=200)
-    ds, info = load_text_source("csv", data_files=str(path), text_column="sentence", label_column="topic")
-    tokenizer = train_tokenizer(training_texts(ds), vocab_size=300)
-    X, y = to_arrays(encode_dataset(ds, tokenizer, 20), {"input_shape": [20], "task": "classification"})
-    return ds, info, tokenizer, X, y
-
-
-def _model(arch: str, vocab: int = 300, seed: int = 0, num_labels: int = 4):
-    return build_base(
-        pretrained=None,
-        config=TINY[arch],
-        num_labels=num_labels,
-        vocab_size=vocab,
-        max_length=20,
-        pad_token_id=0,
-        sep_token_id=None,
-        dropout=0.0,
-        seed=seed,
-    )
+    """The topic CSV as a text dataset, its info, a BPE tokenizer trained on it, and its token ids."""
+    return tokenized_topics(tmp_path_factory.mktemp("text"))
 
 
 def test_wordnet_glosses_are_labelled_with_their_supersense(tmp_path):
@@ -90,7 +66,7 @@ def test_a_trained_tokenizer_is_deterministic_pads_right_and_cuts_at_max_length(
 @pytest.mark.parametrize("arch", ["bert", "gpt2"])
 def test_padded_batches_give_the_logits_of_each_text_alone(topics, arch):
     X = torch.tensor(topics[3][:6])
-    model, _ = _model(arch)
+    model, _ = tiny_transformer(arch)
     model.eval()
     batch = model(X)
     for row, ids in zip(batch, X, strict=True):
@@ -99,12 +75,12 @@ def test_padded_batches_give_the_logits_of_each_text_alone(topics, arch):
 
 
 def test_a_spec_rebuilds_the_same_model_and_seeds_are_reproducible():
-    model, spec = _model("bert", seed=3)
-    again, _ = _model("bert", seed=3)
+    model, spec = tiny_transformer("bert", seed=3)
+    again, _ = tiny_transformer("bert", seed=3)
     rebuilt = build_from_spec(spec)
     for name, value in model.state_dict().items():
         assert torch.equal(value, again.state_dict()[name]) and torch.equal(value, rebuilt.state_dict()[name])
-    other, _ = _model("bert", seed=4)
+    other, _ = tiny_transformer("bert", seed=4)
     assert not torch.equal(model.state_dict()["model.classifier.weight"], other.state_dict()["model.classifier.weight"])
 
 
@@ -121,7 +97,7 @@ def _per_example_fisher(model, X, y) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("arch", ["bert", "gpt2"])
 def test_fisher_by_vmap_equals_a_per_example_loop(topics, arch):
     X, y = torch.tensor(topics[3][:24]), torch.tensor(topics[4][:24])
-    model, _ = _model(arch)
+    model, _ = tiny_transformer(arch)
     model.eval()
     fisher = diagonal_fisher(model, X, y, kind="empirical", batch_size=8, backend="functorch")
     expected = _per_example_fisher(model, X, y)
@@ -130,13 +106,13 @@ def test_fisher_by_vmap_equals_a_per_example_loop(topics, arch):
 
 
 def test_merging_identical_transformers_returns_that_model(topics):
-    model, _ = _model("bert")
+    model, _ = tiny_transformer("bert")
     state = model.state_dict()
     model.eval()
     fisher = diagonal_fisher(model, topics[3][:16].copy(), topics[4][:16].copy(), kind="empirical", backend="functorch")
     inputs = {
         "average": {},
-        "task_arithmetic": {"base": _model("bert", seed=9)[0].state_dict(), "scaling": 1 / 3},
+        "task_arithmetic": {"base": tiny_transformer("bert", seed=9)[0].state_dict(), "scaling": 1 / 3},
         "fisher": {"fishers": [fisher] * 3},
     }
     for method, extra in inputs.items():
@@ -149,7 +125,7 @@ def test_a_saved_model_reloads_with_from_pretrained_and_predicts_the_same(topics
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     ds, _, tokenizer, X, y = topics
-    model, spec = _model("bert")
+    model, spec = tiny_transformer("bert")
     train(model, X, y, task="classification", epochs=1, lr=1e-3, optimizer="adam", seed=0)
     tokenizer.save_pretrained(str(tmp_path / "tok"))
     save_pretrained(spec, model.state_dict(), tmp_path / "export", tmp_path / "tok")
@@ -179,7 +155,7 @@ def test_lora_trains_a_rank_r_update_of_the_targets_and_the_head_only(topics):
     from mergeflow.models.lora import lora
 
     X, y = topics[3], topics[4]
-    model, _ = _model("bert")
+    model, _ = tiny_transformer("bert")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with lora(model, {"r": 2, "alpha": 4.0, "dropout": 0.0, "target_modules": ["query", "value"]}, seed=0):
         train(model, X, y, task="classification", epochs=2, lr=0.01, optimizer="adam", seed=0)
@@ -196,7 +172,7 @@ def test_lora_trains_a_rank_r_update_of_the_targets_and_the_head_only(topics):
 def test_a_pretrained_directory_loads_its_weights_with_a_new_seeded_head(topics, tmp_path):
     from mergeflow.data.tokenize import load_tokenizer
 
-    model, spec = _model("bert", num_labels=4)
+    model, spec = tiny_transformer("bert", num_labels=4)
     tokenizer = topics[2]
     tokenizer.save_pretrained(str(tmp_path / "tok"))
     save_pretrained(spec, model.state_dict(), tmp_path / "pretrained", tmp_path / "tok")
@@ -215,7 +191,7 @@ def test_a_pretrained_directory_loads_its_weights_with_a_new_seeded_head(topics,
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(topics, tmp_path):
     from mergeflow.data.tokenize import check_vocabulary
 
-    model, spec = _model("bert", vocab=300)
+    model, spec = tiny_transformer("bert")
     save_pretrained(spec, model.state_dict(), tmp_path / "small", None)
     bigger = train_tokenizer(training_texts(topics[0]), vocab_size=400)
     assert len(bigger) > 300
@@ -249,7 +225,7 @@ def test_language_model_pretraining_trains_the_body_reproducibly(topics, arch, o
     ids = torch.tensor(topics[3])
     runs = []
     for _ in range(2):
-        model, _ = _model(arch)
+        model, _ = tiny_transformer(arch)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         losses = pretrain_language_model(model, ids, special, objective=objective, epochs=3, lr=3e-3, seed=0)
         runs.append(model.state_dict())

@@ -62,3 +62,42 @@ def write_wordnet(directory: Path) -> Path:
         (directory / f"data.{pos}").write_text(text)
         (directory / f"index.{pos}").write_text(header + "".join(sorted(index.splitlines(True)[1:])))
     return directory
+
+
+TINY = {
+    "bert": {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "intermediate_size": 64},
+    "gpt2": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2},
+}  # fmt: skip
+
+
+def tokenized_topics(directory: Path, rows: int = 200, vocab_size: int = 300, max_length: int = 20):
+    """The topic CSV as a text dataset, its info, a BPE tokenizer trained on it, and token ids and labels."""
+    from mergeflow.data.storage import to_arrays
+    from mergeflow.data.text import load_text_source
+    from mergeflow.data.tokenize import encode_dataset, train_tokenizer, training_texts
+
+    path = write_topic_csv(directory / "topics.csv", rows=rows)
+    ds, info = load_text_source("csv", data_files=str(path), text_column="sentence", label_column="topic")
+    tokenizer = train_tokenizer(training_texts(ds), vocab_size=vocab_size)
+    layout = {"input_shape": [max_length], "task": "classification"}
+    X, y = to_arrays(encode_dataset(ds, tokenizer, max_length), layout)
+    return ds, info, tokenizer, X, y
+
+
+def tiny_transformer(arch: str, *, seed: int = 0, num_labels: int = 4, task: str = "sequence_classification"):
+    """A 2-layer, 32-wide BERT or GPT-2 from config over a 300-token vocabulary (padding id 0), and its spec."""
+    from mergeflow.models.hf import build_base
+
+    return build_base(
+        pretrained=None,
+        config=TINY[arch],
+        num_labels=num_labels,
+        vocab_size=300,
+        max_length=20,
+        pad_token_id=0,
+        sep_token_id=None,
+        dropout=0.0,
+        seed=seed,
+        task=task,
+    )
