@@ -1,70 +1,45 @@
-"""Streaming merge of K large safetensors checkpoints against a raw read and a naive merge.
+"""Streaming merges of K Hugging Face GPT-2 checkpoints against a raw read of the files and a naive merge.
 
-Usage: python bench/streaming_merge.py [--models 8] [--params 50e6] [--dir /tmp/mergeflow-stream]
+Usage: python bench/streaming_merge.py [--models 4 8] [--n-layer 12] [--shard-size 200MB] [--dir DIR] [--keep]
 
-Writes K synthetic float32 checkpoints of about ``--params`` parameters each (50 tensors),
-then times, each in a fresh subprocess so that peak RSS is its own:
+Writes GPT-2 checkpoints with ``save_pretrained`` (``GPT2Config()``: 124M parameters, float32,
+sharded at ``--shard-size``): a base model, K fine-tuned stand-ins (the base plus noise) and K
+diagonal Fishers in the same format. For each K it then runs, each case in a fresh interpreter:
 
-- a raw read of the same files (every byte, 64 MiB at a time): the I/O floor;
-- ``merge_files("average")``: mergeflow's streaming merge, tensor by tensor in and out;
-- ``merge_files("fisher")`` with K Fisher files beside the checkpoints;
-- ``merge_files`` with ``task_arithmetic``, ``ties``, ``dare_ties`` and ``model_stock`` (the first
-  checkpoint standing in for the base model);
-- a naive merge: ``load_file`` every model, stack, mean, ``save_file``.
+- a raw read of the K models' files (every byte, ``readinto`` a 64 MiB buffer): the I/O floor;
+- a naive merge: ``load_file`` every shard of every model, ``torch.stack(...).mean(0)``, ``save_file``;
+- ``merge_files`` for every tensor-scope method into an HF directory (``slerp`` on the first two
+  models; methods that need a base get the base model, ``fisher`` the K Fisher directories).
 
-It prints wall time as a ratio to the raw read and the peak anonymous memory the case adds
-(``RssAnon`` sampled every 5 ms, less its value before the case starts; page-cache pages of the
-files do not count) as a ratio to one model's size. Record the output in docs/benchmarks.md.
+It prints one table per K: seconds after imports and as a ratio to the raw read, seconds of the
+whole process (interpreter start and imports included), and the peak anonymous memory the case
+added (``RssAnon`` sampled every 5 ms less its value after imports; page-cache pages of the files
+do not count) in MiB and as a ratio to one model's size. Then the error of the streamed and the
+naive average against a float64 reference (the float64 mean rounded once to float32). Files are
+read once before each K, so every case finds them in the page cache.
+Record the output in docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-CASES = {
-    "raw read": """
-for p in paths:
-    with open(p, "rb") as f:
-        while f.read(1 << 26):
-            pass
-""",
-    "streaming average": """
-merge_files("average", paths, out)
-""",
-    "streaming fisher": """
-merge_files("fisher", paths, out, fishers=fishers, weights=[1.0] * len(paths))
-""",
-    "streaming task_arithmetic": """
-merge_files("task_arithmetic", paths, out, base=paths[0], scaling=0.3)
-""",
-    "streaming ties": """
-merge_files("ties", paths, out, base=paths[0], density=0.2)
-""",
-    "streaming dare_ties": """
-merge_files("dare_ties", paths, out, base=paths[0], drop_rate=0.9)
-""",
-    "streaming model_stock": """
-merge_files("model_stock", paths, out, base=paths[0])
-""",
-    "naive load + stack": """
-from safetensors.torch import load_file, save_file
-states = [load_file(p) for p in paths]
-save_file({k: torch.stack([s[k] for s in states]).mean(0) for k in states[0]}, out)
-""",
-    "import only": "",
-}
+import torch
 
 _PROLOGUE = """
 import json, sys, threading, time
+from pathlib import Path
 import torch, safetensors.torch
 from mergeflow.merge.streaming import merge_files
 torch.set_num_threads(2)
-paths, fishers, out = json.loads(sys.argv[1])
+case = json.loads(sys.argv[1])
+models, base, fishers, out = case["models"], case["base"], case["fishers"], case["out"]
 
 
 def rss_anon():
@@ -82,7 +57,7 @@ def sample():
         time.sleep(0.005)
 
 
-sampler = threading.Thread(target=sample)
+sampler = threading.Thread(target=sample, daemon=True)
 sampler.start()
 started = time.perf_counter()
 """
@@ -92,63 +67,183 @@ done.set()
 sampler.join()
 print(json.dumps({"seconds": seconds, "anon_kib": max(peak[0], rss_anon()) - start_kib}))
 """
+_RAW_READ = """
+buffer = bytearray(1 << 26)
+for directory in models:
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
+"""
+_NAIVE = """
+from safetensors.torch import load_file, save_file
+states = []
+for directory in models:
+    states.append({})
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        states[-1].update(load_file(path))
+Path(out).mkdir(parents=True)
+save_file({k: torch.stack([s[k] for s in states]).mean(0) for k in states[0]}, f"{out}/model.safetensors")
+"""
+_ARGUMENTS = {
+    "weighted": "weights=[1.0 + k for k in range(len(models))]",
+    "task_arithmetic": "base=base, scaling=0.3",
+    "fisher": "fishers=fishers, weights=[1.0] * len(models)",
+    "ties": "base=base, density=0.2",
+    "dare_linear": "base=base, drop_rate=0.9",
+    "dare_ties": "base=base, drop_rate=0.9",
+    "model_stock": "base=base",
+    "slerp": "t=0.5",
+}
 
 
-def write_checkpoints(directory: Path, models: int, params: float) -> tuple[list[str], list[str], int]:
-    """K checkpoints and K Fisher files of 50 equal float32 tensors; returns paths and model bytes."""
-    import torch
-    from safetensors.torch import save_file
+def cases() -> dict[str, str]:
+    """Case name -> code run between the prologue and the epilogue."""
+    from mergeflow.merge import METHODS
 
-    directory.mkdir(parents=True, exist_ok=True)
-    per_tensor = int(params) // 50
-    paths, fishers = [], []
-    for k in range(models):
-        generator = torch.Generator().manual_seed(k)
-        for kind, target in (("model", paths), ("fisher", fishers)):
-            path = directory / f"{kind}_{k}.safetensors"
-            if not path.exists():
-                tensors = {f"layer{i}.weight": torch.rand(per_tensor, generator=generator) for i in range(50)}
-                save_file(tensors, str(path))
-            target.append(str(path))
-    return paths, fishers, 50 * per_tensor * 4
+    methods = sorted(name for name, spec in METHODS.items() if spec.scope == "tensor")
+    streaming = {
+        f"merge_files({name!r})": f"merge_files({name!r}, models{'[:2]' if name == 'slerp' else ''}, out, "
+        f"max_shard_size=case['shard_size'], {_ARGUMENTS.get(name, '')})"
+        for name in methods
+    }
+    return {"raw read": _RAW_READ, "naive: load, stack, mean, save": _NAIVE, **streaming, "import only": ""}
 
 
-def run_case(code: str, paths: list[str], fishers: list[str], out: str) -> dict[str, float]:
-    """Run one case in a fresh interpreter; its wall time and the peak anonymous memory it added."""
+def write_checkpoints(directory: Path, count: int, n_layer: int, shard_size: str) -> tuple[list[str], str, list[str]]:
+    """A base GPT-2, ``count`` noisy copies and ``count`` Fishers as HF directories (kept between runs)."""
+    from huggingface_hub import save_torch_state_dict
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    base, models, fishers = directory / "base", [], []
+    paths = [directory / f"model_{k}" for k in range(count)] + [directory / f"fisher_{k}" for k in range(count)]
+    if base.exists() and all(p.exists() for p in paths):
+        return [str(p) for p in paths[:count]], str(base), [str(p) for p in paths[count:]]
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=n_layer))
+    model.save_pretrained(base, max_shard_size=shard_size)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for k in range(count):
+        generator = torch.Generator().manual_seed(k + 1)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                parameter.copy_(state[name] + 0.01 * torch.randn(parameter.shape, generator=generator))
+        model.save_pretrained(directory / f"model_{k}", max_shard_size=shard_size)
+        fisher = {
+            name: torch.rand(parameter.shape, generator=generator) for name, parameter in model.named_parameters()
+        }
+        (directory / f"fisher_{k}").mkdir(exist_ok=True)
+        save_torch_state_dict(fisher, directory / f"fisher_{k}", max_shard_size=shard_size)
+        models.append(str(directory / f"model_{k}"))
+        fishers.append(str(directory / f"fisher_{k}"))
+    return models, str(base), fishers
+
+
+def run_case(code: str, case: dict) -> dict[str, float]:
+    """Run one case in a fresh interpreter; its times and the peak anonymous memory it added."""
+    started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-c", _PROLOGUE + code + _EPILOGUE, json.dumps([paths, fishers, out])],
+        [sys.executable, "-c", _PROLOGUE + code + _EPILOGUE, json.dumps(case)],
         capture_output=True,
         text=True,
-        check=True,
     )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["process"] = time.perf_counter() - started
+    return result
+
+
+def accuracy(models: list[str], outputs: dict[str, Path]) -> dict[str, tuple[float, float]]:
+    """Per output: the fraction of elements that differ from the float64 mean rounded once to float32, and the
+    largest difference in units in the last place of the largest input at that element (the scale a float32
+    sum works at; the result's own ulp is tiny where the inputs cancel)."""
+    from mergeflow.hf_checkpoints import open_checkpoint
+
+    checkpoints = [open_checkpoint(m) for m in models]
+    results = {}
+    for name, out in outputs.items():
+        merged = open_checkpoint(out)
+        differ = total = 0
+        worst = 0.0
+        for key in merged:
+            inputs = torch.stack([c[key].double() for c in checkpoints])
+            reference = inputs.mean(0).float()
+            scale = inputs.abs().amax(0).float()
+            ulp = (torch.nextafter(scale, torch.tensor(float("inf"))) - scale).double()
+            gap = (merged[key].double() - reference.double()).abs()
+            differ += int((gap > 0).sum())
+            total += gap.numel()
+            worst = max(worst, float((gap / ulp).max()))
+        merged.close()
+        results[name] = (differ / total, worst)
+    for checkpoint in checkpoints:
+        checkpoint.close()
+    return results
+
+
+def warm(paths: list[str]) -> None:
+    """Read every file once, so that every case finds them in the page cache."""
+    buffer = bytearray(1 << 26)
+    for directory in paths:
+        for path in Path(directory).glob("*.safetensors"):
+            with path.open("rb", buffering=0) as f:
+                while f.readinto(buffer):
+                    pass
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=int, default=8)
-    parser.add_argument("--params", type=float, default=50e6)
-    parser.add_argument("--dir", default="/tmp/mergeflow-stream")
+    parser.add_argument("--models", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--n-layer", type=int, default=12)
+    parser.add_argument("--shard-size", default="200MB")
+    parser.add_argument("--dir", default="/tmp/mergeflow-stream-gpt2")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints for another run")
     args = parser.parse_args()
     directory = Path(args.dir)
-    paths, fishers, model_bytes = write_checkpoints(directory, args.models, args.params)
-    out = str(directory / "merged.safetensors")
-    results = {}
-    for name, code in CASES.items():
-        started = time.perf_counter()
-        results[name] = run_case(code, paths, fishers, out)
-        results[name]["wall"] = time.perf_counter() - started
-    results.pop("import only")
-    raw = results["raw read"]["seconds"]
-    print(f"K = {args.models} checkpoints of {model_bytes / 2**20:.0f} MiB (float32), torch threads 2")
-    print("| case | seconds | ÷ raw read | peak anonymous memory (MiB) | ÷ one model |")
-    print("|---|---:|---:|---:|---:|")
-    for name, r in results.items():
-        extra = r["anon_kib"] * 1024
+    models, base, fishers = write_checkpoints(directory, max(args.models), args.n_layer, args.shard_size)
+    model_bytes = sum(p.stat().st_size for p in Path(models[0]).glob("*.safetensors"))
+    print(
+        f"GPT-2 (n_layer={args.n_layer}), float32, {model_bytes / 2**20:.0f} MiB per model, shards of {args.shard_size}"
+    )
+    for count in args.models:
+        warm([*models[:count], base, *fishers[:count]])
+        results, outputs = {}, {}
+        for name, code in cases().items():
+            out = directory / "out" / name.replace(" ", "_").replace("'", "").replace("(", "").replace(")", "")
+            shutil.rmtree(out, ignore_errors=True)
+            case = {
+                "models": models[:count],
+                "base": base,
+                "fishers": fishers[:count],
+                "out": str(out),
+                "shard_size": args.shard_size,
+            }
+            results[name] = run_case(code, case)
+            if name in ("merge_files('average')", "naive: load, stack, mean, save"):
+                outputs[name] = out
+            elif out.exists():
+                shutil.rmtree(out)
+        start = results.pop("import only")
+        raw = results["raw read"]["seconds"]
         print(
-            f"| {name} | {r['seconds']:.2f} | {r['seconds'] / raw:.2f} | {extra / 2**20:.0f} | "
-            f"{extra / model_bytes:.2f} |"
+            f"\nK = {count}, torch threads 2; an interpreter that imports torch and mergeflow: {start['process']:.2f} s"
         )
+        print("| case | seconds | ÷ raw read | process seconds | peak anonymous memory (MiB) | ÷ one model |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, r in results.items():
+            extra = r["anon_kib"] * 1024
+            print(
+                f"| {name} | {r['seconds']:.2f} | {r['seconds'] / raw:.2f} | {r['process']:.2f} | "
+                f"{extra / 2**20:.0f} | {extra / model_bytes:.2f} |"
+            )
+        print("\n| average | elements ≠ float64 reference | largest difference (ulp of the largest input) |")
+        print("|---|---:|---:|")
+        for name, (fraction, worst) in accuracy(models[:count], outputs).items():
+            print(f"| {name} | {fraction:.2e} | {worst:.2f} |")
+        shutil.rmtree(directory / "out")
+    if not args.keep:
+        shutil.rmtree(directory)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,26 @@
-"""Streaming merges from safetensors files equal the in-memory merges, and write valid files."""
+"""Streaming merges from safetensors files and Hugging Face directories equal the in-memory merges.
+
+Tolerance: none. Streaming runs each method's float64 arithmetic on the same elements as the
+in-memory merge (elementwise methods in blocks, the others on whole tensors) and rounds once to
+the output dtype, so the tests compare bit for bit.
+"""
 
 from __future__ import annotations
 
+import json
+import threading
+
 import pytest
 import torch
+from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mergeflow.errors import MergeflowError
-from mergeflow.merge import merge
+from mergeflow.merge import METHODS, merge, streaming
 from mergeflow.merge.streaming import merge_files
+
+TENSOR_METHODS = sorted(name for name, spec in METHODS.items() if spec.scope == "tensor")
 
 
 def _write(tmp_path, count: int = 3, dtype=torch.float32):
@@ -37,6 +48,116 @@ def _write(tmp_path, count: int = 3, dtype=torch.float32):
     return states, fishers, base, paths, fisher_paths
 
 
+def _gpt2(seed: int, dtype: torch.dtype):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(
+        GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0)
+    ).to(dtype)
+
+
+def _tokenizer(directory):
+    from transformers import GPT2Tokenizer
+
+    vocab = {token: i for i, token in enumerate(["<|endoftext|>", "a", "b", "c", "ab"])}
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_text("#version: 0.2\na b\n")
+    return GPT2Tokenizer(vocab_file=str(directory / "vocab.json"), merges_file=str(directory / "merges.txt"))
+
+
+def _save_sharded(state: dict[str, torch.Tensor], directory) -> None:
+    directory.mkdir()
+    save_torch_state_dict(state, directory, max_shard_size="20KB")
+
+
+def _load_dir(directory) -> dict[str, torch.Tensor]:
+    shards = set(json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"].values())
+    return {key: value for shard in sorted(shards) for key, value in load_file(str(directory / shard)).items()}
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def gpt2_dirs(request, tmp_path_factory):
+    """Three fine-tuned GPT-2s, a base and three Fishers (no Fisher for ``wpe``), as sharded HF directories."""
+    dtype = request.param
+    root = tmp_path_factory.mktemp(f"gpt2-{str(dtype).removeprefix('torch.')}")
+    models = []
+    for seed in range(4):
+        model = _gpt2(seed, dtype)
+        model.save_pretrained(root / f"model_{seed}", max_shard_size="20KB")
+        models.append(root / f"model_{seed}")
+    _tokenizer(root).save_pretrained(root / "model_0")
+    generator = torch.Generator().manual_seed(9)
+    fishers = []
+    for k in range(3):
+        fisher = {
+            key: torch.rand(value.shape, generator=generator).to(dtype)
+            for key, value in _load_dir(models[k]).items()
+            if key != "transformer.wpe.weight"
+        }
+        _save_sharded(fisher, root / f"fisher_{k}")
+        fishers.append(root / f"fisher_{k}")
+    return dtype, models[:3], models[3], fishers
+
+
+@pytest.mark.parametrize("method", TENSOR_METHODS)
+def test_streaming_equals_the_in_memory_merge_on_sharded_checkpoints(gpt2_dirs, tmp_path, monkeypatch, method):
+    dtype, models, base, fishers = gpt2_dirs
+    monkeypatch.setattr(streaming, "BLOCK", 1024)  # several blocks per tensor, and a partial last one
+    spec = METHODS[method]
+    count = 2 if method == "slerp" else 3
+    files, memory = {}, {}
+    if "base" in spec.needs:
+        files["base"], memory["base"] = base, _load_dir(base)
+    if "fishers" in spec.needs:
+        files["fishers"], memory["fishers"] = fishers[:count], [_load_dir(f) for f in fishers[:count]]
+    if "sizes" in spec.needs or "fishers" in spec.needs:
+        files["weights"] = memory["weights"] = [1.0, 2.0, 4.0][:count]
+    assert all(need in ("base", "fishers", "sizes") for need in spec.needs), f"give the test {method}'s inputs"
+    merge_files(method, models[:count], tmp_path / "merged", max_shard_size="20KB", **files)
+    expected = merge(method, [_load_dir(m) for m in models[:count]], **memory)
+    streamed = _load_dir(tmp_path / "merged")
+    assert streamed.keys() == expected.keys()
+    for key in expected:
+        assert streamed[key].dtype == dtype == expected[key].dtype
+        torch.testing.assert_close(streamed[key], expected[key], rtol=0, atol=0)
+
+
+def test_merged_directory_reloads_with_transformers_and_keeps_tied_weights(gpt2_dirs, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype, models, _, _ = gpt2_dirs
+    out = tmp_path / "merged"
+    merge_files("average", models, out, max_shard_size="20KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (models[0] / name).read_bytes()
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == AutoTokenizer.from_pretrained(models[0]).get_vocab()
+
+    inputs = [AutoModelForCausalLM.from_pretrained(m, dtype=dtype).state_dict() for m in models]
+    expected = merge("average", inputs)
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=dtype)
+    assert merged.lm_head.weight.data_ptr() == merged.transformer.wte.weight.data_ptr()
+    reloaded = merged.state_dict()
+    assert reloaded.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(reloaded[key], expected[key], rtol=0, atol=0)
+
+
+def test_half_precision_stays_half_unless_out_dtype_asks(gpt2_dirs, tmp_path):
+    dtype, models, _, _ = gpt2_dirs
+    merge_files("average", models, tmp_path / "kept")
+    assert (tmp_path / "kept" / "model.safetensors").is_file()  # below the default 5GB: one file, no index
+    kept = load_file(str(tmp_path / "kept" / "model.safetensors"))
+    assert {t.dtype for t in kept.values()} == {dtype}
+    merge_files("average", models, tmp_path / "wide", out_dtype="float64")
+    wide = load_file(str(tmp_path / "wide" / "model.safetensors"))
+    assert {t.dtype for t in wide.values()} == {torch.float64}
+    assert json.loads((tmp_path / "wide" / "config.json").read_text())["dtype"] == "float64"
+    torch.testing.assert_close(wide["transformer.wte.weight"].to(dtype), kept["transformer.wte.weight"])
+
+
 @pytest.mark.parametrize(
     ("method", "extra"),
     [
@@ -46,15 +167,13 @@ def _write(tmp_path, count: int = 3, dtype=torch.float32):
         ("fisher", {"weights": [1, 2, 3]}),
         ("ties", {"density": 0.3}),
         ("dare_linear", {"drop_rate": 0.5, "seed": 3}),
-        ("dare_ties", {"drop_rate": 0.5}),
         ("model_stock", {}),
     ],
 )
-def test_streaming_merge_equals_the_in_memory_merge(tmp_path, method, extra):
+def test_single_files_with_integer_tensors_stream_like_the_in_memory_merge(tmp_path, method, extra):
     states, fishers, base, paths, fisher_paths = _write(tmp_path)
-    files = {}
-    memory = {}
-    if method in ("task_arithmetic", "ties", "dare_linear", "dare_ties", "model_stock"):
+    files, memory = {}, {}
+    if "base" in METHODS[method].needs:
         files["base"], memory["base"] = tmp_path / "base.safetensors", base
     if method == "fisher":
         files["fishers"], memory["fishers"] = fisher_paths, fishers
@@ -70,26 +189,92 @@ def test_streaming_merge_equals_the_in_memory_merge(tmp_path, method, extra):
         assert f.metadata() == {"method": method}
 
 
-def test_streaming_keeps_half_precision_dtypes(tmp_path):
-    states, _, _, paths, _ = _write(tmp_path, dtype=torch.bfloat16)
-    merge_files("average", paths, tmp_path / "m.safetensors")
-    streamed = load_file(str(tmp_path / "m.safetensors"))
-    torch.testing.assert_close(streamed["layer.weight"], merge("average", states)["layer.weight"], rtol=0, atol=0)
-    assert streamed["layer.weight"].dtype == torch.bfloat16
+def test_accumulation_is_float64_rounded_once(tmp_path):
+    """float32 inputs whose float32 running sum loses digits: the streamed mean is the float64 mean rounded once."""
+    big, small = torch.full((300_000,), 2.0**24), torch.full((300_000,), 1.0)
+    paths = []
+    for k, tensor in enumerate([big, small, small, -big]):
+        paths.append(tmp_path / f"m{k}.safetensors")
+        save_file({"w": tensor}, str(paths[-1]))
+    merge_files("average", paths, tmp_path / "out.safetensors")
+    assert torch.equal(load_file(str(tmp_path / "out.safetensors"))["w"], torch.full((300_000,), 0.5))
 
 
-def test_streaming_refuses_coupled_methods_mismatched_models_and_leaves_no_file(tmp_path):
+def test_refusals_name_the_file_and_leave_no_output(tmp_path):
     _, _, _, paths, fisher_paths = _write(tmp_path)
     out = tmp_path / "m.safetensors"
     with pytest.raises(MergeflowError, match="cannot stream"):
         merge_files("exact", paths, out, fishers=fisher_paths)
+    with pytest.raises(MergeflowError, match="needs sizes"):
+        merge_files("weighted", paths, out)
+    with pytest.raises(MergeflowError, match="out_dtype 'int8'"):
+        merge_files("average", paths, out, out_dtype="int8")
     save_file(
         {"layer.weight": torch.zeros(7, 4), "layer.bias": torch.zeros(7), "steps": torch.zeros(1)},
         str(tmp_path / "odd.safetensors"),
     )
-    with pytest.raises(MergeflowError, match="architectures differ"):
+    with pytest.raises(MergeflowError, match="odd.safetensors.*architectures differ"):
         merge_files("average", [*paths, tmp_path / "odd.safetensors"], out)
     (tmp_path / "broken.safetensors").write_bytes(b"\x80\x04not safetensors")
     with pytest.raises(MergeflowError, match="broken.safetensors"):
         merge_files("average", [*paths, tmp_path / "broken.safetensors"], out)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(paths[0].read_bytes()[:-8])
+    with pytest.raises(MergeflowError, match="truncated.safetensors: truncated"):
+        merge_files("average", [*paths, truncated], out)
     assert not out.exists() and not list(tmp_path.glob(".m.safetensors*"))
+
+
+def test_bad_directories_raise_one_clear_error_naming_the_file(gpt2_dirs, tmp_path):
+    _, models, _, _ = gpt2_dirs
+    out = tmp_path / "merged"
+
+    def refused(inputs, pattern):
+        with pytest.raises(MergeflowError, match=pattern):
+            merge_files("average", inputs, out)
+
+    refused([models[0], tmp_path / "missing"], "missing: checkpoint not found")
+    (tmp_path / "empty").mkdir()
+    refused([models[0], tmp_path / "empty"], "empty: no model.safetensors or model.safetensors.index.json")
+    lost = tmp_path / "lost"
+    lost.mkdir()
+    index = json.loads((models[1] / "model.safetensors.index.json").read_text())
+    (lost / "model.safetensors.index.json").write_text(json.dumps(index))
+    first_shard = next(iter(index["weight_map"].values()))
+    refused([models[0], lost], f"lost/model.safetensors.index.json: names shard {first_shard}, which is missing")
+    fewer = tmp_path / "fewer"
+    state = _load_dir(models[1])
+    state.pop("transformer.h.1.mlp.c_proj.bias")
+    _save_sharded(state, fewer)
+    refused([models[0], fewer], "fewer: different tensors from .*: transformer.h.1.mlp.c_proj.bias")
+    wider = tmp_path / "wider"
+    model = _gpt2(0, torch.float32)
+    model.resize_token_embeddings(101)
+    model.save_pretrained(wider, max_shard_size="20KB")
+    refused([models[0], wider], "wider: tensor 'transformer.wte.weight' has shape .*architectures differ")
+    assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_failed_merge_leaves_the_previous_output_whole(gpt2_dirs, tmp_path, monkeypatch):
+    _, models, _, _ = gpt2_dirs
+    out = tmp_path / "merged"
+    merge_files("average", models[:2], out, max_shard_size="20KB")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    writes = []
+
+    def failing_write(self, key, data):
+        writes.append(key)
+        if len(writes) > 5:
+            raise OSError("disk full")
+
+    monkeypatch.setattr(streaming.ShardedWriter, "write", failing_write)
+    threads = torch.get_num_threads()
+    with pytest.raises(OSError, match="disk full") as failure:  # its traceback keeps merge_files' frame alive
+        merge_files("average", models, out, max_shard_size="20KB")
+    assert failure.traceback and torch.get_num_threads() == threads
+    assert "mergeflow-reader" not in [thread.name for thread in threading.enumerate()]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["merged"]
+    monkeypatch.undo()
+    merge_files("average", models, out, max_shard_size="20KB")  # replaces the older output
+    torch.testing.assert_close(_load_dir(out), merge("average", [_load_dir(m) for m in models]), rtol=0, atol=0)

@@ -22,7 +22,7 @@ class DareOptions(BaseModel):
 def _dropped(x: TensorInputs, options: DareOptions) -> torch.Tensor:
     assert x.base is not None  # guaranteed by needs=("base",)
     generator = tensor_generator(options.seed, x.name)
-    return drop_and_rescale(torch.stack(x.tensors) - x.base, options.drop_rate, generator)
+    return drop_and_rescale(x.stacked() - x.base, options.drop_rate, generator)
 
 
 @merge_method("dare_linear", options=DareOptions, needs=("base",))

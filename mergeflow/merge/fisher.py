@@ -25,7 +25,7 @@ class FisherOptions(BaseModel):
     floor: float = Field(1e-8, ge=0)
 
 
-@merge_method("fisher", options=FisherOptions, needs=("fishers",))
+@merge_method("fisher", options=FisherOptions, needs=("fishers",), elementwise=True)
 def fisher(x: TensorInputs, options: FisherOptions) -> torch.Tensor:
     """θ* = Σ λ_k F_k θ_k / Σ λ_k F_k, elementwise."""
     assert x.fishers is not None
@@ -39,5 +39,9 @@ def fisher(x: TensorInputs, options: FisherOptions) -> torch.Tensor:
         lam = lam * x.weights
     if options.normalize:
         lam = lam / x.fisher_norms.clamp_min(1e-30)
-    precisions = torch.stack([lam[k] * f.clamp_min(options.floor) for k, f in enumerate(x.fishers)])
-    return (precisions * torch.stack(x.tensors)).sum(0) / precisions.sum(0)
+    weighted_sum, precision = torch.zeros_like(x.tensors[0]), torch.zeros_like(x.tensors[0])
+    for scale, theta, f in zip(lam.tolist(), x.tensors, x.fishers, strict=True):
+        term = f.clamp_min(options.floor).mul_(scale)
+        precision += term
+        weighted_sum.addcmul_(term, theta)
+    return weighted_sum.div_(precision)

@@ -26,6 +26,6 @@ def stock_ratio(tasks: torch.Tensor) -> float:
 def model_stock(x: TensorInputs, options: object) -> torch.Tensor:
     """Model Stock: t · average + (1 − t) · base per tensor, t from the task vectors' mean pairwise angle."""
     assert x.base is not None  # guaranteed by needs=("base",)
-    stacked = torch.stack(x.tensors)
+    stacked = x.stacked()
     ratio = stock_ratio(stacked - x.base)
     return ratio * stacked.mean(dim=0) + (1 - ratio) * x.base

@@ -4,7 +4,9 @@ Two scopes:
 
 - ``scope="tensor"`` (default): a function over the K clients' copies of one tensor
   (``TensorInputs``). The same code then merges in-memory state dicts or tensors streamed
-  one by one from safetensors files.
+  one by one from safetensors files. ``elementwise=True`` declares that each output element
+  depends only on the same element of the inputs, so streaming merges such a method in blocks
+  of elements (``mergeflow.merge.streaming``).
 - ``scope="model"``: a function over whole models (``ModelInputs``), for methods that couple
   all parameters, such as the exact Gaussian merge (one CG solve over the flattened model).
 
@@ -26,6 +28,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mergeflow.errors import ConfigError, MergeflowError
+from mergeflow.merge.sums import mean
 
 State = Mapping[str, torch.Tensor]
 NEEDS = ("base", "sizes", "fishers", "factors", "grams", "scorer")
@@ -42,6 +45,8 @@ class NoOptions(BaseModel):
 class TensorInputs:
     """One tensor across clients, in float64. ``weights`` are n_k/N (uniform without sizes).
 
+    For an elementwise method the streaming merge passes a block of the tensor's elements
+    (flattened) instead of the whole tensor. Methods must not modify the tensors in place.
     ``fisher_norms`` (each client's global Fisher L2 norm) is computed on first use only: it
     takes a pass over every Fisher tensor, which most methods never need.
     """
@@ -52,11 +57,16 @@ class TensorInputs:
     base: torch.Tensor | None = None
     fishers: list[torch.Tensor] | None = None
     norms: Callable[[], torch.Tensor] | None = None
+    stack: torch.Tensor | None = None
 
     @property
     def fisher_norms(self) -> torch.Tensor | None:
         """Global L2 norm of each client's Fisher, or None without Fishers."""
         return self.norms() if self.norms is not None else None
+
+    def stacked(self) -> torch.Tensor:
+        """The K tensors as one ``(K, ...)`` tensor: the streaming merge's buffer as is, else a new stack."""
+        return self.stack if self.stack is not None else torch.stack(self.tensors)
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,7 @@ class MergeMethod:
     needs: frozenset[str]
     uses: frozenset[str]
     summary: str
+    elementwise: bool = False
 
 
 METHODS: dict[str, MergeMethod] = {}
@@ -120,23 +131,27 @@ def merge_method(
     needs: Sequence[str] = (),
     uses: Sequence[str] = (),
     scope: Literal["tensor", "model"] = "tensor",
+    elementwise: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a merge method under ``name``.
 
     Tensor scope: ``fn(x: TensorInputs, options) -> tensor``. Model scope:
     ``fn(x: ModelInputs, options) -> MergeResult | dict``. ``needs`` are required inputs,
     ``uses`` optional ones that the pipeline supplies when it has them (e.g. factors).
+    ``elementwise``: output element i depends only on element i of each input (tensor scope).
     """
     unknown = (set(needs) | set(uses)) - set(NEEDS)
     if unknown:
         raise ValueError(f"merge method {name!r} needs unknown inputs {sorted(unknown)}; known: {NEEDS}")
+    if elementwise and scope != "tensor":
+        raise ValueError(f"merge method {name!r}: only tensor-scope methods can be elementwise")
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         if name in METHODS:
             raise ValueError(f"merge method {name!r} is registered twice")
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
         METHODS[name] = MergeMethod(
-            name, fn, scope, options, frozenset(needs), frozenset(needs) | frozenset(uses), summary
+            name, fn, scope, options, frozenset(needs), frozenset(needs) | frozenset(uses), summary, elementwise
         )
         return fn
 
@@ -181,7 +196,8 @@ def normalized_weights(sizes: Sequence[float] | None, count: int) -> torch.Tenso
     return w / w.sum()
 
 
-def _require(spec: MergeMethod, given: dict[str, object]) -> None:
+def require_inputs(spec: MergeMethod, given: Mapping[str, object]) -> None:
+    """Raise MergeflowError naming the argument when an input that ``spec`` needs is missing."""
     for need in spec.needs:
         if given.get(need) is None:
             argument = "weights" if need == "sizes" else need
@@ -198,34 +214,47 @@ def merged_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Merge a tensor-scope method one tensor at a time, yielding ``(name, merged)``.
 
-    Only the K clients' copies of the current tensor are held, so lazily loading mappings
-    (see ``mergeflow.merge.streaming``) keep memory near K tensors.
+    Only the K clients' copies of the current tensor are held. ``mergeflow.merge.streaming``
+    merges files with the same methods and rules (``tensor_method``) without loading them.
     """
-    norms = None
-    if fishers is not None:
-
-        @functools.cache
-        def norms() -> torch.Tensor:
-            return torch.stack([torch.sqrt(sum((fd[k].double() ** 2).sum() for k in fd)) for fd in fishers])
-
+    norms = fisher_norms(fishers) if fishers is not None else None
     for key in states[0]:
         first = states[0][key]
-        if not first.is_floating_point() or (fishers is not None and key not in fishers[0]):
-            yield key, (first.clone() if not first.is_floating_point() else _mean(states, key, first))
+        method = tensor_method(spec, first.is_floating_point(), fishers is None or key in fishers[0])
+        if method is None:
+            yield key, first.clone()
             continue
         inputs = TensorInputs(
             name=key,
             tensors=[s[key].to(torch.float64) for s in states],
             weights=weights,
             base=base[key].to(torch.float64) if base is not None else None,
-            fishers=[f[key].to(torch.float64) for f in fishers] if fishers is not None else None,
+            fishers=[f[key].to(torch.float64) for f in fishers] if fishers is not None and method is spec else None,
             norms=norms,
         )
-        yield key, spec.fn(inputs, options).to(first.dtype).contiguous()
+        yield key, method.fn(inputs, options).to(first.dtype).contiguous()
 
 
-def _mean(states, key: str, like: torch.Tensor) -> torch.Tensor:
-    return torch.stack([s[key].to(torch.float64) for s in states]).mean(0).to(like.dtype)
+def tensor_method(spec: MergeMethod, floating: bool, has_fisher: bool) -> MergeMethod | None:
+    """The method that merges one tensor under ``spec``: None (keep the first model's) for a non-floating
+    tensor, ``average`` for a floating one that the given Fishers do not cover, else ``spec``."""
+    if not floating:
+        return None
+    return spec if has_fisher else METHODS["average"]
+
+
+def fisher_norms(fishers: Sequence[State]) -> Callable[[], torch.Tensor]:
+    """Each client's global Fisher L2 norm, computed once on first call (a pass over every Fisher tensor)."""
+
+    @functools.cache
+    def norms() -> torch.Tensor:
+        return torch.stack([torch.sqrt(sum((fd[k].double() ** 2).sum() for k in fd)) for fd in fishers])
+
+    return norms
+
+
+def _mean(states: Sequence[State], key: str, like: torch.Tensor) -> torch.Tensor:
+    return mean([s[key].to(torch.float64) for s in states]).to(like.dtype)
 
 
 def model_inputs(
@@ -285,7 +314,7 @@ def run_merge(
     if spec is None:
         raise MergeflowError(f"unknown merge method {method!r}; known: {', '.join(METHODS)}")
     given = {"base": base, "sizes": weights, "fishers": fishers, "factors": factors, "grams": grams, "scorer": scorer}
-    _require(spec, given)
+    require_inputs(spec, given)
     parsed = validate_options(method, options)
     if spec.scope == "tensor":
         _check_compatible([*states, base] if base is not None else states)

@@ -1,144 +1,114 @@
-"""Streaming merges of safetensors files: one tensor at a time in, one tensor at a time out.
+"""Streaming merges of safetensors files and Hugging Face model directories, at about disk speed.
 
-Tensor-scope methods (``average``, ``weighted``, ``task_arithmetic``, ``fisher``) read each
-tensor of the K client files only when they merge it (at the offsets of the safetensors header), and the result is
-written straight into the output file, whose header is known up front from the inputs'
-headers. Peak memory is then about K copies of the largest tensor (in float64), not K
-models, as in mergekit. The output is written to a temp file and renamed, so a kill leaves
-no partial file.
+``merge_files`` reads each tensor of the K inputs once, with ``os.preadv`` at the header's
+offsets straight into preallocated buffers, in a reader thread that runs ahead of the merge,
+and writes the merged tensors into the output as they are done:
+
+- Elementwise methods (``average``, ``weighted``, ``task_arithmetic``, ``fisher``) merge
+  blocks of ``BLOCK`` elements. Each input block is widened to float64 in a reused buffer and
+  the registered method sums the K blocks in place (``mergeflow.merge.sums``); the float64
+  result is rounded once to the output dtype. Anonymous memory stays near the buffers' few
+  MiB whatever the models' size (measured in docs/benchmarks.md).
+- The other tensor-scope methods (``ties``, ``dare_*``, ``model_stock``, ``slerp``) need each
+  tensor whole: one reused ``(K, ...)`` float64 buffer as large as K copies of the largest
+  tensor in float64, one read buffer, and what the method itself allocates (TIES' task vectors
+  and masks), several times K copies of the largest tensor, never K models.
+
+Inputs and the output are single ``.safetensors`` files or Hugging Face model directories
+(``mergeflow.hf_checkpoints``). The output is written to a temp file or directory and renamed,
+so a kill leaves no partial output.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import struct
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, closing, contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
+from pydantic import BaseModel
 
 from mergeflow.checkpoints import atomic_path
 from mergeflow.errors import MergeflowError
-from mergeflow.merge.registry import METHODS, merged_tensors, normalized_weights, validate_options
+from mergeflow.hf_checkpoints import (
+    MAX_SHARD_SIZE,
+    Checkpoint,
+    ShardedWriter,
+    atomic_dir,
+    copy_model_files,
+    open_checkpoint,
+)
+from mergeflow.merge.reader import Reader
+from mergeflow.merge.registry import (
+    METHODS,
+    MergeMethod,
+    TensorInputs,
+    fisher_norms,
+    normalized_weights,
+    require_inputs,
+    tensor_method,
+    validate_options,
+)
+from mergeflow.safetensors_io import CODES, DTYPES, SafetensorsWriter
 
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+# Elements per block for elementwise methods: K float64 input rows of 1 MiB stay in cache while
+# they are summed; 64K-256K measured fastest on the 2-core bench machine (2 MiB L2 per core).
+BLOCK = 1 << 17
+_DTYPE_NAMES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
 }
 
 
-class LazyTensors(Mapping[str, torch.Tensor]):
-    """A read-only mapping over one safetensors file that reads a tensor when it is indexed.
+@dataclass(frozen=True)
+class _Item:
+    """One step of the merge: a block of a tensor's elements, or a whole tensor; method None copies model 0's."""
 
-    Tensors are read with ``os.pread`` at the offsets in the file's header, not through a
-    memory map: pages of a mapped file stay resident while it is open, so K open models
-    would count K models of memory even though each tensor is used once.
-    """
+    key: str
+    method: MergeMethod | None
+    start: int
+    shape: tuple[int, ...]
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        with path.open("rb") as f:
-            size = struct.unpack("<Q", f.read(8))[0]
-            if size > path.stat().st_size - 8:
-                raise ValueError("header length beyond the end of the file")
-            header = json.loads(f.read(size))
-        header.pop("__metadata__", None)
-        self._header = header
-        self._data_start = 8 + size
-        self._file = path.open("rb")
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        entry = self._header[key]
-        start, end = entry["data_offsets"]
-        data = bytearray(os.pread(self._file.fileno(), end - start, self._data_start + start))
-        if len(data) != end - start:
-            raise MergeflowError(f"{self.path}: truncated safetensors file (tensor {key!r})")
-        return torch.frombuffer(data, dtype=_DTYPES[entry["dtype"]]).reshape(entry["shape"])
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._header)
-
-    def __len__(self) -> int:
-        return len(self._header)
-
-    def layout(self, key: str) -> tuple[str, list[int]]:
-        """The dtype code and shape of a tensor, from the header (no data read)."""
-        return self._header[key]["dtype"], list(self._header[key]["shape"])
-
-    def close(self) -> None:
-        """Close the file."""
-        self._file.close()
+    @property
+    def count(self) -> int:
+        return math.prod(self.shape)
 
 
-def _open(stack: ExitStack, path: str | Path) -> LazyTensors:
-    path = Path(path)
-    if not path.is_file():
-        raise MergeflowError(f"{path}: checkpoint not found")
-    try:
-        tensors = LazyTensors(path)
-    except (OSError, ValueError, struct.error, UnicodeDecodeError) as error:
-        raise MergeflowError(f"{path}: not a readable safetensors file ({error})") from None
-    stack.callback(tensors.close)
-    return tensors
+@dataclass(frozen=True)
+class _Inputs:
+    """What one merge reads: the K models, the base and the K Fishers (those the method uses)."""
+
+    models: list[Checkpoint]
+    base: Checkpoint | None
+    fishers: list[Checkpoint] | None
+
+    def used(self, method: MergeMethod) -> tuple[Checkpoint | None, list[Checkpoint] | None]:
+        """The base and the Fishers if ``method`` uses them."""
+        return (
+            self.base if "base" in method.uses else None,
+            self.fishers if "fishers" in method.uses else None,
+        )
+
+    def itemsize(self) -> int:
+        """The widest element of any input tensor, in bytes."""
+        everything = [*self.models, *([self.base] if self.base else []), *(self.fishers or [])]
+        return max((c.entry(key).torch_dtype.itemsize for c in everything for key in c), default=1)
 
 
-def _check_layouts(files: Sequence[LazyTensors]) -> dict[str, tuple[str, list[int]]]:
-    reference = files[0]
-    layout = {key: reference.layout(key) for key in reference}
-    for other in files[1:]:
-        if set(other) != set(layout):
-            different = sorted(set(other) ^ set(layout))[:5]
-            raise MergeflowError(f"{other.path}: different tensors from {reference.path}: {', '.join(different)}")
-        for key, (_, shape) in layout.items():
-            if other.layout(key)[1] != shape:
-                raise MergeflowError(
-                    f"{other.path}: tensor {key!r} has shape {other.layout(key)[1]}, {reference.path} has {shape}: "
-                    "the architectures differ"
-                )
-    return layout
+class _Buffers:
+    """One item's float64 inputs: the K models in one ``(K, n)`` buffer, the base, the K Fishers in another."""
 
-
-class SafetensorsWriter:
-    """Writes a safetensors file tensor by tensor, in the order of a layout fixed in advance."""
-
-    def __init__(self, stream: Any, layout: dict[str, tuple[str, list[int]]], metadata: dict[str, str]) -> None:
-        self._stream = stream
-        self._order = list(layout)
-        self._next = 0
-        header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-        offset = 0
-        self._sizes = {}
-        for key, (dtype, shape) in layout.items():
-            size = torch.empty((), dtype=_DTYPES[dtype]).element_size()
-            for dim in shape:
-                size *= dim
-            header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
-            self._sizes[key] = size
-            offset += size
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-        stream.write(struct.pack("<Q", len(encoded)) + encoded)
-
-    def write(self, key: str, tensor: torch.Tensor) -> None:
-        """Append the next tensor's bytes; tensors must come in the layout's order."""
-        if self._next >= len(self._order) or self._order[self._next] != key:
-            raise ValueError(f"tensor {key!r} written out of order")
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        if len(data) != self._sizes[key]:
-            raise ValueError(f"tensor {key!r} has {len(data)} bytes, its header says {self._sizes[key]}")
-        self._stream.write(data)
-        self._next += 1
+    def __init__(self, capacity: int, count: int, base: bool, fishers: bool) -> None:
+        self.models = torch.empty(count * capacity, dtype=torch.float64)
+        self.base = torch.empty(capacity, dtype=torch.float64) if base else None
+        self.fishers = torch.empty(count * capacity, dtype=torch.float64) if fishers else None
 
 
 def merge_files(
@@ -149,14 +119,23 @@ def merge_files(
     base: str | Path | None = None,
     weights: Sequence[float] | None = None,
     fishers: Sequence[str | Path] | None = None,
-    metadata: dict[str, str] | None = None,
+    metadata: Mapping[str, str] | None = None,
+    out_dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = MAX_SHARD_SIZE,
     **options: object,
 ) -> None:
-    """Merge safetensors checkpoints into ``out`` with a tensor-scope method, streaming.
+    """Merge checkpoints into ``out`` with a tensor-scope method, streaming tensor by tensor.
 
-    Example: ``merge_files("fisher", clients, "merged.safetensors", fishers=fisher_files,
-    weights=sizes)``. Model-scope methods (``exact``, ``ssf``) couple all parameters and
-    need the whole models: use ``mergeflow.merge.merge`` for them.
+    Each input (models, ``base``, ``fishers``) is a ``.safetensors`` file or a Hugging Face model
+    directory, sharded or not. ``out`` ending in ``.safetensors`` is written as one file; any other
+    ``out`` becomes a model directory: shards of at most ``max_shard_size`` (``"5GB"``, or bytes)
+    with an index when more than one, ``config.json`` and tokenizer files copied from the first
+    model when it is a directory. Tensors keep the first model's dtype (bf16 stays bf16) unless
+    ``out_dtype`` (e.g. ``"float32"``) is given for the floating ones.
+
+    Example: ``merge_files("ties", ["ft-a", "ft-b"], "merged", base="gpt2", density=0.2)``.
+    Model-scope methods (``exact``, ``ssf``, ``regmean``) couple all parameters and need the
+    whole models: use ``mergeflow.merge.merge`` for them.
     """
     spec = METHODS.get(method)
     if spec is None:
@@ -165,18 +144,177 @@ def merge_files(
         raise MergeflowError(f"merge method {method!r} couples all parameters and cannot stream; use merge()")
     if not paths:
         raise MergeflowError("merge needs at least one model")
-    if "base" in spec.needs and base is None:
-        raise MergeflowError(f"merge method {method!r} needs base (base=...)")
-    if "fishers" in spec.needs and fishers is None:
-        raise MergeflowError(f"merge method {method!r} needs fishers (fishers=...)")
+    require_inputs(spec, {"base": base, "sizes": weights, "fishers": fishers})
     parsed = validate_options(method, options)
+    dtype = _parse_dtype(out_dtype)
+    out = Path(out)
     with ExitStack() as stack:
-        states = [_open(stack, p) for p in paths]
-        base_state = _open(stack, base) if base is not None and "base" in spec.uses else None
-        fisher_states = [_open(stack, p) for p in fishers] if fishers is not None and "fishers" in spec.uses else None
-        layout = _check_layouts([*states, base_state] if base_state is not None else states)
-        w = normalized_weights(weights, len(states))
-        with atomic_path(out) as tmp, open(tmp, "wb") as stream:
-            writer = SafetensorsWriter(stream, layout, dict(metadata or {}))
-            for key, tensor in merged_tensors(spec, states, base_state, w, fisher_states, parsed):
-                writer.write(key, tensor)
+        inputs = _Inputs(
+            [_open(stack, p) for p in paths],
+            _open(stack, base) if base is not None and "base" in spec.uses else None,
+            [_open(stack, p) for p in fishers] if fishers is not None and "fishers" in spec.uses else None,
+        )
+        _check_layouts(inputs)
+        layout = {key: _out_layout(inputs.models[0], key, dtype) for key in inputs.models[0]}
+        w = normalized_weights(weights, len(inputs.models))
+        if out.suffix == ".safetensors":
+            stream = stack.enter_context(open(stack.enter_context(atomic_path(out)), "wb", buffering=0))
+            sink: SafetensorsWriter | ShardedWriter = SafetensorsWriter(stream, layout, dict(metadata or {}))
+        else:
+            directory = stack.enter_context(atomic_dir(out))
+            sink = ShardedWriter(directory, layout, dict(metadata or {}), max_shard_size)
+            stack.callback(sink.close)
+            if inputs.models[0].directory is not None:
+                copy_model_files(inputs.models[0].directory, directory, dtype)
+        norms = fisher_norms(inputs.fishers) if inputs.fishers is not None else None
+        # closing(): on an error, stop the reader thread before the files close, not when the generator is collected.
+        merged = stack.enter_context(
+            closing(_merged(list(_plan(spec, inputs, sink.order)), inputs, layout, w, norms, parsed))
+        )
+        for key, data in merged:
+            sink.write(key, data)
+        sink.finish()
+
+
+def _open(stack: ExitStack, path: str | Path) -> Checkpoint:
+    checkpoint = open_checkpoint(path)
+    stack.callback(checkpoint.close)
+    return checkpoint
+
+
+def _check_layouts(inputs: _Inputs) -> None:
+    reference = inputs.models[0]
+    for other in [*inputs.models[1:], *([inputs.base] if inputs.base is not None else [])]:
+        if set(other) != set(reference):
+            different = sorted(set(other) ^ set(reference))[:5]
+            raise MergeflowError(f"{other.path}: different tensors from {reference.path}: {', '.join(different)}")
+        _check_shapes(reference, other)
+    for fisher in inputs.fishers or []:
+        if set(fisher) != set(inputs.fishers[0]) or not set(fisher) <= set(reference):
+            different = sorted((set(fisher) ^ set(inputs.fishers[0])) | (set(fisher) - set(reference)))[:5]
+            raise MergeflowError(f"{fisher.path}: Fisher tensors do not match the models': {', '.join(different)}")
+        _check_shapes(reference, fisher)
+
+
+def _check_shapes(reference: Checkpoint, other: Checkpoint) -> None:
+    for key in other:
+        if other.entry(key).shape != reference.entry(key).shape:
+            raise MergeflowError(
+                f"{other.path}: tensor {key!r} has shape {list(other.entry(key).shape)}, "
+                f"{reference.path} has {list(reference.entry(key).shape)}: the architectures differ"
+            )
+
+
+def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    parsed = _DTYPE_NAMES.get(dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    if dtype is not None and parsed not in _DTYPE_NAMES.values():
+        raise MergeflowError(f"out_dtype {dtype!r}: not one of {', '.join(_DTYPE_NAMES)}")
+    return parsed
+
+
+def _out_layout(model: Checkpoint, key: str, dtype: torch.dtype | None) -> tuple[str, tuple[int, ...]]:
+    entry = model.entry(key)
+    floating = entry.torch_dtype.is_floating_point
+    return (CODES[dtype] if dtype is not None and floating else entry.dtype), entry.shape
+
+
+def _plan(spec: MergeMethod, inputs: _Inputs, order: Sequence[str]) -> Iterator[_Item]:
+    """The merge's items in the output's order: elementwise methods and copies in blocks, other methods whole."""
+    for key in order:
+        entry = inputs.models[0].entry(key)
+        method = tensor_method(
+            spec, entry.torch_dtype.is_floating_point, inputs.fishers is None or key in inputs.fishers[0]
+        )
+        if method is not None and not method.elementwise:
+            yield _Item(key, method, 0, entry.shape)
+            continue
+        for start in range(0, max(entry.numel, 1), BLOCK):
+            yield _Item(key, method, start, (min(BLOCK, entry.numel - start),))
+
+
+def _read_float64(checkpoint: Checkpoint, item: _Item, out: torch.Tensor, scratch: torch.Tensor) -> None:
+    """Read an item's elements of one input into ``out`` (float64) through ``scratch`` (bytes)."""
+    entry = checkpoint.entry(item.key)
+    size = entry.torch_dtype.itemsize
+    raw = scratch[: item.count * size]
+    checkpoint.read_into(item.key, memoryview(raw.numpy()), item.start * size)
+    out.copy_(raw.view(entry.torch_dtype))
+
+
+def _merged(
+    items: list[_Item],
+    inputs: _Inputs,
+    layout: Mapping[str, tuple[str, tuple[int, ...]]],
+    weights: torch.Tensor,
+    norms: Callable[[], torch.Tensor] | None,
+    options: BaseModel,
+) -> Iterator[tuple[str, memoryview]]:
+    """Each item's merged bytes in the output dtype, in order; each view is valid until the next item."""
+    count = len(inputs.models)
+    capacity = max((item.count for item in items), default=0)
+    blocks_only = all(item.method is None or item.method.elementwise for item in items)
+    # Two buffer sets let the reader run one block ahead; whole tensors get one set, as large as K largest tensors.
+    buffer_sets = [
+        _Buffers(capacity, count, inputs.base is not None, inputs.fishers is not None)
+        for _ in range(2 if blocks_only else 1)
+    ]
+    scratch = torch.empty(capacity * inputs.itemsize(), dtype=torch.uint8)
+    out = torch.empty(capacity * max(DTYPES[code].itemsize for code, _ in layout.values()), dtype=torch.uint8)
+
+    def fill(item: _Item, buffers: _Buffers) -> None:
+        if item.method is None:
+            return
+        base, fishers = inputs.used(item.method)
+        n = item.count
+        for k, model in enumerate(inputs.models):
+            _read_float64(model, item, buffers.models[k * n : (k + 1) * n], scratch)
+        if base is not None:
+            _read_float64(base, item, buffers.base[:n], scratch)
+        for k, fisher in enumerate(fishers or []):
+            _read_float64(fisher, item, buffers.fishers[k * n : (k + 1) * n], scratch)
+
+    threads = _intra_op_threads(1) if blocks_only else nullcontext()
+    with threads, Reader(items, fill, buffer_sets) as reader:
+        for item, buffers in reader:
+            dtype = DTYPES[layout[item.key][0]]
+            target = out[: item.count * dtype.itemsize]
+            if item.method is None:
+                inputs.models[0].read_into(item.key, memoryview(target.numpy()), item.start * dtype.itemsize)
+            else:
+                result = item.method.fn(_tensor_inputs(item, inputs, buffers, weights, norms), options)
+                target.view(dtype).copy_(result.reshape(-1))
+            reader.release(buffers)
+            yield item.key, memoryview(target.numpy())
+
+
+@contextmanager
+def _intra_op_threads(count: int) -> Iterator[None]:
+    """Run torch ops on ``count`` threads meanwhile, then restore the count.
+
+    Blocks are merged on one thread while the reader converts the next on another core: two
+    threads each splitting every block op across the cores measured 1.3-1.6x slower.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _tensor_inputs(
+    item: _Item, inputs: _Inputs, buffers: _Buffers, weights: torch.Tensor, norms: Callable[[], torch.Tensor] | None
+) -> TensorInputs:
+    assert item.method is not None
+    base, fishers = inputs.used(item.method)
+    count, n = len(inputs.models), item.count
+    stack = buffers.models[: count * n].view(count, *item.shape)
+    return TensorInputs(
+        name=item.key,
+        tensors=list(stack.unbind(0)),
+        weights=weights,
+        base=buffers.base[:n].view(item.shape) if base is not None else None,
+        fishers=list(buffers.fishers[: count * n].view(count, *item.shape).unbind(0)) if fishers is not None else None,
+        norms=norms,
+        stack=stack,
+    )

@@ -6,6 +6,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from mergeflow.merge.registry import TensorInputs, merge_method
+from mergeflow.merge.sums import running_sum
 
 
 class TaskArithmeticOptions(BaseModel):
@@ -15,8 +16,9 @@ class TaskArithmeticOptions(BaseModel):
     scaling: float = 0.3
 
 
-@merge_method("task_arithmetic", options=TaskArithmeticOptions, needs=("base",))
+@merge_method("task_arithmetic", options=TaskArithmeticOptions, needs=("base",), elementwise=True)
 def task_arithmetic(x: TensorInputs, options: TaskArithmeticOptions) -> torch.Tensor:
     """base + λ·Σ_k (θ_k − base)."""
     assert x.base is not None  # guaranteed by needs=("base",)
-    return x.base + options.scaling * (torch.stack(x.tensors) - x.base).sum(dim=0)
+    tasks = running_sum(x.tensors).sub_(x.base, alpha=len(x.tensors))
+    return tasks.mul_(options.scaling).add_(x.base)

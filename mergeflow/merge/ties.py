@@ -22,5 +22,5 @@ class TiesOptions(BaseModel):
 def ties(x: TensorInputs, options: TiesOptions) -> torch.Tensor:
     """TIES: base + λ · disjoint mean of the trimmed, sign-elected task vectors."""
     assert x.base is not None  # guaranteed by needs=("base",)
-    tasks = trim_by_magnitude(torch.stack(x.tensors) - x.base, options.density)
+    tasks = trim_by_magnitude(x.stacked() - x.base, options.density)
     return x.base + options.scaling * disjoint_mean(tasks)

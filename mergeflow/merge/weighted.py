@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from mergeflow.merge.registry import TensorInputs, merge_method
+from mergeflow.merge.sums import running_sum
 
 
-@merge_method("weighted", needs=("sizes",))
+@merge_method("weighted", needs=("sizes",), elementwise=True)
 def weighted(x: TensorInputs, options: object) -> torch.Tensor:
     """Weighted average Σ (n_k/N) θ_k."""
-    return torch.tensordot(x.weights, torch.stack(x.tensors), dims=1)
+    return running_sum(x.tensors, x.weights)
