@@ -210,7 +210,7 @@ class HFModelConfig(_Section):
 
 
 def check_pretrained(name: str) -> None:
-    """A local directory must hold a transformers model; a hub name must be cached when offline."""
+    """A local directory must hold a transformers model; a hub name must be cached, or the Hub reachable."""
     import os
 
     path = Path(name).expanduser()
@@ -218,15 +218,36 @@ def check_pretrained(name: str) -> None:
         if not (path / "config.json").is_file():
             raise ValueError(f"pretrained: {name} is not a transformers model directory (no config.json)")
         return
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
-    if offline:
-        from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache
 
-        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
-            raise ValueError(
-                f"pretrained: {name!r} is not a local directory, and it cannot be downloaded (HF_HUB_OFFLINE "
-                "is set); give the path of a local model directory"
-            )
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        reason = "HF_HUB_OFFLINE is set"
+    else:
+        reason = _hub_unreachable(name)
+    if reason:
+        raise ValueError(
+            f"pretrained: {name!r} is not a local directory, and it cannot be downloaded ({reason}); "
+            "give the path of a local model directory"
+        )
+
+
+def _hub_unreachable(name: str) -> str | None:
+    """Why ``name`` cannot be downloaded from the Hub now, or None when it can (asked once, before any work)."""
+    import httpx
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(name, timeout=10)
+    except RepositoryNotFoundError:
+        return "no such model on the Hugging Face Hub, or it is private"
+    except HfHubHTTPError as error:
+        return f"the Hugging Face Hub answered {str(error).splitlines()[0][:120]}"
+    except (httpx.HTTPError, OSError) as error:
+        return f"no connection to the Hugging Face Hub: {str(error).splitlines()[0][:120]}"
+    return None
 
 
 class ModelConfig(_Section):
@@ -400,6 +421,9 @@ class MergeConfig(_Section):
     methods: list[str] = ["average", "weighted", "task_arithmetic"]
     options: dict[str, dict[str, Any]] = {}
     select_by: Literal["auto", "accuracy", "nll", "mse"] = "auto"
+    # Tensor-scope merges of client checkpoints larger than this stream from the files, tensor by tensor
+    # (mergeflow.merge.streaming), never holding the K models; 0 streams always. Same result either way.
+    stream_above_mb: float = Field(256, ge=0)
 
     def resolve(self, name: str) -> tuple[str, dict[str, Any]]:
         """The registered method and its options for one entry of ``methods``."""
@@ -621,6 +645,14 @@ class Params(_Section):
             )
             if missing:
                 raise ValueError(f"finetune.lora.target_modules: {missing} match no module of the model")
+        if self.model.arch == "hf" and not self.model.hf.pretrained:
+            embeddings = self.model.hf.model_config_fields().get("vocab_size")
+            if embeddings is not None and embeddings < self.data.tokenizer.vocab_size:
+                raise ValueError(
+                    f"model.hf.config.vocab_size: {embeddings} embeddings for a tokenizer of up to "
+                    f"{self.data.tokenizer.vocab_size} tokens (data.tokenizer.vocab_size); leave it out, and the "
+                    "model takes the tokenizer's size"
+                )
         if self.federated.exchange == "adapters" and self.finetune.lora is None:
             raise ValueError("federated.exchange: 'adapters' exchanges LoRA adapters; set finetune.lora (r, alpha, …)")
         if self.model.arch == "hf" and self.fisher.backend == "backpack":

@@ -123,31 +123,47 @@ def local_data_files(params: Params) -> tuple[str, ...]:
 
 
 def check_data(params: Params, root: Path) -> None:
-    """The pre-flight check of the user's table (``check_source``), before any orchestration.
+    """The pre-flight check of the user's table (``check_source``) and of a pretrained transformer's
+    tokenizer against its embeddings (``check_vocabulary``), before any orchestration.
 
-    It is skipped when the same data options already passed on the same local files (by path, size
-    and modification time); a table with remote files is checked every time.
+    It is skipped when the same data and model options already passed on the same local files (by
+    path, size and modification time); a table with remote files is checked every time.
     """
     import hashlib
 
     from mergeflow.data.check import check_source
 
     data = params.section("data")
-    if data["source"] not in ("hf", "text"):
+    table = data["source"] in ("hf", "text")
+    hf = params.model.hf
+    pretrained = hf.pretrained if params.model.arch == "hf" else None
+    if not table and not pretrained:
         return
-    local = local_data_files(params)
+    local = [*(local_data_files(params) if table else ()), *(_model_files(pretrained) if pretrained else ())]
     marker = None
-    remote = any("://" in f for f in _data_file_names(params))
-    if local and not remote and all(Path(f).is_file() for f in local):
+    remote = table and any("://" in f for f in _data_file_names(params))
+    if not remote and all(Path(f).is_file() for f in local):
         signatures = [file_signature(Path(f)) for f in local]
-        payload = json.dumps({"data": data, "seed": params.seed, "files": signatures}, sort_keys=True)
+        checked = {"data": data, "model": params.section("model.hf"), "seed": params.seed, "files": signatures}
+        payload = json.dumps(checked, sort_keys=True)
         marker = root / CHECKED / hashlib.sha256(payload.encode()).hexdigest()
         if marker.is_file():
             return
-    check_source(data, params.seed)
+    if table:
+        check_source(data, params.seed)
+    if pretrained:
+        check_vocabulary(load_tokenizer(pretrained), pretrained, hf.model_config_fields())
     if marker is not None:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
+
+
+def _model_files(pretrained: str) -> list[str]:
+    """A local pretrained model's config and tokenizer files (none for a hub name)."""
+    directory = Path(pretrained).expanduser()
+    if not directory.is_dir():
+        return []
+    return sorted(str(p) for p in directory.iterdir() if p.suffix in (".json", ".txt", ".model", ".jinja"))
 
 
 def prepare(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:

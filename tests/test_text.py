@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from text_fixtures import tiny_transformer, tokenized_topics, write_topic_csv, write_wordnet
+from text_fixtures import TINY, tiny_transformer, tokenized_topics, write_topic_csv, write_wordnet
 
 from mergeflow.data import DataError
 from mergeflow.data.storage import to_arrays
@@ -235,3 +235,41 @@ def test_language_model_pretraining_trains_the_body_reproducibly(topics, arch, o
         assert torch.equal(runs[0][name], runs[1][name]), name
         if "pooler" not in name:
             assert torch.equal(runs[0][name], value) == name.startswith(head), name
+
+
+def _write_pairs(path, rows: int, seed: int):
+    """Two sentences a row (premise, hypothesis) of independent topics, labelled with the hypothesis' topic."""
+    import csv
+
+    with write_topic_csv(path.with_suffix(".topics.csv"), rows=2 * rows, seed=seed).open() as f:
+        records = list(csv.DictReader(f))
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["premise", "hypothesis", "label"])
+        for premise, hypothesis in zip(records[:rows], records[rows:], strict=True):
+            writer.writerow([premise["sentence"], hypothesis["sentence"], hypothesis["topic"]])
+    return path
+
+
+def test_sentence_pairs_are_two_segments_and_the_second_text_is_read(tmp_path):
+    """NLI-style pairs: ``<s> a </s> b </s>``, and a tiny BERT learns a label that only the second text of the
+    pair tells (the first is of an independent topic): test accuracy, chance 0.25."""
+    path = _write_pairs(tmp_path / "pairs.csv", rows=600, seed=0)
+    ds, info = load_text_source(
+        "csv", data_files=str(path), text_column="premise", text_pair_column="hypothesis", label_column="label"
+    )
+    assert info["pair"] and ds.column_names[:2] == ["text", "text_pair"]
+    tokenizer = train_tokenizer(training_texts(ds), vocab_size=300)
+    X, y = to_arrays(encode_dataset(ds, tokenizer, 56), {"input_shape": [56], "task": "classification"})
+    sep = tokenizer.sep_token_id
+    assert ((X == sep).sum(1) == 2).all() and (X[:, 0] == tokenizer.cls_token_id).all()
+    whole = int(np.flatnonzero(X[:, -1] == tokenizer.pad_token_id)[0])  # a pair that was not cut
+    row = ds[whole]
+    assert tokenizer.decode(X[whole], skip_special_tokens=True).split() == f"{row['text']} {row['text_pair']}".split()
+    model, _ = build_base(pretrained=None, config=TINY["bert"], num_labels=4, vocab_size=300, max_length=56,
+                          pad_token_id=tokenizer.pad_token_id, sep_token_id=sep, dropout=0.0, seed=0)  # fmt: skip
+    train(model, X[:500], y[:500], task="classification", epochs=20, lr=0.003, optimizer="adam", seed=0)
+    model.eval()
+    with torch.no_grad():
+        accuracy = (model(torch.as_tensor(X[500:])).argmax(1).numpy() == y[500:]).mean()
+    assert accuracy > 0.8, accuracy

@@ -39,7 +39,7 @@ def text_params(workspace, config: dict, **sections) -> dict:
 def bert_run(tmp_path_factory, cli_env):
     path = tmp_path_factory.mktemp("text-bert")
     federated = {
-        "algorithms": ["fedavg", "bayes_admm"],
+        "algorithms": ["fedavg", "fedprox", "fedadmm", "bayes_admm"],
         "rounds": 2,
         "local": {"epochs": 1, **ADAM},
         "options": {"bayes_admm": {"lr": 0.01, "temperature": 0.001, "hess_init": 0.005}},
@@ -57,7 +57,8 @@ def _metrics(path) -> dict:
 
 def test_a_tiny_bert_trains_merges_and_federates_above_chance(bert_run):
     metrics = _metrics(bert_run)
-    for name in ("centralized", "merged/average", "merged/fisher", "federated/fedavg", "federated/bayes_admm"):
+    federated = [f"federated/{name}" for name in ("fedavg", "fedprox", "fedadmm", "bayes_admm")]
+    for name in ("centralized", "merged/average", "merged/fisher", *federated):
         assert metrics[name]["accuracy"] > 0.9, (name, metrics[name])  # chance is 0.25
     by_group = metrics["merged/average"]["by_group"]  # the data's group column (genre)
     assert set(by_group) == {"forum", "news"} and all(g["accuracy"] > 0.8 for g in by_group.values())
@@ -143,6 +144,9 @@ def test_a_tiny_gpt2_pretrained_as_a_language_model_and_fine_tuned_with_lora_run
     ("change", "message"),
     [
         ({"data": {"text": {"text_column": "body"}}}, "text column 'body' not found"),
+        ({"data": {"text": {"label_column": "subject"}}}, "label column 'subject' not found"),
+        ({"data": {"text": {"group_column": "site"}}}, "group column 'site' not found"),
+        ({"model": {"hf": {"config": {**BERT, "vocab_size": 200}}}}, "model.hf.config.vocab_size: 200 embeddings"),
         ({"model": {"hf": {"pretrained": "./no-such-model"}}}, "model.hf.pretrained: ./no-such-model is not"),
         ({"model": {"hf": {"pretrained": "someone/a-model"}}}, "cannot be downloaded"),
         ({"align": {"method": "weights"}}, "align.method: permutation alignment of transformers"),
@@ -158,12 +162,41 @@ def test_bad_text_input_is_one_clear_line_and_writes_nothing(tmp_path, cli_env, 
     for section, values in change.items():
         for key, value in values.items():
             params[section][key] = {**(params[section].get(key) or {}), **value} if isinstance(value, dict) else value
-    make_workspace(tmp_path, params)
-    done = run_cli(["run"], tmp_path, cli_env)
+    _refused(tmp_path, params, cli_env, message)
+
+
+def _refused(path, params: dict, env: dict, message: str) -> None:
+    """``mergeflow run`` exits 2 with one error line holding ``message`` and writes no data or model."""
+    make_workspace(path, params)
+    done = run_cli(["run"], path, env)
     assert done.returncode == 2, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("mergeflow: error:")]
     assert len(errors) == 1 and message in errors[0], done.stderr[-2000:]
-    assert not (tmp_path / "data").exists() and not (tmp_path / "models").exists()
+    assert not (path / "data").exists() and not (path / "models").exists()
+
+
+def test_a_pretrained_tokenizer_larger_than_the_models_embeddings_is_refused_before_any_work(tmp_path, cli_env):
+    from transformers import BertConfig, BertModel
+
+    from mergeflow.data.tokenize import train_tokenizer
+
+    model_dir = tmp_path / "small-vocab-bert"
+    BertModel(BertConfig(vocab_size=120, **{k: v for k, v in BERT.items() if k != "model_type"})).save_pretrained(
+        model_dir
+    )
+    sentences = write_topic_csv(tmp_path / "corpus.csv").read_text().splitlines()
+    train_tokenizer(sentences, vocab_size=400, min_frequency=1).save_pretrained(model_dir)
+    params = text_params(tmp_path, BERT)
+    params["model"]["hf"] = {"pretrained": str(model_dir)}
+    _refused(tmp_path, params, cli_env, "small-vocab-bert: the tokenizer has")
+
+
+def test_a_hub_name_the_hub_cannot_serve_is_refused_without_hf_hub_offline(tmp_path, cli_env):
+    env = {**cli_env, "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens on the discard port
+    env.pop("HF_HUB_OFFLINE")
+    params = text_params(tmp_path, BERT)
+    params["model"]["hf"] = {"pretrained": "someone/a-model"}
+    _refused(tmp_path, params, env, "'someone/a-model' is not a local directory, and it cannot be downloaded (no conn")
 
 
 def test_a_tiny_gpt2_causal_lm_trains_merges_federates_and_reloads_below_the_unigram_baseline(tmp_path, cli_env):

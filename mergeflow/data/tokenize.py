@@ -68,11 +68,16 @@ def load_tokenizer(path: str | Path):
     return tokenizer
 
 
-def check_vocabulary(tokenizer: Any, model_path: str | Path) -> None:
-    """Raise :class:`DataError` when a tokenizer has ids beyond the model's embedding table."""
+def check_vocabulary(tokenizer: Any, model_path: str | Path, overrides: dict[str, Any] | None = None) -> None:
+    """Raise :class:`DataError` when a tokenizer has ids beyond the model's embedding table.
+
+    ``overrides`` are ``model.hf.config``'s fields over the pretrained config (``vocab_size`` among them).
+    """
     from transformers import AutoConfig
 
-    size = getattr(AutoConfig.from_pretrained(str(model_path)), "vocab_size", None)
+    size = (overrides or {}).get("vocab_size")
+    if size is None:
+        size = getattr(AutoConfig.from_pretrained(str(model_path)), "vocab_size", None)
     if size is not None and len(tokenizer) > size:
         raise DataError(
             f"{model_path}: the tokenizer has {len(tokenizer)} tokens but the model's embeddings hold {size}; "
