@@ -1,6 +1,7 @@
 """Streaming merges of K Hugging Face GPT-2 checkpoints against a raw read of the files and a naive merge.
 
 Usage: python bench/streaming_merge.py [--models 4 8] [--n-layer 12] [--shard-size 200MB] [--dir DIR] [--keep]
+                                      [--mergekit /tmp/mk-venv/bin/mergekit-yaml]
 
 Writes GPT-2 checkpoints with ``save_pretrained`` (``GPT2Config()``: 124M parameters, float32,
 sharded at ``--shard-size``): a base model, K fine-tuned stand-ins (the base plus noise) and K
@@ -10,6 +11,15 @@ diagonal Fishers in the same format. For each K it then runs, each case in a fre
 - a naive merge: ``load_file`` every shard of every model, ``torch.stack(...).mean(0)``, ``save_file``;
 - ``merge_files`` for every tensor-scope method into an HF directory (``slerp`` on the first two
   models; methods that need a base get the base model, ``fisher`` the K Fisher directories).
+
+- mergekit (``--mergekit``, the ``mergekit-yaml`` of a separate venv; skipped when it is missing) with
+  ``linear``, ``task_arithmetic`` and ``ties`` on the same files and the same settings as mergeflow's
+  ``average``, ``task_arithmetic`` (λ 0.3) and ``ties`` (density 0.2, λ 1): whole-process seconds and
+  the peak anonymous memory of the process less that of an interpreter that imports mergekit. Its
+  outputs are compared with mergeflow's (elements that differ, largest difference).
+  mergekit is no dependency of mergeflow; its venv is made once with:
+      python3 -m venv /tmp/mk-venv
+      /tmp/mk-venv/bin/pip install torch==2.13.0 mergekit==0.1.5
 
 It prints one table per K: seconds after imports and as a ratio to the raw read, seconds of the
 whole process (interpreter start and imports included), and the peak anonymous memory the case
@@ -110,6 +120,62 @@ def cases() -> dict[str, str]:
     return {"raw read": _RAW_READ, "naive: load, stack, mean, save": _NAIVE, **streaming, "import only": ""}
 
 
+# mergekit's method and its settings for each mergeflow case it is compared with (same semantics).
+MERGEKIT = {
+    "linear": ("merge_files('average')", {"weight": 1.0}, {"normalize": True}),
+    "task_arithmetic": ("merge_files('task_arithmetic')", {"weight": 0.3}, {"normalize": False}),
+    "ties": ("merge_files('ties')", {"weight": 1.0, "density": 0.2}, {"normalize": True, "lambda": 1.0}),
+}
+
+
+def mergekit_config(method: str, models: list[str], base: str) -> dict:
+    """A mergekit-yaml config: ``method`` over ``models`` (and ``base``), float32."""
+    _, per_model, overall = MERGEKIT[method]
+    config = {
+        "merge_method": method,
+        "models": [{"model": m, "parameters": per_model} for m in models],
+        "parameters": overall,
+        "dtype": "float32",
+    }
+    if method != "linear":
+        config["base_model"] = base
+    return config
+
+
+def rss_anon_peak(command: list[str]) -> tuple[float, float]:
+    """Seconds of a process and its peak anonymous memory (KiB), sampled every 5 ms from outside."""
+    started = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    while process.poll() is None:
+        try:
+            with open(f"/proc/{process.pid}/status") as status:
+                peak = max(peak, next(int(line.split()[1]) for line in status if line.startswith("RssAnon:")))
+        except (OSError, StopIteration):
+            pass
+        time.sleep(0.005)
+    seconds = time.perf_counter() - started
+    if process.returncode != 0:
+        raise RuntimeError(process.stderr.read())
+    return seconds, peak
+
+
+def run_mergekit(mergekit: Path, method: str, case: dict, shard_size: str) -> dict[str, float]:
+    """One mergekit-yaml process on the case's files: its seconds and peak anonymous memory (KiB, whole process)."""
+    import yaml
+
+    out = Path(case["out"])
+    config = out.with_suffix(".yml")
+    config.write_text(yaml.safe_dump(mergekit_config(method, case["models"], case["base"])))
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    # mergekit counts a shard in parameters: the same bytes of float32
+    command = [str(mergekit), str(config), str(out), "--out-shard-size", str(parse_size_to_int(shard_size) // 4)]
+    command.append("--no-copy-tokenizer")
+    seconds, peak = rss_anon_peak(command)
+    return {"seconds": seconds, "process": seconds, "anon_kib": peak}
+
+
 def write_checkpoints(directory: Path, count: int, n_layer: int, shard_size: str) -> tuple[list[str], str, list[str]]:
     """A base GPT-2, ``count`` noisy copies and ``count`` Fishers as HF directories (kept between runs)."""
     from huggingface_hub import save_torch_state_dict
@@ -152,6 +218,23 @@ def run_case(code: str, case: dict) -> dict[str, float]:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["process"] = time.perf_counter() - started
     return result
+
+
+def agreement(first: Path, second: Path) -> tuple[float, float]:
+    """The fraction of elements in which two merged models differ, and the largest absolute difference."""
+    from mergeflow.hf_checkpoints import open_checkpoint
+
+    a, b = open_checkpoint(first), open_checkpoint(second)
+    differ = total = 0
+    worst = 0.0
+    for key in a:
+        gap = (a[key].double() - b[key].double()).abs()
+        differ += int((gap > 0).sum())
+        total += gap.numel()
+        worst = max(worst, float(gap.max()))
+    a.close()
+    b.close()
+    return differ / total, worst
 
 
 def accuracy(models: list[str], outputs: dict[str, Path]) -> dict[str, tuple[float, float]]:
@@ -199,7 +282,14 @@ def main() -> None:
     parser.add_argument("--shard-size", default="200MB")
     parser.add_argument("--dir", default="/tmp/mergeflow-stream-gpt2")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints for another run")
+    parser.add_argument("--mergekit", type=Path, default=Path("/tmp/mk-venv/bin/mergekit-yaml"))
     args = parser.parse_args()
+    mergekit = args.mergekit if args.mergekit.is_file() else None
+    if mergekit is None:
+        print(f"{args.mergekit} not found: no mergekit rows (see this script's docstring)")
+    else:
+        interpreter = str(mergekit.parent / "python")
+        _, mergekit_import_kib = rss_anon_peak([interpreter, "-c", "import mergekit.merge, mergekit.config"])
     directory = Path(args.dir)
     models, base, fishers = write_checkpoints(directory, max(args.models), args.n_layer, args.shard_size)
     model_bytes = sum(p.stat().st_size for p in Path(models[0]).glob("*.safetensors"))
@@ -220,10 +310,17 @@ def main() -> None:
                 "shard_size": args.shard_size,
             }
             results[name] = run_case(code, case)
-            if name in ("merge_files('average')", "naive: load, stack, mean, save"):
+            if name in ("naive: load, stack, mean, save", *(compared for compared, _, _ in MERGEKIT.values())):
                 outputs[name] = out
             elif out.exists():
                 shutil.rmtree(out)
+        for method in MERGEKIT if mergekit is not None else ():
+            out = directory / "out" / f"mergekit_{method}"
+            shutil.rmtree(out, ignore_errors=True)
+            name = f"mergekit {method}"
+            results[name] = run_mergekit(mergekit, method, {**case, "out": str(out)}, args.shard_size)
+            results[name]["anon_kib"] -= mergekit_import_kib
+            outputs[name] = out
         start = results.pop("import only")
         raw = results["raw read"]["seconds"]
         print(
@@ -239,8 +336,17 @@ def main() -> None:
             )
         print("\n| average | elements ≠ float64 reference | largest difference (ulp of the largest input) |")
         print("|---|---:|---:|")
-        for name, (fraction, worst) in accuracy(models[:count], outputs).items():
+        averages = {name: outputs[name] for name in ("merge_files('average')", "naive: load, stack, mean, save")}
+        if mergekit is not None:
+            averages["mergekit linear"] = outputs["mergekit linear"]
+        for name, (fraction, worst) in accuracy(models[:count], averages).items():
             print(f"| {name} | {fraction:.2e} | {worst:.2f} |")
+        if mergekit is not None:
+            print("\n| mergekit against mergeflow | elements that differ | largest difference |")
+            print("|---|---:|---:|")
+            for method, (compared, _, _) in MERGEKIT.items():
+                fraction, worst = agreement(outputs[f"mergekit {method}"], outputs[compared])
+                print(f"| {method} / {compared} | {fraction:.2e} | {worst:.2e} |")
         shutil.rmtree(directory / "out")
     if not args.keep:
         shutil.rmtree(directory)

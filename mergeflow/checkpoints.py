@@ -57,7 +57,12 @@ def save_checkpoint(path: str | Path, state: Mapping[str, torch.Tensor], meta: M
         tensors[key] = tensor.clone() if address in seen else tensor
         seen.add(address)
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(dict(meta), sort_keys=True)})
+        save_file(tensors, str(tmp), metadata=checkpoint_header(meta))
+
+
+def checkpoint_header(meta: Mapping[str, Any]) -> dict[str, str]:
+    """The safetensors header metadata that carries ``meta`` (for writers other than ``save_checkpoint``)."""
+    return {_META_KEY: json.dumps(dict(meta), sort_keys=True)}
 
 
 def _refuse_non_safetensors(path: Path) -> None:

@@ -125,6 +125,8 @@ STAGES: tuple[Stage, ...] = (
         code=(
             "mergeflow/merge",
             "mergeflow/checkpoints.py",
+            "mergeflow/safetensors_io.py",
+            "mergeflow/hf_checkpoints.py",
             "mergeflow/evaluation.py",
             "tasks/merging.py",
             "tasks/scoring.py",

@@ -61,7 +61,7 @@ def _run_step(step: Step, root: str, torch_threads: int) -> dict[str, Any]:
     store = ArtifactStore(Path(root))
     started = time.perf_counter()
     with store.scratch_dir() as scratch:
-        summary = resolve(step.fn)(step.params, Path(root), Path(scratch))
+        summary = resolve(step.fn)({**step.params, **step.settings}, Path(root), Path(scratch))
         files = store.ingest(Path(scratch))
     return {"files": files, "summary": summary, "seconds": time.perf_counter() - started}
 

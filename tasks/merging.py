@@ -12,11 +12,12 @@ from typing import Any
 
 from safetensors.torch import load_file
 
-from mergeflow.checkpoints import load_checkpoint, load_checkpoint_meta, save_checkpoint
+from mergeflow.checkpoints import checkpoint_header, load_checkpoint, load_checkpoint_meta, save_checkpoint
 from mergeflow.config import Params
 from mergeflow.merge import METHODS, run_merge
 from mergeflow.merge.registry import Scorer
 from mergeflow.merge.search import HIGHER_IS_BETTER, candidate_id, choose, search_grid, searched_keys
+from mergeflow.merge.streaming import merge_files
 from mergeflow.models import is_transformer, parameter_names
 from mergeflow.models.hf import save_pretrained
 from tasks.align import aligned_checkpoint, aligned_factors, aligned_fisher, aligned_grams
@@ -26,7 +27,14 @@ from tasks.steps import Step
 from tasks.training import BASE
 
 MERGED = "models/merged"
-_CODE = ("mergeflow/merge", "mergeflow/checkpoints.py", "mergeflow/models/hf.py", "tasks/merging.py")
+_CODE = (
+    "mergeflow/merge",
+    "mergeflow/checkpoints.py",
+    "mergeflow/safetensors_io.py",
+    "mergeflow/hf_checkpoints.py",
+    "mergeflow/models/hf.py",
+    "tasks/merging.py",
+)
 
 
 def merged_checkpoint(name: str) -> str:
@@ -78,10 +86,12 @@ def _merge_step(params: Params, name: str, method: str, options: dict[str, Any],
             "select_by": params.merge.selection_metric(params.task),
         }
         inputs += _VALIDATION
+    settings = {"stream_above_mb": params.merge.stream_above_mb}
     if not candidate:
-        return Step(f"merge/{name}", "tasks.merging:merge_clients", step_params, inputs=inputs, code=code)
+        return Step(f"merge/{name}", "tasks.merging:merge_clients", step_params, inputs, code, settings)
     step_params["path"] = candidate_checkpoint(name, options)
-    return Step(f"merge/{name}/{candidate_id(options)}", "tasks.merging:merge_candidate", step_params, inputs, code)
+    step_name = f"merge/{name}/{candidate_id(options)}"
+    return Step(step_name, "tasks.merging:merge_candidate", step_params, inputs, code, settings)
 
 
 def plan_merge(params: Params) -> list[list[Step]]:
@@ -103,16 +113,41 @@ def plan_merge(params: Params) -> list[list[Step]]:
     return [merges, selections] if selections else [merges]
 
 
-def _merged(params: dict[str, Any], root: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, float]]:
-    """Merge the aligned client checkpoints with one registered method: the state, its metadata, its summary."""
+def _merge_into(params: dict[str, Any], root: Path, path: Path) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Merge the aligned client checkpoints with one registered method into the checkpoint ``path``.
+
+    Returns the merged state (None when it was streamed from the files, never held in memory) and the
+    checkpoint's metadata (its summary and curves among them).
+    """
     name, method = params["name"], params["method"]
     clients = range(params["num_clients"])
     uses = METHODS[method].uses
-    checkpoints = [load_checkpoint(root / aligned_checkpoint(c)) for c in clients]
-    excluded = [c for c, (_, meta) in enumerate(checkpoints) if meta.get("diverged")]
+    metas = [load_checkpoint_meta(root / aligned_checkpoint(c)) for c in clients]  # headers only
+    excluded = [c for c, meta in enumerate(metas) if meta.get("diverged")]
     clients = [c for c in clients if c not in excluded]  # finetune.on_divergence: exclude
-    loaded = [checkpoints[c] for c in clients]
-    base_state, base_meta = load_checkpoint(root / BASE)
+    base_meta = load_checkpoint_meta(root / BASE)
+    meta = {
+        "spec": base_meta["spec"],
+        "role": "merged",
+        "name": name,
+        "method": method,
+        "options": params["options"],
+        "excluded_clients": excluded,
+    }
+    weights = [metas[c]["num_examples"] for c in clients]
+    with_base = "base" in uses and params.get("shared_base", True)
+    if _streams(params, root, clients):
+        merge_files(
+            method,
+            [root / aligned_checkpoint(c) for c in clients],
+            path,
+            base=root / BASE if with_base else None,
+            weights=weights,
+            fishers=[root / aligned_fisher(c) for c in clients] if "fishers" in uses else None,
+            metadata=checkpoint_header(meta | {"curves": {}, "summary": {}}),
+            **params["options"],
+        )
+        return None, meta | {"curves": {}, "summary": {}}
     # Factor columns follow the model's parameter order; the files list tensors alphabetically.
     order = parameter_names(base_meta["spec"])
     fishers = None
@@ -120,26 +155,27 @@ def _merged(params: dict[str, Any], root: Path) -> tuple[dict[str, Any], dict[st
         fishers = [{n: f[n] for n in order} for f in (load_file(root / aligned_fisher(c)) for c in clients)]
     result = run_merge(
         method,
-        [state for state, _ in loaded],
-        base=base_state if "base" in uses and params.get("shared_base", True) else None,
-        weights=[meta["num_examples"] for _, meta in loaded],
+        [load_file(root / aligned_checkpoint(c)) for c in clients],
+        base=load_file(root / BASE) if with_base else None,
+        weights=weights,
         fishers=fishers,
         factors=[load_file(root / aligned_factors(c))["U"] for c in clients] if params["factors"] else None,
         grams=[load_file(root / aligned_grams(c)) for c in clients] if "grams" in uses else None,
         scorer=_validation_scorer(params, root, base_meta["spec"]) if "scorer" in uses else None,
         **params["options"],
     )
-    meta = {
-        "spec": base_meta["spec"],
-        "role": "merged",
-        "name": name,
-        "method": method,
-        "options": params["options"],
-        "curves": result.curves,
-        "summary": result.summary,
-        "excluded_clients": excluded,
-    }
-    return result.state, meta, result.summary
+    meta |= {"curves": result.curves, "summary": result.summary}
+    save_checkpoint(path, result.state, meta)
+    return result.state, meta
+
+
+def _streams(params: dict[str, Any], root: Path, clients: list[int]) -> bool:
+    """Whether this merge streams: a tensor-scope method on client checkpoints above ``merge.stream_above_mb``
+    (a setting of the step; without it, in memory)."""
+    threshold = params.get("stream_above_mb")
+    if threshold is None or METHODS[params["method"]].scope != "tensor" or not clients:
+        return False
+    return (root / aligned_checkpoint(clients[0])).stat().st_size > threshold * 2**20
 
 
 def _validation_scorer(params: dict[str, Any], root: Path, spec: dict[str, Any]) -> Scorer:
@@ -153,25 +189,30 @@ def _validation_scorer(params: dict[str, Any], root: Path, spec: dict[str, Any])
     return score
 
 
-def _save_merged(name: str, state: dict[str, Any], meta: dict[str, Any], root: Path, out: Path) -> None:
-    save_checkpoint(out / merged_checkpoint(name), state, meta)
+def _save_pretrained(name: str, state: dict[str, Any] | None, meta: dict[str, Any], root: Path, out: Path) -> None:
+    """For transformers, the ``from_pretrained`` directory beside the merged checkpoint (``state`` None: read it)."""
     if is_transformer(meta["spec"]):
+        if state is None:
+            state = load_file(out / merged_checkpoint(name))
         save_pretrained(meta["spec"], state, out / merged_pretrained_dir(name), root / TOKENIZER)
 
 
 def merge_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     """Merge the aligned client checkpoints with one registered method; keep its curves in the metadata."""
-    state, meta, summary = _merged(params, root)
-    _save_merged(params["name"], state, meta, root, out)
-    return {"method": params["method"], **summary}
+    state, meta = _merge_into(params, root, out / merged_checkpoint(params["name"]))
+    _save_pretrained(params["name"], state, meta, root, out)
+    return {"method": params["method"], **meta["summary"]}
 
 
 def merge_candidate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     """One candidate of a search: merged, and scored on the validation split (kept in its metadata)."""
-    state, meta, summary = _merged(params, root)
+    path = out / params["path"]
+    state, meta = _merge_into(params, root, path)
+    if state is None:
+        state = load_file(path)
     meta["validation"] = split_metrics(root, "validation", meta["spec"], state, params["noise_std"])
-    save_checkpoint(out / params["path"], state, meta)
-    return {"method": params["method"], **{f"val_{k}": v for k, v in meta["validation"].items()}, **summary}
+    save_checkpoint(path, state, meta)
+    return {"method": params["method"], **{f"val_{k}": v for k, v in meta["validation"].items()}, **meta["summary"]}
 
 
 def select_candidate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
@@ -187,5 +228,6 @@ def select_candidate(params: dict[str, Any], root: Path, out: Path) -> dict[str,
         "chosen": best,
         "candidates": [{"options": m["options"], "validation": m["validation"]} for m in metas],
     }
-    _save_merged(params["name"], state, meta, root, out)
+    save_checkpoint(out / merged_checkpoint(params["name"]), state, meta)
+    _save_pretrained(params["name"], state, meta, root, out)
     return {"chosen": {key: meta["options"][key] for key in params["searched"]}, **meta["validation"]}

@@ -30,13 +30,18 @@ CACHE_VERSION = "1"
 
 @dataclass(frozen=True)
 class Step:
-    """One unit of cached work: ``fn`` (as ``module:function``) on ``params`` and ``inputs``."""
+    """One unit of cached work: ``fn`` (as ``module:function``) on ``params`` and ``inputs``.
+
+    ``settings`` reach ``fn`` with the params but stay out of the cache key: they change how a step
+    runs (e.g. whether a merge streams from the files), never what it makes.
+    """
 
     name: str
     fn: str
     params: dict[str, Any]
     inputs: tuple[str, ...] = ()
     code: tuple[str, ...] = ()
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -122,6 +122,31 @@ def test_selection_never_reads_test_data_and_keeps_the_planted_best(searched, tm
     assert load_checkpoint(out / merging.merged_checkpoint("task_arithmetic"))[1]["selection"]["chosen"] == 1
 
 
+def test_merges_above_the_size_threshold_stream_to_the_same_checkpoints_under_the_same_keys(
+    searched, tmp_path, monkeypatch
+):
+    from tasks.steps import resolve, step_key
+
+    streamed = []
+    real = merging.merge_files
+    monkeypatch.setattr(
+        merging, "merge_files", lambda method, *a, **k: (streamed.append(method), real(method, *a, **k))
+    )
+    default = merging.plan_merge(load_params(searched / "params.yaml", []))[0]
+    merges = merging.plan_merge(load_params(searched / "params.yaml", ["merge.stream_above_mb=0"]))[0]
+    assert [step_key(s, searched) for s in merges] == [step_key(s, searched) for s in default]  # a setting, no key
+    for step in merges:
+        assert step.settings == {"stream_above_mb": 0}
+        resolve(step.fn)({**step.params, **step.settings}, searched, tmp_path)
+    assert sorted(set(streamed)) == ["average", "task_arithmetic", "ties"]  # greedy_soup is model-scope: in memory
+    assert streamed.count("task_arithmetic") == len(SCALINGS)
+    for step in merges:
+        path = step.params.get("path") or merging.merged_checkpoint(step.params["name"])
+        (expected, expected_meta), (got, meta) = load_checkpoint(searched / path), load_checkpoint(tmp_path / path)
+        assert meta == expected_meta and got.keys() == expected.keys(), step.name
+        assert all(torch.equal(got[key], expected[key]) for key in expected), step.name
+
+
 def test_a_search_needs_a_validation_split(tmp_path, capsys, monkeypatch):
     from mergeflow.cli import main
 
