@@ -220,21 +220,23 @@ def run_case(code: str, case: dict) -> dict[str, float]:
     return result
 
 
-def agreement(first: Path, second: Path) -> tuple[float, float]:
-    """The fraction of elements in which two merged models differ, and the largest absolute difference."""
+def agreement(first: Path, second: Path) -> tuple[float, int, float]:
+    """Between two merged models: the fraction of elements that differ at all, the number that differ by
+    more than 1e-6 (more than rounding), and the largest absolute difference."""
     from mergeflow.hf_checkpoints import open_checkpoint
 
     a, b = open_checkpoint(first), open_checkpoint(second)
-    differ = total = 0
+    differ = total = beyond = 0
     worst = 0.0
     for key in a:
         gap = (a[key].double() - b[key].double()).abs()
         differ += int((gap > 0).sum())
+        beyond += int((gap > 1e-6).sum())
         total += gap.numel()
         worst = max(worst, float(gap.max()))
     a.close()
     b.close()
-    return differ / total, worst
+    return differ / total, beyond, worst
 
 
 def accuracy(models: list[str], outputs: dict[str, Path]) -> dict[str, tuple[float, float]]:
@@ -342,11 +344,11 @@ def main() -> None:
         for name, (fraction, worst) in accuracy(models[:count], averages).items():
             print(f"| {name} | {fraction:.2e} | {worst:.2f} |")
         if mergekit is not None:
-            print("\n| mergekit against mergeflow | elements that differ | largest difference |")
-            print("|---|---:|---:|")
+            print("\n| mergekit against mergeflow | elements that differ | > 1e-6 apart | largest difference |")
+            print("|---|---:|---:|---:|")
             for method, (compared, _, _) in MERGEKIT.items():
-                fraction, worst = agreement(outputs[f"mergekit {method}"], outputs[compared])
-                print(f"| {method} / {compared} | {fraction:.2e} | {worst:.2e} |")
+                fraction, beyond, worst = agreement(outputs[f"mergekit {method}"], outputs[compared])
+                print(f"| {method} / {compared} | {fraction:.2e} | {beyond} | {worst:.2e} |")
         shutil.rmtree(directory / "out")
     if not args.keep:
         shutil.rmtree(directory)

@@ -10,7 +10,7 @@ import torch
 from mergeflow.errors import MergeflowError
 from mergeflow.merge import merge
 from mergeflow.merge.model_stock import stock_ratio
-from mergeflow.merge.sparsify import disjoint_mean, drop_and_rescale, trim_by_magnitude
+from mergeflow.merge.sparsify import disjoint_mean, dropout_masks, magnitude_masks
 
 
 def _states(*vectors, base=None):
@@ -72,12 +72,13 @@ def test_ties_and_dare_equal_peft_merge_utils():
     generator = torch.Generator().manual_seed(1)
     tasks = [torch.randn(6, 9, generator=generator, dtype=torch.float64) for _ in range(3)]
     ones = torch.ones(3, dtype=torch.float64)
-    ours = disjoint_mean(trim_by_magnitude(torch.stack(tasks), 0.3))
-    torch.testing.assert_close(ours, merge_utils.ties(tasks, ones, density=0.3), rtol=0, atol=1e-12)
+    trimmed = torch.stack(tasks) * torch.stack(list(magnitude_masks([t.clone() for t in tasks], 0.3)))
+    torch.testing.assert_close(disjoint_mean(trimmed), merge_utils.ties(tasks, ones, density=0.3), rtol=0, atol=1e-12)
     for name, combine in (("dare_linear", lambda t: t.sum(dim=0)), ("dare_ties", disjoint_mean)):
         torch.manual_seed(7)
         reference = getattr(merge_utils, name)(tasks, ones, density=0.4)
-        ours = combine(drop_and_rescale(torch.stack(tasks), 0.6, torch.Generator().manual_seed(7)))
+        drops = dropout_masks(3, (6, 9), 0.6, torch.Generator().manual_seed(7))
+        ours = combine(torch.stack(tasks) * torch.stack(list(drops)) / 0.4)
         torch.testing.assert_close(ours, reference, rtol=0, atol=1e-12)
 
 

@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Sequence
 
 import torch
 
-from mergeflow.merge.registry import TensorInputs, merge_method
+from mergeflow.merge.registry import TaskVectors, TensorInputs, merge_method, task_vector
+from mergeflow.merge.sums import mean
 
 
-def stock_ratio(tasks: torch.Tensor) -> float:
-    """t = K·cos θ / (1 + (K−1)·cos θ), cos θ the mean pairwise cosine of the K task vectors ``(K, ...)``."""
-    flat = tasks.reshape(tasks.shape[0], -1)
-    norms = flat.norm(dim=1)
-    pairs = [
-        float(flat[i] @ flat[j] / (norms[i] * norms[j])) if norms[i] * norms[j] > 0 else 0.0
-        for i, j in itertools.combinations(range(len(flat)), 2)
-    ]
+def stock_ratio(tasks: Sequence[torch.Tensor]) -> float:
+    """t = K·cos θ / (1 + (K−1)·cos θ), cos θ the mean pairwise cosine of the K task vectors.
+
+    ``tasks`` may compute each vector when indexed (``TaskVectors``): two are held at a time.
+    """
+    k = len(tasks)
+    norms = [float(tasks[i].norm()) for i in range(k)]
+    pairs = []
+    for i, j in itertools.combinations(range(k), 2):
+        scale = norms[i] * norms[j]
+        pairs.append(float(tasks[i].reshape(-1) @ tasks[j].reshape(-1)) / scale if scale > 0 else 0.0)
     cos = sum(pairs) / len(pairs) if pairs else 1.0
-    k = len(flat)
     return k * cos / (1 + (k - 1) * cos) if 1 + (k - 1) * cos != 0 else 0.0
 
 
@@ -26,6 +31,5 @@ def stock_ratio(tasks: torch.Tensor) -> float:
 def model_stock(x: TensorInputs, options: object) -> torch.Tensor:
     """Model Stock: t · average + (1 − t) · base per tensor, t from the task vectors' mean pairwise angle."""
     assert x.base is not None  # guaranteed by needs=("base",)
-    stacked = x.stacked()
-    ratio = stock_ratio(stacked - x.base)
-    return ratio * stacked.mean(dim=0) + (1 - ratio) * x.base
+    ratio = stock_ratio(TaskVectors(len(x.tensors), functools.partial(task_vector, x.tensors, x.base)))
+    return mean(x.tensors).mul_(ratio).add_(x.base, alpha=1 - ratio)

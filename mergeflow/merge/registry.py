@@ -47,6 +47,8 @@ class TensorInputs:
 
     For an elementwise method the streaming merge passes a block of the tensor's elements
     (flattened) instead of the whole tensor. Methods must not modify the tensors in place.
+    ``masks`` (``(K, ...)`` booleans) are the method's per-client masks (``merge_method(masks=...)``),
+    drawn from the whole tensor and cut to the same block.
     ``fisher_norms`` (each client's global Fisher L2 norm) is computed on first use only: it
     takes a pass over every Fisher tensor, which most methods never need.
     """
@@ -58,6 +60,7 @@ class TensorInputs:
     fishers: list[torch.Tensor] | None = None
     norms: Callable[[], torch.Tensor] | None = None
     stack: torch.Tensor | None = None
+    masks: torch.Tensor | None = None
 
     @property
     def fisher_norms(self) -> torch.Tensor | None:
@@ -107,6 +110,30 @@ class MergeResult:
     summary: dict[str, float] = field(default_factory=dict)
 
 
+class TaskVectors(Sequence[torch.Tensor]):
+    """The K task vectors θ_k − base of one tensor (float64), each computed when it is indexed.
+
+    A streamed merge reads client k's tensor only then, into a reused buffer: a vector is valid
+    until the next one is asked for, and the mask function may overwrite it.
+    """
+
+    def __init__(self, count: int, task: Callable[[int], torch.Tensor]) -> None:
+        self._count = count
+        self._task = task
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, k: int) -> torch.Tensor:  # type: ignore[override]
+        if not 0 <= k < self._count:
+            raise IndexError(k)
+        return self._task(k)
+
+
+# masks(task_vectors, shape, tensor name, options) -> the K per-client masks, one at a time in order.
+MaskFunction = Callable[[TaskVectors, tuple[int, ...], str, Any], Iterator[torch.Tensor]]
+
+
 @dataclass(frozen=True)
 class MergeMethod:
     """A registered method: its function, scope, options model and the inputs it needs."""
@@ -119,6 +146,7 @@ class MergeMethod:
     uses: frozenset[str]
     summary: str
     elementwise: bool = False
+    masks: MaskFunction | None = None
 
 
 METHODS: dict[str, MergeMethod] = {}
@@ -132,6 +160,7 @@ def merge_method(
     uses: Sequence[str] = (),
     scope: Literal["tensor", "model"] = "tensor",
     elementwise: bool = False,
+    masks: MaskFunction | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a merge method under ``name``.
 
@@ -139,20 +168,25 @@ def merge_method(
     ``fn(x: ModelInputs, options) -> MergeResult | dict``. ``needs`` are required inputs,
     ``uses`` optional ones that the pipeline supplies when it has them (e.g. factors).
     ``elementwise``: output element i depends only on element i of each input (tensor scope).
+    ``masks``: per-client masks that need each whole task vector (TIES' top magnitudes, DARE's
+    draws); given them (``TensorInputs.masks``), ``fn`` is elementwise, so a streamed merge holds
+    one task vector and K boolean masks of a tensor, never its K float64 copies.
     """
     unknown = (set(needs) | set(uses)) - set(NEEDS)
     if unknown:
         raise ValueError(f"merge method {name!r} needs unknown inputs {sorted(unknown)}; known: {NEEDS}")
+    elementwise = elementwise or masks is not None
     if elementwise and scope != "tensor":
         raise ValueError(f"merge method {name!r}: only tensor-scope methods can be elementwise")
+    if masks is not None and "base" not in needs:
+        raise ValueError(f"merge method {name!r}: masks are drawn from task vectors, so it needs base")
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         if name in METHODS:
             raise ValueError(f"merge method {name!r} is registered twice")
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-        METHODS[name] = MergeMethod(
-            name, fn, scope, options, frozenset(needs), frozenset(needs) | frozenset(uses), summary, elementwise
-        )
+        uses_all = frozenset(needs) | frozenset(uses)
+        METHODS[name] = MergeMethod(name, fn, scope, options, frozenset(needs), uses_all, summary, elementwise, masks)
         return fn
 
     return register
@@ -224,15 +258,28 @@ def merged_tensors(
         if method is None:
             yield key, first.clone()
             continue
+        tensors = [s[key].to(torch.float64) for s in states]
+        base_tensor = base[key].to(torch.float64) if base is not None else None
+        masks = None
+        if method.masks is not None:
+            assert base_tensor is not None  # methods with masks need base
+            tasks = TaskVectors(len(tensors), functools.partial(task_vector, tensors, base_tensor))
+            masks = torch.stack(list(method.masks(tasks, tuple(first.shape), key, options)))
         inputs = TensorInputs(
             name=key,
-            tensors=[s[key].to(torch.float64) for s in states],
+            tensors=tensors,
             weights=weights,
-            base=base[key].to(torch.float64) if base is not None else None,
+            base=base_tensor,
             fishers=[f[key].to(torch.float64) for f in fishers] if fishers is not None and method is spec else None,
             norms=norms,
+            masks=masks,
         )
         yield key, method.fn(inputs, options).to(first.dtype).contiguous()
+
+
+def task_vector(tensors: Sequence[torch.Tensor], base: torch.Tensor, k: int) -> torch.Tensor:
+    """θ_k − base, as a new tensor (for ``TaskVectors``)."""
+    return tensors[k] - base
 
 
 def tensor_method(spec: MergeMethod, floating: bool, has_fisher: bool) -> MergeMethod | None:

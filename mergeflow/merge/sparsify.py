@@ -8,48 +8,52 @@ vectors (ties go to +), and the disjoint mean averages only the non-zero entries
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Iterator
 
 import torch
 
+from mergeflow.merge.sums import running_sum
 
-def trim_by_magnitude(tasks: torch.Tensor, density: float) -> torch.Tensor:
-    """Keep each task vector's ``int(density * numel)`` largest-magnitude entries (``tasks``: ``(K, ...)``).
 
-    Trims ``tasks`` in place and returns it; one task vector at a time, so the temporaries are one
-    vector's size, not K of them.
+def magnitude_masks(tasks: Iterable[torch.Tensor], density: float) -> Iterator[torch.Tensor]:
+    """TIES' trim: for each task vector in turn, a mask of its ``int(density * numel)`` largest magnitudes.
+
+    Equal magnitudes at the cut go to the lower index (``topk``, which PEFT and mergekit use, leaves
+    that order unspecified). Each task vector is overwritten with its magnitudes: one selection
+    (``kthvalue``) and a boolean mask are the only temporaries.
     """
-    if density >= 1:
-        return tasks
-    flat = tasks.view(tasks.shape[0], -1)
-    keep = int(density * flat.shape[1])
-    for row in flat:
-        kept = torch.zeros(row.shape, dtype=torch.bool)
-        if keep:
-            kept[row.abs().topk(keep).indices] = True
-        row.masked_fill_(~kept, 0.0)
-    return tasks
-
-
-def drop_and_rescale(tasks: torch.Tensor, drop_rate: float, generator: torch.Generator) -> torch.Tensor:
-    """DARE: zero each entry with probability ``drop_rate`` and rescale the rest by ``1 / (1 - drop_rate)``,
-    one Bernoulli draw per task vector in order (as PEFT's ``random_pruning`` with the same seed).
-
-    Works in place on ``tasks`` and returns it.
-    """
-    if drop_rate == 0:
-        return tasks
-    keep = 1.0 - drop_rate
     for task in tasks:
-        task.mul_(torch.bernoulli(torch.full_like(task, keep), generator=generator)).div_(keep)
-    return tasks
+        magnitudes = task.reshape(-1).abs_()
+        count = magnitudes.numel()
+        keep = min(int(density * count), count)
+        if keep in (0, count):
+            yield torch.full(task.shape, keep > 0, dtype=torch.bool)
+            continue
+        cut = magnitudes.kthvalue(count - keep + 1).values  # the keep-th largest magnitude
+        kept = magnitudes > cut
+        short = keep - int(kept.sum())
+        if short:
+            kept[(magnitudes == cut).nonzero().view(-1)[:short]] = True
+        yield kept.view(task.shape)
+
+
+def dropout_masks(count: int, shape: tuple[int, ...], drop_rate: float, generator: torch.Generator):
+    """DARE's drops: ``count`` masks that keep each entry with probability 1 − ``drop_rate``, drawn one task
+    vector after another from ``generator`` (as PEFT's ``random_pruning`` with the same seed)."""
+    for _ in range(count):
+        if drop_rate == 0:
+            yield torch.ones(shape, dtype=torch.bool)
+        else:
+            yield torch.bernoulli(torch.full(shape, 1.0 - drop_rate, dtype=torch.float64), generator=generator).bool()
 
 
 def disjoint_mean(tasks: torch.Tensor) -> torch.Tensor:
     """TIES' elect-and-merge: the mean of the entries whose sign agrees with the sign of their sum.
 
-    Accumulated one task vector at a time (no ``(K, ...)`` temporaries).
+    Elementwise, and accumulated one task vector at a time in order, so a block of elements gives the
+    same numbers as the whole tensor.
     """
-    positive = tasks.sum(dim=0) >= 0
+    positive = running_sum(tasks) >= 0
     total = torch.zeros_like(tasks[0])
     count = torch.zeros_like(tasks[0])
     for task in tasks:

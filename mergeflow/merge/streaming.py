@@ -9,10 +9,12 @@ and writes the merged tensors into the output as they are done:
   the registered method sums the K blocks in place (``mergeflow.merge.sums``); the float64
   result is rounded once to the output dtype. Anonymous memory stays near the buffers' few
   MiB whatever the models' size (measured in docs/benchmarks.md).
-- The other tensor-scope methods (``ties``, ``dare_*``, ``model_stock``, ``slerp``) need each
-  tensor whole: one reused ``(K, ...)`` float64 buffer as large as K copies of the largest
-  tensor in float64, one read buffer, and what the method itself allocates (TIES' task vectors
-  and masks), several times K copies of the largest tensor, never K models.
+- Methods with per-client masks (``ties``, ``dare_linear``, ``dare_ties``) first draw each
+  tensor's K masks from its whole task vectors, one client at a time (``_Masks``: one float64
+  task vector and its top-k temporaries, plus K booleans per element), then merge blocks like
+  the elementwise methods.
+- ``model_stock`` and ``slerp`` need each tensor whole: one reused ``(K, ...)`` float64 buffer as
+  large as K copies of the largest tensor, one read buffer, and the method's own temporaries.
 
 Inputs and the output are single ``.safetensors`` files or Hugging Face model directories
 (``mergeflow.hf_checkpoints``). The output is written to a temp file or directory and renamed,
@@ -44,6 +46,7 @@ from mergeflow.merge.reader import Reader
 from mergeflow.merge.registry import (
     METHODS,
     MergeMethod,
+    TaskVectors,
     TensorInputs,
     fisher_norms,
     normalized_weights,
@@ -75,6 +78,7 @@ class _Item:
     method: MergeMethod | None
     start: int
     shape: tuple[int, ...]
+    total: tuple[int, ...] = ()  # the whole tensor's shape
 
     @property
     def count(self) -> int:
@@ -226,10 +230,10 @@ def _plan(spec: MergeMethod, inputs: _Inputs, order: Sequence[str]) -> Iterator[
             spec, entry.torch_dtype.is_floating_point, inputs.fishers is None or key in inputs.fishers[0]
         )
         if method is not None and not method.elementwise:
-            yield _Item(key, method, 0, entry.shape)
+            yield _Item(key, method, 0, entry.shape, entry.shape)
             continue
         for start in range(0, max(entry.numel, 1), BLOCK):
-            yield _Item(key, method, start, (min(BLOCK, entry.numel - start),))
+            yield _Item(key, method, start, (min(BLOCK, entry.numel - start),), entry.shape)
 
 
 def _read_float64(checkpoint: Checkpoint, item: _Item, out: torch.Tensor, scratch: torch.Tensor) -> None:
@@ -273,6 +277,8 @@ def _merged(
         for k, fisher in enumerate(fishers or []):
             _read_float64(fisher, item, buffers.fishers[k * n : (k + 1) * n], scratch)
 
+    masks = _Masks(inputs, items, options)
+    threads_before = torch.get_num_threads()
     threads = _intra_op_threads(1) if blocks_only else nullcontext()
     with threads, Reader(items, fill, buffer_sets) as reader:
         for item, buffers in reader:
@@ -281,7 +287,11 @@ def _merged(
             if item.method is None:
                 inputs.models[0].read_into(item.key, memoryview(target.numpy()), item.start * dtype.itemsize)
             else:
-                result = item.method.fn(_tensor_inputs(item, inputs, buffers, weights, norms), options)
+                if item.method.masks is not None and item.start == 0:
+                    with _intra_op_threads(threads_before):  # whole-tensor work (top-k): every core
+                        masks.draw(item)
+                item_masks = masks.block(item) if item.method.masks is not None else None
+                result = item.method.fn(_tensor_inputs(item, inputs, buffers, weights, norms, item_masks), options)
                 target.view(dtype).copy_(result.reshape(-1))
             reader.release(buffers)
             yield item.key, memoryview(target.numpy())
@@ -302,8 +312,67 @@ def _intra_op_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+class _Masks:
+    """The per-client masks of a method with ``masks`` (TIES, DARE), drawn once per tensor before its blocks.
+
+    Each client's task vector is read whole only when the mask function asks for it (DARE's draws
+    need none), into one reused float64 row, less the base read once: a tensor's masks cost K
+    booleans per element and one task vector's float64 temporaries, never K float64 copies.
+    """
+
+    def __init__(self, inputs: _Inputs, items: Sequence[_Item], options: BaseModel) -> None:
+        self._inputs = inputs
+        self._options = options
+        self._capacity = max((math.prod(i.total) for i in items if i.method is not None and i.method.masks), default=0)
+        self._current: torch.Tensor | None = None
+        self._buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _allocate(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._buffers is None:
+            n, count, itemsize = self._capacity, len(self._inputs.models), self._inputs.itemsize()
+            row = torch.empty(n, dtype=torch.float64)
+            raw_base = torch.empty(n * itemsize, dtype=torch.uint8)
+            scratch = torch.empty(n * itemsize, dtype=torch.uint8)
+            self._buffers = (torch.empty(count * n, dtype=torch.bool), row, raw_base, scratch)
+        return self._buffers
+
+    def draw(self, item: _Item) -> None:
+        """Draw the masks of ``item``'s tensor (its first block)."""
+        assert item.method is not None and item.method.masks is not None and self._inputs.base is not None
+        everything, row, raw_base, scratch = self._allocate()
+        shape, count = item.total, len(self._inputs.models)
+        n = math.prod(shape)
+        whole = _Item(item.key, item.method, 0, (n,))
+        base_entry = self._inputs.base.entry(item.key)
+        base: list[torch.Tensor] = []
+
+        def task(k: int) -> torch.Tensor:
+            if not base:  # read the base once, and only for a mask function that looks at the task vectors
+                raw = raw_base[: n * base_entry.torch_dtype.itemsize]
+                self._inputs.base.read_into(item.key, memoryview(raw.numpy()))
+                base.append(raw.view(base_entry.torch_dtype))
+            _read_float64(self._inputs.models[k], whole, row[:n], scratch)
+            return row[:n].sub_(base[0]).view(shape)
+
+        masks = everything[: count * n].view(count, n)
+        drawn = item.method.masks(TaskVectors(count, task), shape, item.key, self._options)
+        for k, mask in enumerate(drawn):
+            masks[k].copy_(mask.reshape(-1))
+        self._current = masks
+
+    def block(self, item: _Item) -> torch.Tensor:
+        """The masks of ``item``'s block, ``(K, count)``."""
+        assert self._current is not None
+        return self._current[:, item.start : item.start + item.count]
+
+
 def _tensor_inputs(
-    item: _Item, inputs: _Inputs, buffers: _Buffers, weights: torch.Tensor, norms: Callable[[], torch.Tensor] | None
+    item: _Item,
+    inputs: _Inputs,
+    buffers: _Buffers,
+    weights: torch.Tensor,
+    norms: Callable[[], torch.Tensor] | None,
+    masks: torch.Tensor | None = None,
 ) -> TensorInputs:
     assert item.method is not None
     base, fishers = inputs.used(item.method)
@@ -317,4 +386,5 @@ def _tensor_inputs(
         fishers=list(buffers.fishers[: count * n].view(count, *item.shape).unbind(0)) if fishers is not None else None,
         norms=norms,
         stack=stack,
+        masks=masks,
     )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from mergeflow.merge.registry import TensorInputs, merge_method
-from mergeflow.merge.sparsify import disjoint_mean, trim_by_magnitude
+from mergeflow.merge.registry import TaskVectors, TensorInputs, merge_method
+from mergeflow.merge.sparsify import disjoint_mean, magnitude_masks
 
 
 class TiesOptions(BaseModel):
@@ -18,9 +20,13 @@ class TiesOptions(BaseModel):
     scaling: float = 1.0
 
 
-@merge_method("ties", options=TiesOptions, needs=("base",))
+def _trimmed(tasks: TaskVectors, shape: tuple[int, ...], name: str, options: TiesOptions) -> Iterator[torch.Tensor]:
+    return magnitude_masks(tasks, options.density)
+
+
+@merge_method("ties", options=TiesOptions, needs=("base",), masks=_trimmed)
 def ties(x: TensorInputs, options: TiesOptions) -> torch.Tensor:
     """TIES: base + λ · disjoint mean of the trimmed, sign-elected task vectors."""
-    assert x.base is not None  # guaranteed by needs=("base",)
-    tasks = trim_by_magnitude(x.stacked() - x.base, options.density)
+    assert x.base is not None and x.masks is not None  # guaranteed by needs=("base",) and masks=
+    tasks = (x.stacked() - x.base).mul_(x.masks)
     return x.base + options.scaling * disjoint_mean(tasks)
