@@ -37,7 +37,7 @@ LORA = ["-S", "finetune.lora={r: 8, alpha: 16}", "-S", "finetune.lr=0.002"]
 
 
 def measured(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float, float, str]:
-    """Seconds, peak summed RSS of the process tree (GiB), peak RSS of one process (GiB), and the last line."""
+    """Seconds, peak summed RSS of the process tree (GiB), peak RSS of one process (GiB), and the step summary."""
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peaks = [0, 0]
@@ -62,8 +62,8 @@ def measured(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[float,
     sampler.join()
     if process.returncode != 0:
         sys.exit(f"{' '.join(command)} failed:\n{output[-3000:]}")
-    last = [line for line in output.splitlines() if line.strip()][-1]
-    return seconds, peaks[0] / 2**30, peaks[1] / 2**30, last
+    summary = [line for line in output.splitlines() if line.startswith("mergeflow: ") and " steps in " in line]
+    return seconds, peaks[0] / 2**30, peaks[1] / 2**30, (summary or ["(no summary line)"])[-1]
 
 
 def main() -> None:

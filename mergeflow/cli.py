@@ -134,10 +134,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _run(args, [args.name])
     if args.command == "validate":
         from mergeflow.config import load_params
-        from mergeflow.data.check import check_source
+        from mergeflow.data.check import check_inputs
 
         params = load_params(args.params, args.overrides)
-        check_source(params.section("data"), params.seed)
+        check_inputs(params)
         print(f"{args.params}: ok")
         return 0
     if args.command == "dvc-yaml":

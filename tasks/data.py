@@ -123,15 +123,15 @@ def local_data_files(params: Params) -> tuple[str, ...]:
 
 
 def check_data(params: Params, root: Path) -> None:
-    """The pre-flight check of the user's table (``check_source``) and of a pretrained transformer's
-    tokenizer against its embeddings (``check_vocabulary``), before any orchestration.
+    """The pre-flight checks of the user's files (``check_inputs``: the table, a pretrained transformer's
+    tokenizer against its embeddings), before any orchestration.
 
     It is skipped when the same data and model options already passed on the same local files (by
     path, size and modification time); a table with remote files is checked every time.
     """
     import hashlib
 
-    from mergeflow.data.check import check_source
+    from mergeflow.data.check import check_inputs
 
     data = params.section("data")
     table = data["source"] in ("hf", "text")
@@ -149,10 +149,7 @@ def check_data(params: Params, root: Path) -> None:
         marker = root / CHECKED / hashlib.sha256(payload.encode()).hexdigest()
         if marker.is_file():
             return
-    if table:
-        check_source(data, params.seed)
-    if pretrained:
-        check_vocabulary(load_tokenizer(pretrained), pretrained, hf.model_config_fields())
+    check_inputs(params)
     if marker is not None:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()

@@ -189,6 +189,8 @@ def test_a_pretrained_tokenizer_larger_than_the_models_embeddings_is_refused_bef
     params = text_params(tmp_path, BERT)
     params["model"]["hf"] = {"pretrained": str(model_dir)}
     _refused(tmp_path, params, cli_env, "small-vocab-bert: the tokenizer has")
+    checked = run_cli(["validate"], tmp_path, cli_env)
+    assert checked.returncode == 2 and "small-vocab-bert: the tokenizer has 4" in checked.stderr, checked.stderr
 
 
 def test_a_hub_name_the_hub_cannot_serve_is_refused_without_hf_hub_offline(tmp_path, cli_env):

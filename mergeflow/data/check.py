@@ -1,4 +1,5 @@
-"""A check of the user's own table before any orchestration starts: columns, labels, missing values, text."""
+"""Checks of the user's own inputs before any orchestration starts: a table's columns, labels, missing
+values and text; a pretrained transformer's tokenizer against its embeddings."""
 
 from __future__ import annotations
 
@@ -29,3 +30,14 @@ def check_source(data: dict[str, Any], seed: int = 0) -> None:
     finally:
         if shown:
             datasets.enable_progress_bars()
+
+
+def check_inputs(params: Any) -> None:
+    """Every pre-flight check that reads the user's files: the table (``check_source``), and for a pretrained
+    transformer its tokenizer against its embeddings (``check_vocabulary``). ``params``: validated Params."""
+    check_source(params.section("data"), params.seed)
+    hf = params.model.hf
+    if params.model.arch == "hf" and hf.pretrained:
+        from mergeflow.data.tokenize import check_vocabulary, load_tokenizer
+
+        check_vocabulary(load_tokenizer(hf.pretrained), hf.pretrained, hf.model_config_fields())
