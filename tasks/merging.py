@@ -113,10 +113,13 @@ def plan_merge(params: Params) -> list[list[Step]]:
     return [merges, selections] if selections else [merges]
 
 
-def _merge_into(params: dict[str, Any], root: Path, path: Path) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+def _merge_into(
+    params: dict[str, Any], root: Path, path: Path, scored: bool = False
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """Merge the aligned client checkpoints with one registered method into the checkpoint ``path``.
 
-    Returns the merged state (None when it was streamed from the files, never held in memory) and the
+    ``scored``: a search candidate, whose validation metrics go into its metadata (``validation``).
+    Returns the merged state (None when it was streamed from the files and not needed after) and the
     checkpoint's metadata (its summary and curves among them).
     """
     name, method = params["name"], params["method"]
@@ -137,6 +140,7 @@ def _merge_into(params: dict[str, Any], root: Path, path: Path) -> tuple[dict[st
     weights = [metas[c]["num_examples"] for c in clients]
     with_base = "base" in uses and params.get("shared_base", True)
     if _streams(params, root, clients):
+        meta |= {"curves": {}, "summary": {}}
         merge_files(
             method,
             [root / aligned_checkpoint(c) for c in clients],
@@ -144,10 +148,15 @@ def _merge_into(params: dict[str, Any], root: Path, path: Path) -> tuple[dict[st
             base=root / BASE if with_base else None,
             weights=weights,
             fishers=[root / aligned_fisher(c) for c in clients] if "fishers" in uses else None,
-            metadata=checkpoint_header(meta | {"curves": {}, "summary": {}}),
+            metadata=checkpoint_header(meta),
             **params["options"],
         )
-        return None, meta | {"curves": {}, "summary": {}}
+        if not scored:
+            return None, meta
+        state = load_file(path)  # one model, to score on validation; the header is rewritten with the scores
+        meta["validation"] = split_metrics(root, "validation", meta["spec"], state, params["noise_std"])
+        save_checkpoint(path, state, meta)
+        return state, meta
     # Factor columns follow the model's parameter order; the files list tensors alphabetically.
     order = parameter_names(base_meta["spec"])
     fishers = None
@@ -165,6 +174,8 @@ def _merge_into(params: dict[str, Any], root: Path, path: Path) -> tuple[dict[st
         **params["options"],
     )
     meta |= {"curves": result.curves, "summary": result.summary}
+    if scored:
+        meta["validation"] = split_metrics(root, "validation", meta["spec"], result.state, params["noise_std"])
     save_checkpoint(path, result.state, meta)
     return result.state, meta
 
@@ -206,12 +217,7 @@ def merge_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
 
 def merge_candidate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     """One candidate of a search: merged, and scored on the validation split (kept in its metadata)."""
-    path = out / params["path"]
-    state, meta = _merge_into(params, root, path)
-    if state is None:
-        state = load_file(path)
-    meta["validation"] = split_metrics(root, "validation", meta["spec"], state, params["noise_std"])
-    save_checkpoint(path, state, meta)
+    _, meta = _merge_into(params, root, out / params["path"], scored=True)
     return {"method": params["method"], **{f"val_{k}": v for k, v in meta["validation"].items()}, **meta["summary"]}
 
 
