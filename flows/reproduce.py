@@ -14,6 +14,9 @@
 - ``merges``: every merge method beside the best client, the ensemble and the centralized oracle,
   each searched option chosen on the validation split (``experiments/merges.yaml``: independent
   inits, K = 2…5, aligned and not; ``experiments/merges_digits.yaml``: the default digits setting).
+- ``averaging-laws``: FedAvg's accuracy gain over centralized training against each transformer's
+  compute budget, IID and non-IID (one domain per client), full and partial participation, and
+  seen against unseen domains (:mod:`mergeflow.reproductions.averaging_laws`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ PRESETS = {
     "federated": "experiments/federated.yaml",
     "participation": "experiments/participation.yaml",
     "merges": "experiments/merges.yaml",
+    "averaging-laws": "experiments/averaging_laws.yaml",
 }
 
 
@@ -257,6 +261,189 @@ def federated(preset: Path, root: Path) -> Path:
     return _write(root, preset.stem, {"runs": runs}, table + _markdown(header, rows) + text)
 
 
+# The settings the averaging-laws analysis reads, by their names in the preset (any may be left out but
+# the reference): the centralized reference, the IID − non-IID gap, partial participation, seen/unseen.
+LAWS_REFERENCE, LAWS_NON_IID = "iid", "non-iid"
+LAWS_PARTIAL = ("iid-partial", "non-iid-partial")
+LAWS_SEEN_UNSEEN = "seen-unseen"
+
+
+def averaging_laws(preset: Path, root: Path) -> Path:
+    """The parameter-averaging-laws sweep: every model × setting × seed of the preset through the
+    pipeline in one workspace (so each model's data, pre-training and centralized model are shared
+    across settings, and a second run or an added seed runs only what is new); then the gain table,
+    the seen/unseen table, the correlations of gain with compute and the two plots.
+
+    The preset holds ``params`` (the base), ``seeds``, ``settings`` (name → dotted overrides; ``iid``
+    is required, as the centralized reference) and ``models`` (name → ``params`` overrides, and for a
+    published model ``package``, a module whose ``get_model_path()`` is its directory, with ``tokens``
+    and ``tokens_source``, its declared pre-training tokens).
+    """
+    from mergeflow.reproductions import averaging_laws as laws
+
+    spec = _read_yaml(preset)
+    settings, models, seeds = spec.get("settings", {}), spec.get("models", {}), spec.get("seeds", [0])
+    if LAWS_REFERENCE not in settings or not models:
+        raise ConfigError([f"{preset}: needs settings (with {LAWS_REFERENCE!r}) and models"])
+    workspace = root / "results" / "averaging_laws-workspace"
+    workspace.mkdir(parents=True, exist_ok=True)
+    runs, facts, notes = [], {}, []
+    for seed in seeds:
+        for model, entry in models.items():
+            overrides = dict(entry.get("params", {}))
+            if "package" in entry:
+                path = _package_model(entry["package"])
+                if path is None:
+                    notes.append(f"{model}: left out, its package {entry['package']!r} is not installed")
+                    continue
+                overrides["model.hf.pretrained"] = path
+            for setting, changes in settings.items():
+                record, state_facts = _laws_run(spec, overrides | changes | {"seed": seed}, workspace, preset)
+                runs.append(laws.RunResult(model=model, setting=setting, seed=seed, **record))
+                if model not in facts:
+                    tokens = entry.get("tokens", state_facts["tokens"])
+                    source = entry.get("tokens_source", "counted: pre-training epochs × non-padding tokens")
+                    facts[model] = laws.ModelFacts(
+                        model, state_facts["parameters"], float(tokens), source, state_facts["vocabulary"]
+                    )
+    return _laws_report(root, runs, facts, spec, notes)
+
+
+def _package_model(module: str) -> str | None:
+    """The model directory a pip-installed model package ships (its ``get_model_path()``), or None."""
+    import importlib
+
+    try:
+        return str(importlib.import_module(module).get_model_path())
+    except ImportError:
+        return None
+
+
+def _laws_run(spec: dict[str, Any], changes: dict[str, Any], workspace: Path, preset: Path):
+    """One pipeline run of the sweep; its :class:`RunResult` fields, and the model's N and counted tokens."""
+    from safetensors.torch import load_file
+
+    from flows.runs import run_and_record
+    from mergeflow.checkpoints import load_checkpoint_meta
+    from mergeflow.federated import sample_participants
+    from mergeflow.reproductions.averaging_laws import non_embedding_parameters
+    from tasks.data import client_file, read_groups
+    from tasks.training import BASE
+
+    point = [f"{key}={json.dumps(value)}" for key, value in changes.items()]
+    params = validate_params(apply_overrides(spec.get("params", {}), point), f"{preset}: {' '.join(point)}")
+    run_and_record(params, workspace)
+    metrics = json.loads((workspace / "metrics/evaluate.json").read_text())
+    federated, central = metrics["federated/fedavg"], metrics["centralized"]
+    clients = params.partition.num_clients
+    domains = [read_groups(workspace / client_file(k)) for k in range(clients)]
+    takers = {
+        k
+        for r in range(params.federated.rounds)
+        for k in sample_participants(clients, params.federated.fraction, params.seed, r)
+    }
+    seen = sorted({str(g) for k in takers for g in set(domains[k].tolist())}) if domains[0] is not None else []
+    record = {
+        "federated": federated["accuracy"],
+        "centralized": central["accuracy"],
+        "federated_by_domain": {g: v["accuracy"] for g, v in federated.get("by_group", {}).items()},
+        "centralized_by_domain": {g: v["accuracy"] for g, v in central.get("by_group", {}).items()},
+        "seen_domains": tuple(seen),
+    }
+    meta = load_checkpoint_meta(workspace / BASE)
+    info = json.loads((workspace / "data/prepared/info.json").read_text())
+    facts = {
+        "parameters": non_embedding_parameters(load_file(workspace / BASE)),
+        "tokens": meta.get("language_model_tokens", 0),
+        "vocabulary": info["tokenizer"]["vocab_size"],
+    }
+    return record, facts
+
+
+def _points(values: list[float]) -> str:
+    """Accuracy differences in points, mean ± std over seeds."""
+    return _mean_std([100 * v for v in values], 2) if values else ""
+
+
+def _laws_report(root: Path, runs: list, facts: dict, spec: dict[str, Any], notes: list[str]) -> Path:
+    """The tables (results/averaging_laws.md), the runs and facts (.json) and the plots (.png)."""
+    from dataclasses import asdict
+
+    from mergeflow.reproductions import averaging_laws as laws
+
+    settings = spec["settings"]
+    gain = laws.gains(runs, LAWS_REFERENCE)
+    models = sorted(facts, key=lambda m: facts[m].compute)
+    by_model = {m: [r for r in runs if r.model == m] for m in models}
+    fact_rows = [
+        [
+            m,
+            f"{facts[m].parameters:,}",
+            str(facts[m].vocabulary),
+            f"{facts[m].tokens:.3g} ({facts[m].tokens_source})",
+            f"{facts[m].compute:.3g}",
+            _mean_std([r.centralized for r in by_model[m] if r.setting == LAWS_REFERENCE], 3),
+        ]
+        for m in models
+    ]
+    text = "### Models (centralized: test accuracy at its best epoch on validation)\n\n"
+    text += _markdown(
+        ["model", "N (non-embedding)", "vocabulary", "pre-training tokens", "6·N·tokens", "centralized"], fact_rows
+    )
+    columns = [s for s in (LAWS_REFERENCE, LAWS_NON_IID, *LAWS_PARTIAL, LAWS_SEEN_UNSEEN) if s in settings]
+    rows = []
+    for m in models:
+        cells = [_points([v for (mm, s, _), v in gain.items() if mm == m and s == c]) for c in columns]
+        if LAWS_NON_IID in settings:
+            seeds = sorted({seed for (mm, s, seed) in gain if mm == m and s == LAWS_NON_IID})
+            cells.append(_points([gain[(m, LAWS_REFERENCE, x)] - gain[(m, LAWS_NON_IID, x)] for x in seeds]))
+        rows.append([m, *cells])
+    gap = [f"gap {LAWS_REFERENCE} − {LAWS_NON_IID}"] if LAWS_NON_IID in settings else []
+    text += "\n### Accuracy gain of FedAvg (final round) over centralized, test, points (mean ± std over seeds)\n\n"
+    text += _markdown(["model", *columns, *gap], rows)
+    if LAWS_SEEN_UNSEEN in settings:
+        cells = laws.seen_unseen(runs, LAWS_SEEN_UNSEEN)
+        keys = ("federated_seen", "federated_unseen", "centralized_seen", "centralized_unseen")
+        seen_rows = [[m, *(_mean_std(cells[m].get(k, []), 3) if cells[m].get(k) else "" for k in keys),
+                      str(len(cells[m].get("federated_unseen", [])))] for m in models if m in cells]  # fmt: skip
+        text += f"\n### Seen and unseen domains ({LAWS_SEEN_UNSEEN}: test accuracy, mean over domains, then seeds)\n\n"
+        text += _markdown(["model", "FedAvg seen", "FedAvg unseen", "centralized seen", "centralized unseen",
+                           "seeds with an unseen domain"], seen_rows)  # fmt: skip
+    correlation_rows, correlation_data = [], {}
+    for setting in (LAWS_REFERENCE, LAWS_NON_IID):
+        if setting in settings:
+            values = laws.correlations(facts, gain, setting, models)
+            correlation_data[setting] = values
+            if values["pearson"]:
+                correlation_rows.append([setting, _mean_std(values["pearson"], 2), _mean_std(values["spearman"], 2),
+                                         str(len(values["pearson"]))])  # fmt: skip
+    if correlation_rows:
+        text += "\n### Correlation of gain with compute budget (per seed, over models; mean ± std over seeds)\n\n"
+        text += _markdown(["setting", "Pearson (log10 compute)", "Spearman", "seeds"], correlation_rows)
+    pair = [m for m in spec.get("vocabulary", []) if m in facts]
+    if len(pair) == 2:
+        header = ["setting", *(f"{m} (vocabulary {facts[m].vocabulary})" for m in pair)]
+        vocabulary_rows = [
+            [c, *(_points([v for (mm, s, _), v in gain.items() if mm == m and s == c]) for m in pair)] for c in columns
+        ]
+        text += "\n### Vocabulary: gain in points of two models that differ only in their vocabulary\n\n"
+        text += _markdown(header, vocabulary_rows)
+    series = {s: s for s in (LAWS_REFERENCE, LAWS_NON_IID, *LAWS_PARTIAL) if s in settings}
+    gap_pair = (LAWS_REFERENCE, LAWS_NON_IID) if LAWS_NON_IID in settings else (LAWS_REFERENCE, LAWS_REFERENCE)
+    plot = root / "results" / "averaging_laws.png"
+    laws.plot_laws(facts, gain, series, gap_pair, plot)
+    text += f"\nPlots: {plot.name} (gain and gap against compute budget).\n"
+    if notes:
+        text += "\n" + "\n".join(f"- {note}" for note in notes) + "\n"
+    data = {
+        "runs": [asdict(r) for r in runs],
+        "models": {m: {**asdict(f), "compute": f.compute} for m, f in facts.items()},
+        "correlations": correlation_data,
+        "notes": notes,
+    }
+    return _write(root, "averaging_laws", data, text)
+
+
 def reproduce(name: str, root: Path, preset: str | None = None) -> Path:
     """Run one reproduction by name; return the path of its markdown table."""
     runners = {
@@ -266,6 +453,7 @@ def reproduce(name: str, root: Path, preset: str | None = None) -> Path:
         "federated": federated,
         "participation": federated,
         "merges": merges,
+        "averaging-laws": averaging_laws,
     }
     if name not in runners:
         raise ConfigError([f"reproduce: unknown experiment {name!r}; known: {', '.join(runners)}"])

@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_params_options(best)
     reproduce = commands.add_parser("reproduce", help="run a paper reproduction (results/NAME.md)")
     reproduce.add_argument(
-        "name", choices=("linear-gaussian", "pinwheel", "alignment", "federated", "participation", "merges")
+        "name",
+        choices=("linear-gaussian", "pinwheel", "alignment", "federated", "participation", "merges", "averaging-laws"),
     )
     reproduce.add_argument("--preset", help="experiment preset (default: experiments/<name>.yaml)")
     return parser

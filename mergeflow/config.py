@@ -65,13 +65,30 @@ class TextOptions(_Section):
     group_column: str | None = None
 
 
+WordNetText = Literal[
+    "definition", "example", "synonyms", "hypernyms", "hyponyms", "siblings", "parts", "wholes", "derived"
+]
+
+
 class WordNetOptions(_Section):
-    """WordNet glosses → supersense (``noun.animal``, ``verb.motion``, …), read from a local database.
-    ``root`` None looks in /usr/share/wordnet (Debian's wordnet-base) and nltk_data."""
+    """WordNet synsets → supersense (``noun.animal``, ``verb.motion``, …), read from a local database.
+    ``root`` None looks in /usr/share/wordnet (Debian's wordnet-base) and nltk_data. ``texts``: what
+    describes a synset (its definition by default); several kinds are domains over the same labels,
+    in equal shares, each synset described once. ``group``: each row's part of speech or kind of text
+    (what ``partition.method: natural`` and the per-group test metrics use)."""
 
     root: str | None = None
     pos: list[Literal["noun", "verb", "adj", "adv"]] = ["noun", "verb"]
     max_examples: int | None = Field(None, ge=10)
+    texts: list[WordNetText] = Field(["definition"], min_length=1)
+    group: Literal["pos", "text"] = "pos"
+
+    @field_validator("texts")
+    @classmethod
+    def _distinct(cls, texts: list[str]) -> list[str]:
+        if len(set(texts)) != len(texts):
+            raise ValueError("a kind of text is listed twice")
+        return texts
 
 
 class TokenizerConfig(_Section):
@@ -119,7 +136,7 @@ class DataConfig(_Section):
     def group_column(self) -> str | None:
         """The column that names each row's group, if the source has one."""
         if self.source == "wordnet":
-            return "pos"
+            return self.wordnet.group
         return {"hf": self.hf.group_column, "text": self.text.group_column}.get(self.source)
 
     @model_validator(mode="after")
@@ -335,6 +352,17 @@ class FinetuneConfig(TrainConfig):
     on_divergence: Literal["fail", "exclude"] = "fail"
     lora: LoraSettings | None = None
     clients: dict[int, TrainOverride] = {}
+
+
+class CentralizedConfig(_Section):
+    """The centralized oracle: every client's data pooled, trained from the base model with the
+    fine-tuning settings for ``epochs`` (``finetune.epochs`` when unset). ``keep: best_validation``
+    scores the validation split after every epoch and keeps the best epoch's weights (the
+    parameter-averaging-laws paper compares with the centralized model at its best); it needs
+    ``data.validation_fraction`` > 0. Test never chooses."""
+
+    epochs: int | None = Field(None, ge=1)
+    keep: Literal["last", "best_validation"] = "last"
 
 
 class AlignConfig(_Section):
@@ -585,6 +613,7 @@ class Params(_Section):
     model: ModelConfig = ModelConfig()
     pretrain: PretrainConfig = PretrainConfig()
     finetune: FinetuneConfig = FinetuneConfig()
+    centralized: CentralizedConfig = CentralizedConfig()
     fisher: FisherConfig = FisherConfig()
     align: AlignConfig = AlignConfig()
     merge: MergeConfig = MergeConfig()
@@ -664,6 +693,13 @@ class Params(_Section):
             )
         if self.model.arch == "cnn" and self.data.source not in ("digits", "hf"):
             raise ValueError(f"model.arch: 'cnn' needs image-shaped data, and data.source {self.data.source!r} is not")
+        if self.centralized.keep == "best_validation" and self.data.validation_fraction == 0:
+            raise ValueError(
+                "centralized.keep: best_validation chooses the epoch on the validation split; "
+                "set data.validation_fraction > 0"
+            )
+        if self.centralized.keep == "best_validation" and self.finetune.lora:
+            raise ValueError("centralized.keep: best_validation does not support finetune.lora yet; use keep: last")
         from mergeflow.merge import METHODS
         from mergeflow.merge.search import searched_keys
 

@@ -83,11 +83,11 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="centralized",
-        summary="Train the oracle on the pooled client data with the fine-tuning defaults.",
+        summary="Train the oracle on the pooled client data with the fine-tuning defaults (or its best epoch).",
         phases=("tasks.training:plan_centralized",),
-        deps=("models/base", "data/partitions"),
-        code=_TRAINING_CODE,
-        params=("seed", *_CENTRALIZED_PARAMS),
+        deps=("models/base", "data/partitions", "data/prepared"),
+        code=(*_TRAINING_CODE, "tasks/scoring.py"),
+        params=("seed", *_CENTRALIZED_PARAMS, "centralized"),
         outs=("models/centralized",),
     ),
     Stage(

@@ -165,6 +165,7 @@ def train(
     batch_size: int = 32,
     seed: int = 0,
     progress: str | None = None,
+    on_epoch: Callable[[int], None] | None = None,
 ) -> TrainResult:
     """Train ``model`` in place with mini-batches reshuffled every epoch.
 
@@ -185,6 +186,7 @@ def train(
         batch_size: mini-batch size (the last batch of an epoch may be smaller).
         seed: seed of the shuffling generator.
         progress: if given, show a tqdm bar over epochs with this description.
+        on_epoch: called with the epoch's index after each epoch (e.g. to score the model on validation).
 
     Returns:
         The per-step and per-epoch loss history.
@@ -217,6 +219,8 @@ def train(
         result.epoch_losses.append(total / n)
         if bar is not None:
             bar.set_postfix(loss=f"{total / n:.4g}")
+        if on_epoch is not None:
+            on_epoch(epoch)
     return result
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import Params
 from mergeflow.models import build_from_spec, model_spec
 from mergeflow.seeding import derive_seed
-from mergeflow.training import DivergenceError, TrainResult, train
+from mergeflow.training import DivergenceError, TrainResult, predict, train
 from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
 from tasks.steps import Step
 
@@ -32,15 +33,24 @@ def _output_dim(info: dict[str, Any]) -> int:
     return info["num_classes"] if info["task"] == "classification" else 1
 
 
-def _fit(model, X: np.ndarray, y: np.ndarray, task: str, settings: dict[str, Any], seed: int, label: str):
+def _fit(
+    model,
+    X: np.ndarray,
+    y: np.ndarray,
+    task: str,
+    settings: dict[str, Any],
+    seed: int,
+    label: str,
+    on_epoch: Callable[[int], None] | None = None,
+):
     """Train with ``settings``; with a ``lora`` entry, LoRA adapters and the head only, folded in afterwards."""
     train_settings = {k: settings[k] for k in _TRAIN_KEYS}
     if not settings.get("lora"):
-        return train(model, X, y, task=task, seed=seed, progress=label, **train_settings)
+        return train(model, X, y, task=task, seed=seed, progress=label, on_epoch=on_epoch, **train_settings)
     from mergeflow.models.lora import lora
 
     with lora(model, settings["lora"], derive_seed(seed, "lora")):
-        return train(model, X, y, task=task, seed=seed, progress=label, **train_settings)
+        return train(model, X, y, task=task, seed=seed, progress=label, on_epoch=on_epoch, **train_settings)
 
 
 def plan_pretrain(params: Params) -> list[Step]:
@@ -61,7 +71,8 @@ def pretrain(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     meta: dict[str, Any] = {"spec": spec, "role": "base"}
     server = root / PREPARED / "server.parquet"
     if settings.get("language_model"):
-        meta["language_model_losses"] = _pretrain_language_model(model, root, info, settings, params["seed"])
+        losses_and_tokens = _pretrain_language_model(model, root, info, settings, params["seed"])
+        meta["language_model_losses"], meta["language_model_tokens"] = losses_and_tokens
     if settings["enabled"] and server.is_file():
         X, y = read_arrays(server, info)
         result = _fit(model, X, y, info["task"], settings, derive_seed(params["seed"], "pretrain"), "pretrain")
@@ -70,8 +81,11 @@ def pretrain(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     return {"trained": bool(losses), "language_model_losses": meta.get("language_model_losses")}
 
 
-def _pretrain_language_model(model, root: Path, info: dict[str, Any], settings: dict[str, Any], seed: int) -> list:
-    """Masked- or causal-LM pre-training of a transformer's body on the server (and training) text."""
+def _pretrain_language_model(
+    model, root: Path, info: dict[str, Any], settings: dict[str, Any], seed: int
+) -> tuple[list[float], int]:
+    """Masked- or causal-LM pre-training of a transformer's body on the server (and training) text;
+    its per-epoch losses and the number of (non-padding) tokens it processed."""
     from mergeflow.models.language_model import SpecialIds, pretrain_language_model
 
     lm = settings["language_model"]
@@ -81,7 +95,8 @@ def _pretrain_language_model(model, root: Path, info: dict[str, Any], settings: 
     tokens = info["tokenizer"]
     special = SpecialIds(tokens["pad_token_id"], tokens["mask_token_id"], tuple(tokens["special_ids"]))
     objective = lm["objective"] if lm["objective"] != "auto" else ("clm" if model.causal else "mlm")
-    return pretrain_language_model(
+    processed = int((ids != tokens["pad_token_id"]).sum()) * lm["epochs"]
+    losses = pretrain_language_model(
         model,
         ids,
         special,
@@ -92,6 +107,7 @@ def _pretrain_language_model(model, root: Path, info: dict[str, Any], settings: 
         mask_probability=lm["mask_probability"],
         seed=derive_seed(seed, "language_model"),
     )
+    return losses, processed
 
 
 def _base_model(model_cfg: dict[str, Any], info: dict[str, Any], seed: int) -> tuple[torch.nn.Module, dict]:
@@ -213,31 +229,68 @@ def finetune_client(params: dict[str, Any], root: Path, out: Path) -> dict[str, 
 
 
 def plan_centralized(params: Params) -> list[Step]:
-    """One step: the oracle trained on all client data pooled, with the fine-tuning defaults."""
+    """One step: the oracle trained on all client data pooled, with the fine-tuning defaults (and
+    ``centralized``'s epochs); with ``keep: best_validation``, its best epoch on the validation split."""
     settings = params.finetune.model_dump(include=set(_TRAIN_KEYS))
+    if params.centralized.epochs is not None:
+        settings["epochs"] = params.centralized.epochs
     if params.finetune.lora:
         settings["lora"] = params.section("finetune.lora")
     files = tuple(client_file(c) for c in range(params.partition.num_clients))
+    best = params.centralized.keep == "best_validation"
+    step_params = {"seed": params.seed, "train": settings, "num_clients": params.partition.num_clients}
+    if best:
+        step_params |= {"keep": "best_validation", "select_by": params.merge.selection_metric(params.task)}
+    validation = (f"{PREPARED}/validation.parquet", f"{PREPARED}/info.json") if best else ()
     return [
         Step(
             "centralized",
             "tasks.training:centralized",
-            {"seed": params.seed, "train": settings, "num_clients": params.partition.num_clients},
-            inputs=(BASE, f"{PARTITIONS}/info.json", *files),
-            code=_CODE,
+            step_params,
+            inputs=(BASE, f"{PARTITIONS}/info.json", *files, *validation),
+            code=(*_CODE, "tasks/scoring.py"),
         )
     ]
 
 
 def centralized(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
-    """Train from the base model on the union of the client partitions."""
+    """Train from the base model on the union of the client partitions; with ``keep: best_validation``,
+    keep the weights of the epoch that scores best on the validation split."""
     info = read_info(root, PARTITIONS)
     clients = range(params["num_clients"])
     arrays = [read_arrays(root / client_file(c), info) for c in clients]
     X = np.concatenate([a[0] for a in arrays])
     y = np.concatenate([a[1] for a in arrays])
     seed = derive_seed(params["seed"], "centralized")
-    model, spec, result = _train_from_base(root, X, y, params["train"], seed, "centralized")
+    model, spec = _start_model(root)
+    tracker = _BestEpoch(root, model, params["select_by"]) if params.get("keep") == "best_validation" else None
+    result = _fit(model, X, y, info["task"], params["train"], seed, "centralized", tracker)
     meta = {"spec": spec, "role": "centralized", "num_examples": len(y), "epoch_losses": result.epoch_losses}
+    if tracker is not None and tracker.best_state is not None:
+        model.load_state_dict(tracker.best_state)
+        meta |= {"best_epoch": tracker.best_epoch, "validation_curve": tracker.curve, "split": "validation"}
     save_checkpoint(out / CENTRALIZED, model.state_dict(), meta)
-    return {"num_examples": len(y)}
+    return {"num_examples": len(y), **({"best_epoch": tracker.best_epoch} if tracker else {})}
+
+
+class _BestEpoch:
+    """Scores a model on the validation split after each epoch and keeps a copy of the best weights."""
+
+    def __init__(self, root: Path, model: torch.nn.Module, select_by: str) -> None:
+        from tasks.scoring import score_outputs
+
+        info = read_info(root)
+        X, y = read_arrays(root / PREPARED / "validation.parquet", info)
+        self.score = lambda: score_outputs(predict(model, X), y, info, noise_std=1.0)
+        self.model, self.select_by = model, select_by
+        self.curve: list[dict[str, float]] = []
+        self.best_epoch: int | None = None
+        self.best_state: dict[str, torch.Tensor] | None = None
+
+    def __call__(self, epoch: int) -> None:
+        from mergeflow.merge.search import choose
+
+        self.curve.append(self.score())
+        if choose(self.curve, self.select_by) == epoch:
+            self.best_epoch = epoch + 1
+            self.best_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -167,40 +167,91 @@ def _wordnet_reader(directory: Path) -> Iterator[Any]:
                 nltk.data.path.remove(root)
 
 
+# What a synset can be described by: its definition, a usage example, or the names (lemmas) of its own or
+# related synsets, e.g. dog.n.01 by "canine, canid" (hypernyms) or "corgi, poodle, ..." (hyponyms).
+WORDNET_TEXTS: dict[str, Callable[[Any], str]] = {
+    "definition": lambda s: s.definition(),
+    "example": lambda s: "; ".join(s.examples()[:2]),
+    "synonyms": lambda s: _names([s]),
+    "hypernyms": lambda s: _names(s.hypernyms()),
+    "hyponyms": lambda s: _names(s.hyponyms()),
+    "siblings": lambda s: _names([h for parent in s.hypernyms()[:1] for h in parent.hyponyms() if h != s]),
+    "parts": lambda s: _names(s.part_meronyms() + s.member_meronyms() + s.substance_meronyms()),
+    "wholes": lambda s: _names(s.part_holonyms() + s.member_holonyms() + s.substance_holonyms()),
+    "derived": lambda s: _names([d.synset() for lemma in s.lemmas() for d in lemma.derivationally_related_forms()]),
+}
+_MAX_NAMES = 12  # a hyponym or sibling list can run to hundreds of names
+
+
+def _names(synsets: list[Any]) -> str:
+    """The lemma names of ``synsets``, in order, without repeats, underscores as spaces."""
+    names = dict.fromkeys(lemma.name().replace("_", " ") for synset in synsets for lemma in synset.lemmas())
+    return ", ".join(list(names)[:_MAX_NAMES])
+
+
 def load_wordnet_source(
     root: str | None = None,
     pos: list[str] | tuple[str, ...] = ("noun", "verb"),
     max_examples: int | None = None,
+    texts: list[str] | tuple[str, ...] = ("definition",),
+    group: str = "pos",
     seed: int = 0,
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
-    """WordNet glosses labelled with their supersense (lexicographer file, e.g. ``noun.animal``).
+    """WordNet synsets labelled with their supersense (lexicographer file, e.g. ``noun.animal``).
 
-    Every synset of the chosen parts of speech gives one example: its gloss (definition), and as
-    group its part of speech. Read with nltk's WordNet reader from a local database
+    Every synset of the chosen parts of speech gives at most one example: its gloss (definition) by
+    default. With several kinds of ``texts`` (keys of :data:`WORDNET_TEXTS`), each is a domain over the
+    same labels, as genres are in MNLI: every kind gets an equal share of the synsets that have such a
+    text (the rarest kinds are filled first), each synset described once. ``group`` is each row's part of
+    speech (``pos``) or its kind of text (``text``). Read with nltk's WordNet reader from a local database
     (:func:`find_wordnet`). ``max_examples`` keeps a seeded random subset.
     """
     unknown = [p for p in pos if p not in WORDNET_POS]
     if unknown or not pos:
         raise DataError(f"wordnet pos must be a non-empty list of {', '.join(WORDNET_POS)}; got {list(pos)}")
-    texts, supersenses, groups = [], [], []
+    wrong = [t for t in texts if t not in WORDNET_TEXTS]
+    if wrong or not texts or len(set(texts)) != len(texts):
+        raise DataError(f"wordnet texts must be distinct kinds of {', '.join(WORDNET_TEXTS)}; got {list(texts)}")
+    rng = np.random.default_rng(seed)
     with _wordnet_reader(find_wordnet(root)) as reader:
-        for part in pos:
-            for synset in reader.all_synsets(WORDNET_POS[part]):
-                gloss = synset.definition()
-                if gloss:
-                    texts.append(gloss)
-                    supersenses.append(synset.lexname())
-                    groups.append(part)
-    if not texts:
-        raise DataError(f"the WordNet database at {find_wordnet(root)} has no glosses for {list(pos)}")
-    if max_examples is not None and max_examples < len(texts):
-        keep = np.sort(np.random.default_rng(seed).choice(len(texts), size=max_examples, replace=False))
-        texts, supersenses, groups = ([values[i] for i in keep] for values in (texts, supersenses, groups))
+        synsets = [(part, s) for part in pos for s in reader.all_synsets(WORDNET_POS[part])]
+        described = {kind: [WORDNET_TEXTS[kind](s) for _, s in synsets] for kind in texts}
+    if not synsets or not any(any(values) for values in described.values()):
+        raise DataError(f"the WordNet database at {find_wordnet(root)} has no {list(texts)} for {list(pos)}")
+    rows = _assign_kinds(described, rng, max_examples)
+    parts = [synsets[i][0] for i, _ in rows]
+    supersenses = [synsets[i][1].lexname() for i, _ in rows]
+    groups = parts if group == "pos" else [kind for _, kind in rows]
     class_names = sorted(set(supersenses))
     index = {name: i for i, name in enumerate(class_names)}
     labels = np.array([index[s] for s in supersenses], dtype=np.int64)
     info = _text_info("wordnet", len(class_names), class_names, pair=False)
-    return make_text_dataset(texts, labels, groups=groups), info
+    return make_text_dataset([described[kind][i] for i, kind in rows], labels, groups=groups), info
+
+
+def _assign_kinds(
+    described: dict[str, list[str]], rng: np.random.Generator, max_examples: int | None
+) -> list[tuple[int, str]]:
+    """``(synset index, kind)`` rows: each synset at most once, the kinds in equal shares as far as
+    their synsets allow, rarest kind first; in synset order."""
+    available = {kind: np.flatnonzero([bool(t) for t in values]) for kind, values in described.items()}
+    if len(available) == 1:
+        ((kind, indices),) = available.items()
+        if max_examples is not None and max_examples < len(indices):
+            indices = indices[np.sort(rng.choice(len(indices), size=max_examples, replace=False))]
+        return [(int(i), kind) for i in indices]
+    total = len(set().union(*(set(v.tolist()) for v in available.values())))
+    budget = total if max_examples is None else min(max_examples, total)
+    used: set[int] = set()
+    rows: list[tuple[int, str]] = []
+    kinds = sorted(available, key=lambda kind: len(available[kind]))
+    for position, kind in enumerate(kinds):
+        share = (budget - len(rows)) // (len(kinds) - position)
+        free = [i for i in rng.permutation(available[kind]).tolist() if i not in used]
+        chosen = free[:share]
+        used.update(chosen)
+        rows += [(i, kind) for i in chosen]
+    return sorted(rows)
 
 
 def load_text(source: str, *, seed: int = 0, options: dict[str, Any] | None = None) -> tuple[datasets.Dataset, dict]:

@@ -1,0 +1,176 @@
+"""The parameter-averaging-laws reproduction: its smoke version end to end, the centralized model at its best
+validation epoch, WordNet's kinds of text as domains, and the analysis against hand computations."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ran_steps, run_cli
+from text_fixtures import TINY, TOPICS, WORDNET_ENTRIES, write_wordnet
+
+# Three domains over the same four topics: each has its own filler words, as genres have their own style.
+_DOMAIN_FILLERS = {
+    "news": "reported officials said today according statement".split(),
+    "forum": "lol anyone know thanks guys imho btw".split(),
+    "recipe": "stir mix minutes heat until serve".split(),
+}
+
+
+def _write_domains_csv(path: Path, rows: int = 360, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["sentence", "topic", "domain"])
+        writer.writeheader()
+        for i in range(rows):
+            domain = sorted(_DOMAIN_FILLERS)[i % 3]
+            topic = rng.choice(sorted(TOPICS))
+            words = [rng.choice(TOPICS[topic]) for _ in range(rng.randint(2, 4))]
+            words += [rng.choice(_DOMAIN_FILLERS[domain]) for _ in range(rng.randint(3, 8))]
+            rng.shuffle(words)
+            writer.writerow({"sentence": " ".join(words), "topic": topic, "domain": domain})
+    return path
+
+
+def _smoke_preset(tmp_path: Path) -> Path:
+    data = _write_domains_csv(tmp_path / "domains.csv")
+    preset = {
+        "seeds": [0],
+        "settings": {
+            "iid": {"partition.method": "iid"},
+            "non-iid": {"partition.method": "natural"},
+            "seen-unseen": {"partition.method": "natural", "federated.fraction": 0.34},
+        },
+        "models": {
+            "tiny": {"params": {"model.hf.config": {**TINY["bert"], "hidden_size": 16, "intermediate_size": 32}}},
+            "small": {"params": {"model.hf.config": TINY["bert"], "pretrain.language_model.epochs": 2}},
+        },
+        "params": {
+            "data": {
+                "source": "text",
+                "text": {
+                    "path": "csv",
+                    "data_files": str(data),
+                    "text_column": "sentence",
+                    "label_column": "topic",
+                    "group_column": "domain",
+                },
+                "test_fraction": 0.25,
+                "server_fraction": 0.0,
+                "validation_fraction": 0.15,
+                "tokenizer": {"vocab_size": 200, "max_length": 16},
+            },  # fmt: skip
+            "partition": {"method": "iid", "num_clients": 3},
+            "model": {"arch": "hf", "hf": {"config": TINY["bert"]}},
+            "pretrain": {"enabled": False, "language_model": {"text": "train", "epochs": 1, "lr": 0.001}},
+            "finetune": {"epochs": 0, "lr": 0.003, "optimizer": "adam"},
+            "centralized": {"epochs": 3, "keep": "best_validation"},
+            "merge": {"methods": []},
+            "federated": {
+                "algorithms": ["fedavg"],
+                "rounds": 2,
+                "local": {"epochs": 1, "lr": 0.003, "optimizer": "adam"},
+                "predictive_samples": 0,
+            },
+            "orchestration": {"max_workers": 1},
+            "tracking": {"log_models": False},
+        },
+    }
+    path = tmp_path / "laws.yaml"
+    path.write_text(yaml.safe_dump(preset))
+    return path
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, cli_env):
+    """The smoke sweep (one seed, two models, tiny data) through the CLI, and its seconds."""
+    root = tmp_path_factory.mktemp("laws")
+    preset = _smoke_preset(root)
+    started = time.perf_counter()
+    done = run_cli(["reproduce", "averaging-laws", "--preset", str(preset)], root, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root, preset, time.perf_counter() - started
+
+
+def test_the_smoke_sweep_tables_gain_gap_and_seen_unseen_under_a_minute(smoke):
+    from mergeflow.federated import sample_participants
+
+    root, _, seconds = smoke
+    assert seconds < 60
+    table = (root / "results/averaging_laws.md").read_text()
+    assert "| model | iid | non-iid | seen-unseen | gap iid − non-iid |" in table
+    assert "FedAvg unseen" in table and (root / "results/averaging_laws.png").stat().st_size > 0
+    data = json.loads((root / "results/averaging_laws.json").read_text())
+    runs = {(r["model"], r["setting"]): r for r in data["runs"]}
+    assert len(runs) == 6
+    # One centralized model per model and seed: the IID run's, whatever the partition.
+    for model in ("tiny", "small"):
+        reference = runs[(model, "iid")]["centralized"]
+        gain = runs[(model, "non-iid")]["federated"] - reference
+        assert f"{100 * gain:.2f} ± 0.00" in table.split(f"| {model} |")[2]
+    # Seen domains are those of the clients sampled in some round (one client per domain, 1 of 3 a round).
+    sampled = {k for r in range(2) for k in sample_participants(3, 0.34, 0, r)}
+    domains = sorted(_DOMAIN_FILLERS)  # the natural partitioner's clients, in the order of the group values
+    seen = runs[("tiny", "seen-unseen")]["seen_domains"]
+    assert len(seen) == len(sampled) and set(seen) <= set(domains)
+    # N excludes embeddings and the head; tokens are counted: twice the epochs, twice the tokens.
+    facts = data["models"]
+    assert 0 < facts["tiny"]["parameters"] < facts["small"]["parameters"]
+    assert facts["small"]["tokens"] == 2 * facts["tiny"]["tokens"] > 0
+    assert facts["small"]["compute"] == pytest.approx(6 * facts["small"]["parameters"] * facts["small"]["tokens"])
+
+
+def test_a_second_sweep_is_all_cache_hits(smoke, cli_env):
+    root, preset, seconds = smoke
+    started = time.perf_counter()
+    done = run_cli(["reproduce", "averaging-laws", "--preset", str(preset)], root, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ran_steps(root / "results/averaging_laws-workspace") == set()
+    assert time.perf_counter() - started < seconds / 2
+
+
+def test_the_centralized_model_is_its_best_validation_epoch(smoke):
+    from mergeflow.checkpoints import load_checkpoint_meta
+
+    root, _, _ = smoke
+    meta = load_checkpoint_meta(root / "results/averaging_laws-workspace/models/centralized/centralized.safetensors")
+    accuracies = [epoch["accuracy"] for epoch in meta["validation_curve"]]
+    assert len(accuracies) == 3 and meta["split"] == "validation"
+    assert meta["best_epoch"] == accuracies.index(max(accuracies)) + 1
+
+
+def test_wordnet_kinds_of_text_are_domains_in_equal_shares_each_synset_once(tmp_path):
+    from mergeflow.data.text import load_wordnet_source
+
+    root = write_wordnet(tmp_path / "wordnet")
+    ds, info = load_wordnet_source(str(root), texts=["definition", "synonyms"], group="text")
+    assert ds["group"].count("definition") == ds["group"].count("synonyms") == 3
+    word_of = {gloss: word for entries in WORDNET_ENTRIES.values() for _, word, gloss in entries}
+    described = [word_of.get(text, text) for text in ds["text"]]  # a synonyms row's text is the word itself
+    assert sorted(described) == sorted(word_of.values())  # every synset once, by one kind of text
+    labels = dict(zip(described, (info["class_names"][y] for y in ds["y"]), strict=True))
+    assert labels["dog"] == "noun.animal" and labels["walk"] == "verb.motion"
+
+
+def test_gain_seen_unseen_and_correlations_match_hand_computations():
+    from mergeflow.reproductions.averaging_laws import ModelFacts, RunResult, correlations, gains, seen_unseen
+
+    runs = [
+        RunResult("a", "iid", 0, federated=0.50, centralized=0.60),
+        RunResult("a", "non-iid", 0, federated=0.40, centralized=0.55),
+        RunResult("b", "iid", 0, federated=0.70, centralized=0.65),
+        RunResult("c", "iid", 0, federated=0.90, centralized=0.80),
+        RunResult("a", "su", 0, 0.0, 0.0, {"x": 0.2, "y": 0.4, "z": 0.9}, {"x": 0.3, "y": 0.5, "z": 0.6}, ("x", "y")),
+    ]
+    gain = gains([r for r in runs if r.setting != "su"], "iid")
+    assert gain[("a", "non-iid", 0)] == pytest.approx(0.40 - 0.60)  # against the IID run's centralized model
+    cells = seen_unseen(runs, "su")["a"]
+    assert cells["federated_seen"] == [pytest.approx(0.3)] and cells["centralized_unseen"] == [pytest.approx(0.6)]
+    facts = {m: ModelFacts(m, n, 1e3, "counted", 100) for m, n in (("a", 10), ("b", 100), ("c", 1000))}
+    values = correlations(facts, gain, "iid", ["a", "b", "c"])
+    assert values["spearman"] == [pytest.approx(1.0)] and 0.9 < values["pearson"][0] <= 1.0
