@@ -75,13 +75,16 @@ class WordNetOptions(_Section):
     ``root`` None looks in /usr/share/wordnet (Debian's wordnet-base) and nltk_data. ``texts``: what
     describes a synset (its definition by default); several kinds are domains over the same labels,
     in equal shares, each synset described once. ``group``: each row's part of speech or kind of text
-    (what ``partition.method: natural`` and the per-group test metrics use)."""
+    (what ``partition.method: natural`` and the per-group test metrics use). ``corpus_examples``:
+    definitions of as many other synsets, unlabelled, as a corpus for the tokenizer and for language-model
+    pre-training (``pretrain.language_model.text: corpus``); none of them is a synset of the task."""
 
     root: str | None = None
     pos: list[Literal["noun", "verb", "adj", "adv"]] = ["noun", "verb"]
     max_examples: int | None = Field(None, ge=10)
     texts: list[WordNetText] = Field(["definition"], min_length=1)
     group: Literal["pos", "text"] = "pos"
+    corpus_examples: int = Field(0, ge=0)
 
     @field_validator("texts")
     @classmethod
@@ -312,10 +315,12 @@ class LanguageModelPretraining(_Section):
     """Language-model pre-training of a transformer's body before it learns the task: ``mlm`` (masked,
     BERT-style) or ``clm`` (next token, GPT-style); ``auto`` picks by architecture. ``text: server``
     uses the server split's text; ``train`` adds the clients' training text, unlabelled: a
-    centralised step federated learning would not allow, to stand in for a public pretrained model."""
+    centralised step federated learning would not allow, to stand in for a public pretrained model;
+    ``corpus`` uses the source's own unlabelled corpus instead (``data.wordnet.corpus_examples``),
+    text outside the task, as a public model's pre-training corpus is."""
 
     objective: Literal["auto", "mlm", "clm"] = "auto"
-    text: Literal["server", "train"] = "server"
+    text: Literal["server", "train", "corpus"] = "server"
     epochs: int = Field(1, ge=1)
     lr: float = Field(5e-4, gt=0)
     batch_size: int = Field(32, ge=1)
@@ -698,6 +703,13 @@ class Params(_Section):
                 "centralized.keep: best_validation chooses the epoch on the validation split; "
                 "set data.validation_fraction > 0"
             )
+        language_model = self.pretrain.language_model
+        if language_model and language_model.text == "corpus":
+            if self.data.source != "wordnet" or self.data.wordnet.corpus_examples == 0:
+                raise ValueError(
+                    "pretrain.language_model.text: corpus needs data.source wordnet with "
+                    "data.wordnet.corpus_examples > 0"
+                )
         if self.centralized.keep == "best_validation" and self.finetune.lora:
             raise ValueError("centralized.keep: best_validation does not support finetune.lora yet; use keep: last")
         from mergeflow.merge import METHODS

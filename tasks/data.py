@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from pathlib import Path
@@ -22,7 +23,7 @@ from mergeflow.data import (
 )
 from mergeflow.data.encode import encode_splits
 from mergeflow.data.sources import load_raw
-from mergeflow.data.text import load_text
+from mergeflow.data.text import load_text, load_text_corpus, make_text_dataset
 from mergeflow.data.tokenize import (
     check_vocabulary,
     encode_dataset,
@@ -36,6 +37,7 @@ from tasks.store import STATE_DIR, file_signature
 
 PREPARED = "data/prepared"
 TEXT = f"{PREPARED}/text"
+CORPUS = "corpus"  # the split of unlabelled text some sources bring for pre-training
 TOKENIZER = f"{PREPARED}/tokenizer"
 PARTITIONS = "data/partitions"
 DATA_METRICS = "metrics/data.json"
@@ -176,6 +178,9 @@ def prepare(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     if source in TEXT_SOURCES:
         dataset, info = load_text(source, seed=params["seed"], options=options)
         splits = split_dataset(dataset, info, **fractions, seed=params["seed"])
+        corpus = load_text_corpus(source, seed=params["seed"], options=options)
+        if corpus:  # unlabelled (y = -1): read only by the tokenizer and language-model pre-training
+            splits[CORPUS] = make_text_dataset(corpus, np.full(len(corpus), -1, dtype=np.int64))
         directory = out / TEXT
         write_json(out / DATA_METRICS, {"source": info["source"], "standardized": False, "tokenized": True})
     else:
@@ -230,7 +235,7 @@ def tokenize(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
         tokenizer = load_tokenizer(params["pretrained"])
         check_vocabulary(tokenizer, params["pretrained"])
     else:
-        texts = training_texts(splits["train"])
+        texts = itertools.chain(*(training_texts(splits[name]) for name in ("train", CORPUS) if name in splits))
         tokenizer = train_tokenizer(
             texts, kind=settings["kind"], vocab_size=settings["vocab_size"], min_frequency=settings["min_frequency"]
         )

@@ -14,7 +14,7 @@ from mergeflow.config import Params
 from mergeflow.models import build_from_spec, model_spec
 from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError, TrainResult, predict, train
-from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
+from tasks.data import CORPUS, PARTITIONS, PREPARED, client_file, read_arrays, read_info
 from tasks.steps import Step
 
 BASE = "models/base/base.safetensors"
@@ -89,7 +89,7 @@ def _pretrain_language_model(
     from mergeflow.models.language_model import SpecialIds, pretrain_language_model
 
     lm = settings["language_model"]
-    splits = ["server", "train"] if lm["text"] == "train" else ["server"]
+    splits = {"server": ["server"], "train": ["server", "train"], "corpus": [CORPUS]}[lm["text"]]
     files = [root / PREPARED / f"{name}.parquet" for name in splits]
     ids = torch.as_tensor(np.concatenate([read_arrays(f, info)[0] for f in files if f.is_file()]))
     tokens = info["tokenizer"]

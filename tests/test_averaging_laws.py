@@ -174,3 +174,30 @@ def test_gain_seen_unseen_and_correlations_match_hand_computations():
     facts = {m: ModelFacts(m, n, 1e3, "counted", 100) for m, n in (("a", 10), ("b", 100), ("c", 1000))}
     values = correlations(facts, gain, "iid", ["a", "b", "c"])
     assert values["spearman"] == [pytest.approx(1.0)] and 0.9 < values["pearson"][0] <= 1.0
+
+
+def test_the_wordnet_corpus_holds_the_definitions_of_synsets_outside_the_task(tmp_path):
+    from mergeflow.data.text import load_text, load_text_corpus
+
+    options = {"root": str(write_wordnet(tmp_path / "wordnet")), "texts": ["synonyms"], "max_examples": 3}
+    options["corpus_examples"] = 10
+    task, _ = load_text("wordnet", seed=1, options=options)
+    corpus = load_text_corpus("wordnet", seed=1, options=options)
+    gloss_of = {word: gloss for entries in WORDNET_ENTRIES.values() for _, word, gloss in entries}
+    assert sorted(corpus) == sorted(gloss for word, gloss in gloss_of.items() if word not in task["text"])
+    assert len(corpus) == 3 and load_text_corpus("wordnet", seed=1, options={**options, "corpus_examples": 0}) == []
+
+
+def test_corpus_pretraining_and_best_epoch_need_what_they_read(tmp_path):
+    from mergeflow.config import validate_params
+    from mergeflow.errors import ConfigError
+
+    root = str(write_wordnet(tmp_path / "wordnet"))
+    base = {"data": {"source": "wordnet", "wordnet": {"root": root}}, "model": {"arch": "hf"}}
+    corpus = {**base, "pretrain": {"language_model": {"text": "corpus"}}}
+    with pytest.raises(ConfigError, match="corpus_examples"):
+        validate_params(corpus, "test")
+    corpus["data"]["wordnet"]["corpus_examples"] = 100
+    assert validate_params(corpus, "test").data.wordnet.corpus_examples == 100
+    with pytest.raises(ConfigError, match="validation_fraction"):
+        validate_params({**base, "centralized": {"keep": "best_validation"}}, "test")

@@ -13,6 +13,8 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -206,27 +208,63 @@ def load_wordnet_source(
     speech (``pos``) or its kind of text (``text``). Read with nltk's WordNet reader from a local database
     (:func:`find_wordnet`). ``max_examples`` keeps a seeded random subset.
     """
+    selection = _wordnet_selection(root, tuple(pos), tuple(texts), max_examples, seed)
+    rows = selection.rows
+    groups = [selection.parts[i] for i, _ in rows] if group == "pos" else [kind for _, kind in rows]
+    supersenses = [selection.lexnames[i] for i, _ in rows]
+    class_names = sorted(set(supersenses))
+    index = {name: i for i, name in enumerate(class_names)}
+    labels = np.array([index[s] for s in supersenses], dtype=np.int64)
+    info = _text_info("wordnet", len(class_names), class_names, pair=False)
+    return make_text_dataset([selection.described[kind][i] for i, kind in rows], labels, groups=groups), info
+
+
+def load_wordnet_corpus(
+    count: int,
+    root: str | None = None,
+    pos: list[str] | tuple[str, ...] = ("noun", "verb"),
+    max_examples: int | None = None,
+    texts: list[str] | tuple[str, ...] = ("definition",),
+    seed: int = 0,
+) -> list[str]:
+    """Unlabelled text for language-model pre-training: the definitions of up to ``count`` synsets (of the
+    same parts of speech) that :func:`load_wordnet_source` with the same options did not pick, so the
+    corpus holds no synset of the task, not even described another way. Seeded."""
+    selection = _wordnet_selection(root, tuple(pos), tuple(texts), max_examples, seed)
+    taken = {i for i, _ in selection.rows}
+    free = [i for i, gloss in enumerate(selection.described_definitions) if gloss and i not in taken]
+    chosen = np.random.default_rng([seed, 1]).permutation(free)[:count]
+    return [selection.described_definitions[i] for i in sorted(chosen.tolist())]
+
+
+@dataclass(frozen=True)
+class _Selection:
+    parts: list[str]
+    lexnames: list[str]
+    described: dict[str, list[str]]
+    described_definitions: list[str]
+    rows: list[tuple[int, str]]
+
+
+@lru_cache(maxsize=1)  # the task and its corpus come from one read of the database
+def _wordnet_selection(
+    root: str | None, pos: tuple[str, ...], texts: tuple[str, ...], max_examples: int | None, seed: int
+) -> _Selection:
     unknown = [p for p in pos if p not in WORDNET_POS]
     if unknown or not pos:
         raise DataError(f"wordnet pos must be a non-empty list of {', '.join(WORDNET_POS)}; got {list(pos)}")
     wrong = [t for t in texts if t not in WORDNET_TEXTS]
     if wrong or not texts or len(set(texts)) != len(texts):
         raise DataError(f"wordnet texts must be distinct kinds of {', '.join(WORDNET_TEXTS)}; got {list(texts)}")
-    rng = np.random.default_rng(seed)
     with _wordnet_reader(find_wordnet(root)) as reader:
         synsets = [(part, s) for part in pos for s in reader.all_synsets(WORDNET_POS[part])]
         described = {kind: [WORDNET_TEXTS[kind](s) for _, s in synsets] for kind in texts}
+        definitions = described.get("definition") or [s.definition() for _, s in synsets]
+        lexnames = [s.lexname() for _, s in synsets]
     if not synsets or not any(any(values) for values in described.values()):
         raise DataError(f"the WordNet database at {find_wordnet(root)} has no {list(texts)} for {list(pos)}")
-    rows = _assign_kinds(described, rng, max_examples)
-    parts = [synsets[i][0] for i, _ in rows]
-    supersenses = [synsets[i][1].lexname() for i, _ in rows]
-    groups = parts if group == "pos" else [kind for _, kind in rows]
-    class_names = sorted(set(supersenses))
-    index = {name: i for i, name in enumerate(class_names)}
-    labels = np.array([index[s] for s in supersenses], dtype=np.int64)
-    info = _text_info("wordnet", len(class_names), class_names, pair=False)
-    return make_text_dataset([described[kind][i] for i, kind in rows], labels, groups=groups), info
+    rows = _assign_kinds(described, np.random.default_rng(seed), max_examples)
+    return _Selection([part for part, _ in synsets], lexnames, described, definitions, rows)
 
 
 def _assign_kinds(
@@ -262,5 +300,17 @@ def load_text(source: str, *, seed: int = 0, options: dict[str, Any] | None = No
             raise DataError("source 'text' needs options.path (e.g. 'csv' or a hub name)")
         return load_text_source(**options)
     if source == "wordnet":
+        options.pop("corpus_examples", None)
         return load_wordnet_source(**options, seed=seed)
     raise DataError(f"unknown text source {source!r}; choose text or wordnet")
+
+
+def load_text_corpus(source: str, *, seed: int = 0, options: dict[str, Any] | None = None) -> list[str]:
+    """The source's unlabelled pre-training corpus (WordNet: ``corpus_examples`` definitions of synsets the
+    task does not use), or an empty list."""
+    options = dict(options or {})
+    count = options.pop("corpus_examples", 0) or 0
+    if source != "wordnet" or count == 0:
+        return []
+    options.pop("group", None)
+    return load_wordnet_corpus(count, **options, seed=seed)

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from mergeflow.models.hf import SequenceClassifier, seeded
 from mergeflow.training import IGNORE_INDEX, DivergenceError, minibatches, next_token_labels, token_cross_entropy
@@ -74,6 +75,7 @@ def pretrain_language_model(
     with seeded(seed):
         lm = head_class.from_config(classifier.model.config)
     _copy_body(getattr(classifier.model, body_name), getattr(lm, body_name))
+    head = _MaskedPositionsHead.install(lm) if objective == "mlm" else None
     # The classifier's wrapper builds the masks (padding, and causal for decoders) and returns the LM's logits.
     wrapper = SequenceClassifier(lm, classifier.pad_token_id, classifier.sep_token_id, classifier.causal)
     generator = torch.Generator().manual_seed(seed)
@@ -90,9 +92,13 @@ def pretrain_language_model(
                 inputs, labels = mask_tokens(batch, special, vocab_size, generator, mask_probability)
             else:
                 inputs, labels = batch, next_token_labels(batch, special.pad)
-            loss = token_cross_entropy(wrapper(inputs), labels)
+            if head is not None:
+                head.positions = labels != IGNORE_INDEX
+                loss = F.cross_entropy(wrapper(inputs), labels[head.positions]) if head.positions.any() else None
+            else:
+                loss = token_cross_entropy(wrapper(inputs), labels)
             predicted = int((labels != IGNORE_INDEX).sum())
-            if predicted == 0:
+            if predicted == 0 or loss is None:
                 continue
             if not math.isfinite(loss.item()):
                 raise DivergenceError(f"non-finite language-model loss at epoch {epoch}, step {step}")
@@ -103,6 +109,32 @@ def pretrain_language_model(
         history.append(total / max(count, 1))
     _copy_body(getattr(lm, body_name), getattr(classifier.model, body_name))
     return history
+
+
+class _MaskedPositionsHead(torch.nn.Module):
+    """A masked-LM head that predicts only the masked positions (``positions``, set before each forward):
+    the vocabulary projection of the other 85% of the tokens is work the loss never reads. The model's
+    ``logits`` are then ``(masked tokens, vocabulary)``."""
+
+    _HEADS = ("cls", "lm_head")  # BERT's and RoBERTa's masked-LM heads
+
+    def __init__(self, head: torch.nn.Module) -> None:
+        super().__init__()
+        self.head = head
+        self.positions: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden[self.positions[:, : hidden.shape[1]]])
+
+    @classmethod
+    def install(cls, lm: torch.nn.Module) -> _MaskedPositionsHead | None:
+        """Wrap ``lm``'s head in place; None (every position predicted) for an architecture not known here."""
+        name = next((n for n in cls._HEADS if isinstance(getattr(lm, n, None), torch.nn.Module)), None)
+        if name is None:
+            return None
+        wrapped = cls(getattr(lm, name))
+        setattr(lm, name, wrapped)
+        return wrapped
 
 
 def _copy_body(source: torch.nn.Module, target: torch.nn.Module) -> None:
