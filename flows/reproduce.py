@@ -294,7 +294,8 @@ def averaging_laws(preset: Path, root: Path) -> Path:
             if "package" in entry:
                 path = _package_model(entry["package"])
                 if path is None:
-                    notes.append(f"{model}: left out, its package {entry['package']!r} is not installed")
+                    note = f"{model}: left out, its package {entry['package']!r} is not installed"
+                    notes += [note] if note not in notes else []
                     continue
                 overrides["model.hf.pretrained"] = path
             for setting, changes in settings.items():

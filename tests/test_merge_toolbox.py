@@ -56,11 +56,15 @@ def test_slerp_interpolates_on_the_sphere_and_takes_two_models_only():
 
 
 def test_model_stock_ratio_in_closed_form():
+    def ratio(*vectors: torch.Tensor) -> float:
+        rows = torch.stack(vectors)
+        return stock_ratio(rows @ rows.T)
+
     e1, e2 = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
-    assert stock_ratio(torch.stack([e1, e2])) == pytest.approx(0.0)  # orthogonal: back to the base
-    assert stock_ratio(torch.stack([e1, 2 * e1])) == pytest.approx(1.0)  # parallel: the average
+    assert ratio(e1, e2) == pytest.approx(0.0)  # orthogonal: back to the base
+    assert ratio(e1, 2 * e1) == pytest.approx(1.0)  # parallel: the average
     sixty = torch.tensor([0.5, math.sqrt(3) / 2])
-    assert stock_ratio(torch.stack([e1, sixty])) == pytest.approx(2 / 3)  # 2·½ / (1 + ½)
+    assert ratio(e1, sixty) == pytest.approx(2 / 3)  # 2·½ / (1 + ½)
     base = {"w": torch.tensor([1.0, 1.0], dtype=torch.float64)}
     states = [{"w": base["w"] + e1.double()}, {"w": base["w"] + sixty.double()}]
     expected = 2 / 3 * (states[0]["w"] + states[1]["w"]) / 2 + 1 / 3 * base["w"]

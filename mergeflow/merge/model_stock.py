@@ -2,34 +2,31 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
-from collections.abc import Sequence
+import math
 
 import torch
 
-from mergeflow.merge.registry import TaskVectors, TensorInputs, merge_method, task_vector
+from mergeflow.merge.registry import TensorInputs, merge_method
 from mergeflow.merge.sums import mean
 
 
-def stock_ratio(tasks: Sequence[torch.Tensor]) -> float:
-    """t = K·cos θ / (1 + (K−1)·cos θ), cos θ the mean pairwise cosine of the K task vectors.
-
-    ``tasks`` may compute each vector when indexed (``TaskVectors``): two are held at a time.
-    """
-    k = len(tasks)
-    norms = [float(tasks[i].norm()) for i in range(k)]
+def stock_ratio(gram: torch.Tensor) -> float:
+    """t = K·cos θ / (1 + (K−1)·cos θ), cos θ the mean pairwise cosine of the K task vectors, from their
+    K × K Gram matrix."""
+    k = gram.shape[0]
+    norms = [math.sqrt(max(float(gram[i, i]), 0.0)) for i in range(k)]
     pairs = []
     for i, j in itertools.combinations(range(k), 2):
         scale = norms[i] * norms[j]
-        pairs.append(float(tasks[i].reshape(-1) @ tasks[j].reshape(-1)) / scale if scale > 0 else 0.0)
+        pairs.append(float(gram[i, j]) / scale if scale > 0 else 0.0)
     cos = sum(pairs) / len(pairs) if pairs else 1.0
     return k * cos / (1 + (k - 1) * cos) if 1 + (k - 1) * cos != 0 else 0.0
 
 
-@merge_method("model_stock", needs=("base",))
+@merge_method("model_stock", needs=("base",), gram="tasks")
 def model_stock(x: TensorInputs, options: object) -> torch.Tensor:
     """Model Stock: t · average + (1 − t) · base per tensor, t from the task vectors' mean pairwise angle."""
-    assert x.base is not None  # guaranteed by needs=("base",)
-    ratio = stock_ratio(TaskVectors(len(x.tensors), functools.partial(task_vector, x.tensors, x.base)))
+    assert x.base is not None and x.gram is not None  # guaranteed by needs=("base",) and gram=
+    ratio = stock_ratio(x.gram)
     return mean(x.tensors).mul_(ratio).add_(x.base, alpha=1 - ratio)

@@ -51,6 +51,8 @@ class TensorInputs:
     drawn from the whole tensor and cut to the same block.
     ``fisher_norms`` (each client's global Fisher L2 norm) is computed on first use only: it
     takes a pass over every Fisher tensor, which most methods never need.
+    ``gram`` (``(K, K)`` float64) is the Gram matrix of the whole tensor's K inputs or task vectors, for
+    a method registered with ``gram=`` (``merge_method``), whatever block is passed.
     """
 
     name: str
@@ -61,6 +63,7 @@ class TensorInputs:
     norms: Callable[[], torch.Tensor] | None = None
     stack: torch.Tensor | None = None
     masks: torch.Tensor | None = None
+    gram: torch.Tensor | None = None
 
     @property
     def fisher_norms(self) -> torch.Tensor | None:
@@ -147,6 +150,7 @@ class MergeMethod:
     summary: str
     elementwise: bool = False
     masks: MaskFunction | None = None
+    gram: Literal["inputs", "tasks"] | None = None
 
 
 METHODS: dict[str, MergeMethod] = {}
@@ -161,6 +165,7 @@ def merge_method(
     scope: Literal["tensor", "model"] = "tensor",
     elementwise: bool = False,
     masks: MaskFunction | None = None,
+    gram: Literal["inputs", "tasks"] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a merge method under ``name``.
 
@@ -171,22 +176,28 @@ def merge_method(
     ``masks``: per-client masks that need each whole task vector (TIES' top magnitudes, DARE's
     draws); given them (``TensorInputs.masks``), ``fn`` is elementwise, so a streamed merge holds
     one task vector and K boolean masks of a tensor, never its K float64 copies.
+    ``gram``: ``fn`` reads the whole tensor only through the K × K Gram matrix of its inputs
+    (``"inputs"``) or task vectors θ_k − base (``"tasks"``), ``TensorInputs.gram``, and is otherwise
+    elementwise (Model Stock's angle, SLERP's): a streamed merge sums the Gram over blocks in a first
+    pass, then merges blocks in a second.
     """
     unknown = (set(needs) | set(uses)) - set(NEEDS)
     if unknown:
         raise ValueError(f"merge method {name!r} needs unknown inputs {sorted(unknown)}; known: {NEEDS}")
-    elementwise = elementwise or masks is not None
+    elementwise = elementwise or masks is not None or gram is not None
     if elementwise and scope != "tensor":
         raise ValueError(f"merge method {name!r}: only tensor-scope methods can be elementwise")
-    if masks is not None and "base" not in needs:
-        raise ValueError(f"merge method {name!r}: masks are drawn from task vectors, so it needs base")
+    if (masks is not None or gram == "tasks") and "base" not in needs:
+        raise ValueError(f"merge method {name!r}: its masks or Gram are of task vectors, so it needs base")
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         if name in METHODS:
             raise ValueError(f"merge method {name!r} is registered twice")
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
         uses_all = frozenset(needs) | frozenset(uses)
-        METHODS[name] = MergeMethod(name, fn, scope, options, frozenset(needs), uses_all, summary, elementwise, masks)
+        METHODS[name] = MergeMethod(
+            name, fn, scope, options, frozenset(needs), uses_all, summary, elementwise, masks, gram
+        )
         return fn
 
     return register
@@ -273,8 +284,19 @@ def merged_tensors(
             fishers=[f[key].to(torch.float64) for f in fishers] if fishers is not None and method is spec else None,
             norms=norms,
             masks=masks,
+            gram=gram_matrix(torch.stack(tensors), base_tensor, method.gram) if method.gram else None,
         )
         yield key, method.fn(inputs, options).to(first.dtype).contiguous()
+
+
+def gram_matrix(stack: torch.Tensor, base: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """The K × K Gram matrix of a ``(K, ...)`` float64 stack (``"inputs"``) or of its task vectors
+    ``stack − base`` (``"tasks"``). Summed over blocks of elements, it is the whole tensor's."""
+    rows = stack.reshape(len(stack), -1)
+    if kind == "tasks":
+        assert base is not None  # methods with a task-vector Gram need base
+        rows = rows - base.reshape(1, -1)
+    return rows @ rows.T
 
 
 def task_vector(tensors: Sequence[torch.Tensor], base: torch.Tensor, k: int) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,19 +21,22 @@ class SlerpOptions(BaseModel):
     t: float = Field(0.5, ge=0, le=1)
 
 
-def slerp_pair(a: torch.Tensor, b: torch.Tensor, t: float) -> torch.Tensor:
-    """sin((1−t)θ)/sin θ · a + sin(tθ)/sin θ · b, θ the angle between ``a`` and ``b`` (linear when nearly parallel)."""
-    norms = a.norm() * b.norm()
-    cos = float((a * b).sum() / norms) if norms > 0 else 1.0
+def slerp_coefficients(gram: torch.Tensor, t: float) -> tuple[float, float]:
+    """(sin((1−t)θ)/sin θ, sin(tθ)/sin θ) for two vectors with Gram matrix ``gram``, θ their angle;
+    (1 − t, t) when they are nearly parallel."""
+    norms = math.sqrt(max(float(gram[0, 0]) * float(gram[1, 1]), 0.0))
+    cos = float(gram[0, 1]) / norms if norms > 0 else 1.0
     if abs(cos) > PARALLEL:
-        return (1 - t) * a + t * b
-    theta = torch.arccos(torch.tensor(cos, dtype=torch.float64))
-    return (torch.sin((1 - t) * theta) * a + torch.sin(t * theta) * b) / torch.sin(theta)
+        return 1 - t, t
+    theta = math.acos(cos)
+    return math.sin((1 - t) * theta) / math.sin(theta), math.sin(t * theta) / math.sin(theta)
 
 
-@merge_method("slerp", options=SlerpOptions)
+@merge_method("slerp", options=SlerpOptions, gram="inputs")
 def slerp(x: TensorInputs, options: SlerpOptions) -> torch.Tensor:
     """SLERP of exactly two models per tensor at t (K > 2 is refused: no single rule is standard)."""
     if len(x.tensors) != 2:
         raise MergeflowError(f"slerp merges exactly two models, got {len(x.tensors)}")
-    return slerp_pair(x.tensors[0], x.tensors[1], options.t)
+    assert x.gram is not None  # guaranteed by gram=
+    first, second = slerp_coefficients(x.gram, options.t)
+    return first * x.tensors[0] + second * x.tensors[1]

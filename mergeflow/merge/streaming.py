@@ -13,8 +13,9 @@ and writes the merged tensors into the output as they are done:
   tensor's K masks from its whole task vectors, one client at a time (``_Masks``: one float64
   task vector and its top-k temporaries, plus K booleans per element), then merge blocks like
   the elementwise methods.
-- ``model_stock`` and ``slerp`` need each tensor whole: one reused ``(K, ...)`` float64 buffer as
-  large as K copies of the largest tensor, one read buffer, and the method's own temporaries.
+- Methods that read a tensor only through the Gram matrix of its K inputs or task vectors
+  (``model_stock``, ``slerp``) take two passes over its blocks: the first sums the K × K Gram, the
+  second merges blocks like the elementwise methods. Each such tensor is read twice, never held whole.
 
 Inputs and the output are single ``.safetensors`` files or Hugging Face model directories
 (``mergeflow.hf_checkpoints``). The output is written to a temp file or directory and renamed,
@@ -49,6 +50,7 @@ from mergeflow.merge.registry import (
     TaskVectors,
     TensorInputs,
     fisher_norms,
+    gram_matrix,
     normalized_weights,
     require_inputs,
     tensor_method,
@@ -79,6 +81,7 @@ class _Item:
     start: int
     shape: tuple[int, ...]
     total: tuple[int, ...] = ()  # the whole tensor's shape
+    gram_pass: bool = False  # a block read only to sum the tensor's Gram matrix (``merge_method(gram=...)``)
 
     @property
     def count(self) -> int:
@@ -232,7 +235,10 @@ def _plan(spec: MergeMethod, inputs: _Inputs, order: Sequence[str]) -> Iterator[
         if method is not None and not method.elementwise:
             yield _Item(key, method, 0, entry.shape, entry.shape)
             continue
-        for start in range(0, max(entry.numel, 1), BLOCK):
+        blocks = range(0, max(entry.numel, 1), BLOCK)
+        if method is not None and method.gram:
+            yield from (_Item(key, method, a, (min(BLOCK, entry.numel - a),), entry.shape, True) for a in blocks)
+        for start in blocks:
             yield _Item(key, method, start, (min(BLOCK, entry.numel - start),), entry.shape)
 
 
@@ -278,10 +284,19 @@ def _merged(
             _read_float64(fisher, item, buffers.fishers[k * n : (k + 1) * n], scratch)
 
     masks = _Masks(inputs, items, options)
+    grams: dict[str, torch.Tensor] = {}
     threads_before = torch.get_num_threads()
     threads = _intra_op_threads(1) if blocks_only else nullcontext()
     with threads, Reader(items, fill, buffer_sets) as reader:
         for item, buffers in reader:
+            if item.gram_pass:
+                assert item.method is not None and item.method.gram is not None
+                stack = buffers.models[: count * item.count].view(count, item.count)
+                block_gram = gram_matrix(stack, buffers.base[: item.count] if buffers.base is not None else None,
+                                         item.method.gram)  # fmt: skip
+                grams[item.key] = grams[item.key] + block_gram if item.start else block_gram
+                reader.release(buffers)
+                continue
             dtype = DTYPES[layout[item.key][0]]
             target = out[: item.count * dtype.itemsize]
             if item.method is None:
@@ -291,7 +306,8 @@ def _merged(
                     with _intra_op_threads(threads_before):  # whole-tensor work (top-k): every core
                         masks.draw(item)
                 item_masks = masks.block(item) if item.method.masks is not None else None
-                result = item.method.fn(_tensor_inputs(item, inputs, buffers, weights, norms, item_masks), options)
+                x = _tensor_inputs(item, inputs, buffers, weights, norms, item_masks, grams.get(item.key))
+                result = item.method.fn(x, options)
                 target.view(dtype).copy_(result.reshape(-1))
             reader.release(buffers)
             yield item.key, memoryview(target.numpy())
@@ -373,6 +389,7 @@ def _tensor_inputs(
     weights: torch.Tensor,
     norms: Callable[[], torch.Tensor] | None,
     masks: torch.Tensor | None = None,
+    gram: torch.Tensor | None = None,
 ) -> TensorInputs:
     assert item.method is not None
     base, fishers = inputs.used(item.method)
@@ -387,4 +404,5 @@ def _tensor_inputs(
         norms=norms,
         stack=stack,
         masks=masks,
+        gram=gram,
     )

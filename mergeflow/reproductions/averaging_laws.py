@@ -121,21 +121,23 @@ def plot_laws(
     from matplotlib.figure import Figure
 
     models = sorted(facts, key=lambda m: facts[m].compute)
-    fig = Figure(figsize=(11.0, 4.5))
+    fig = Figure(figsize=(12.0, 4.8))
     left, right = fig.subplots(1, 2)
     for label, setting in series.items():
-        points = [(facts[m].compute, _seed_values(gain, m, setting)) for m in models]
-        points = [(c, mean_std(v)) for c, v in points if v]
-        left.errorbar([c for c, _ in points], [m for _, (m, _) in points], [s for _, (_, s) in points],
-                      marker="o", capsize=3, label=label)  # fmt: skip
+        points = [(m, mean_std([100 * v for v in _seed_values(gain, m, setting)])) for m in models
+                  if _seed_values(gain, m, setting)]  # fmt: skip
+        left.errorbar([facts[m].compute for m, _ in points], [mean for _, (mean, _) in points],
+                      [std for _, (_, std) in points], marker="o", capsize=3, label=label)  # fmt: skip
     differences = []
     for m in models:
         first, second = _seed_values(gain, m, gap[0], by_seed=True), _seed_values(gain, m, gap[1], by_seed=True)
         common = sorted(set(first) & set(second))
         if common:
-            differences.append((facts[m].compute, mean_std([first[s] - second[s] for s in common])))
-    right.errorbar([c for c, _ in differences], [m for _, (m, _) in differences],
-                   [s for _, (_, s) in differences], marker="o", capsize=3, color="tab:red")  # fmt: skip
+            differences.append((m, mean_std([100 * (first[s] - second[s]) for s in common])))
+    right.errorbar([facts[m].compute for m, _ in differences], [mean for _, (mean, _) in differences],
+                   [std for _, (_, std) in differences], marker="o", capsize=3, color="tab:red")  # fmt: skip
+    for m, (mean, _) in differences:
+        right.annotate(m, (facts[m].compute, mean), textcoords="offset points", xytext=(4, 4), fontsize=7)
     for ax, title, ylabel in (
         (left, "Accuracy gain of FedAvg over centralized (test)", "gain (accuracy points)"),
         (right, f"{gap[0]} − {gap[1]} gain gap (test)", "gap (accuracy points)"),
@@ -145,9 +147,7 @@ def plot_laws(
         ax.set_xlabel("compute budget 6·N·tokens (FLOPs)")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
-        for m in models:
-            ax.annotate(m, (facts[m].compute, 0.0), textcoords="offset points", xytext=(0, -12), fontsize=7,
-                        ha="center", rotation=20)  # fmt: skip
+        ax.grid(alpha=0.3)
     left.legend()
     save_figure(fig, path)
 
