@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from mergeflow.checkpoints import write_json
 from mergeflow.config import apply_overrides, validate_params
 from mergeflow.errors import ConfigError
+from mergeflow.reproductions.tables import markdown_table, mean_std_cell
 from tasks.evaluation import SELECTION
 
 PRESETS = {
@@ -53,11 +54,6 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError([f"{path}: expected a mapping"])
     return data
-
-
-def _markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
 
 
 def _write(root: Path, name: str, data: dict[str, Any], table: str) -> Path:
@@ -84,7 +80,7 @@ def linear_gaussian(preset: Path, root: Path) -> Path:
         log_reproduction(root, f"linear-gaussian/{case}", settings.model_dump(), table, curves)
         metrics = ["relative_error_to_pooled_posterior", "parameter_mse_to_truth", "test_mse"]
         rows = [[method, *(f"{values[m]:.3g}" for m in metrics)] for method, values in table.items()]
-        text += f"### {case}\n\n" + _markdown(["merge", *metrics], rows) + "\n"
+        text += f"### {case}\n\n" + markdown_table(["merge", *metrics], rows) + "\n"
     return _write(root, "linear_gaussian", results, text)
 
 
@@ -126,11 +122,6 @@ def _run_sweep(preset: Path, root: Path, name: str) -> list[dict[str, Any]]:
     return runs
 
 
-def _mean_std(values: list[float], digits: int = 4) -> str:
-    spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.{digits}f} ± {spread:.{digits}f}"
-
-
 def _groups(runs: list[dict[str, Any]], keys: list[str]) -> dict[tuple[str, ...], list[dict[str, Any]]]:
     """Runs grouped by the values of some sweep keys (the rest, e.g. seeds, are replicates)."""
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
@@ -145,11 +136,11 @@ def pinwheel(preset: Path, root: Path) -> Path:
     methods = runs[0]["params"]["merge"]["methods"]
     names = ["centralized", "ensemble", "best_client"] + [f"merged/{m}" for m in methods]
     rows = [
-        [clients, *(_mean_std([r["metrics"][n]["nll"] for r in group]) for n in names)]
+        [clients, *(mean_std_cell([r["metrics"][n]["nll"] for r in group]) for n in names)]
         for (clients,), group in _groups(runs, ["partition.num_clients"]).items()
     ]
     header = ["K", *(n.removeprefix("merged/") for n in names)]
-    return _write(root, "pinwheel", {"runs": runs}, _markdown(header, rows))
+    return _write(root, "pinwheel", {"runs": runs}, markdown_table(header, rows))
 
 
 _ALIGNMENT_MODELS = ("merged/average", "merged/fisher", "best_client", "ensemble")
@@ -168,9 +159,9 @@ def alignment(preset: Path, root: Path) -> Path:
         after = [_mean_barrier(r["align"]["after"] or r["align"]["before"]) for r in group]
         columns = [before, after]
         columns += [[r["metrics"][name]["accuracy"] for r in group] for name in _ALIGNMENT_MODELS]
-        rows.append([clients, method, *(_mean_std(v, 3) for v in columns)])
+        rows.append([clients, method, *(mean_std_cell(v, 3) for v in columns)])
     header = ["K", "align", "barrier before", "barrier after", *(f"{n} acc" for n in _ALIGNMENT_MODELS)]
-    return _write(root, "alignment", {"runs": runs}, _markdown(header, rows))
+    return _write(root, "alignment", {"runs": runs}, markdown_table(header, rows))
 
 
 _REFERENCES = ("best_client", "ensemble", "centralized")
@@ -190,15 +181,15 @@ def merges(preset: Path, root: Path) -> Path:
     names = [f"merged/{m}" for m in runs[0]["params"]["merge"]["methods"]] + list(_REFERENCES)
     rows, choices = [], []
     for values, group in _groups(runs, group_keys).items():
-        rows.append([*values, *(_mean_std([r["metrics"][n]["accuracy"] for r in group], 3) for n in names)])
+        rows.append([*values, *(mean_std_cell([r["metrics"][n]["accuracy"] for r in group], 3) for n in names)])
         for merge in group[0]["selection"]:
             choices.append([*values, merge, "; ".join(_chosen(r["selection"][merge]) for r in group)])
     header = [*group_keys, *(n.removeprefix("merged/") for n in names)]
     text = "### Test accuracy (mean ± std over seeds; searched options chosen on validation)\n\n"
-    text += _markdown(header, rows)
+    text += markdown_table(header, rows)
     if choices:
         text += "\n### Chosen on validation (one entry per seed)\n\n"
-        text += _markdown([*group_keys, "merge", "chosen"], choices)
+        text += markdown_table([*group_keys, "merge", "chosen"], choices)
     return _write(root, preset.stem, {"runs": runs}, text)
 
 
@@ -211,7 +202,7 @@ def _last_rounds(rows: list[dict[str, Any]], key: str) -> float | None:
 
 
 def _cell(values: list[float | None]) -> str:
-    return "" if any(v is None for v in values) else _mean_std(values, 3)
+    return "" if any(v is None for v in values) else mean_std_cell(values, 3)
 
 
 def federated(preset: Path, root: Path) -> Path:
@@ -238,15 +229,15 @@ def federated(preset: Path, root: Path) -> Path:
                 [
                     *values,
                     a,
-                    _mean_std([r["metrics"][f"federated/{a}"]["accuracy"] for r in group], 3),
+                    mean_std_cell([r["metrics"][f"federated/{a}"]["accuracy"] for r in group], 3),
                     *(
                         _cell([_last_rounds(c, key) for c in curves])
                         for key in ("accuracy", "bma_accuracy", "val_accuracy")
                     ),
-                    _mean_std([r["metrics"][f"federated/{a}"]["accuracy_gain"] for r in group], 3),
+                    mean_std_cell([r["metrics"][f"federated/{a}"]["accuracy_gain"] for r in group], 3),
                 ]
             )
-        oracle = _mean_std([r["metrics"]["centralized"]["accuracy"] for r in group], 3)
+        oracle = mean_std_cell([r["metrics"]["centralized"]["accuracy"] for r in group], 3)
         rows.append([*values, "centralized", oracle, "", "", "", ""])
         rounds = len(group[0]["federated"][algorithms[0]])
         curve_rows = [
@@ -255,17 +246,10 @@ def federated(preset: Path, root: Path) -> Path:
         ]
         label = ", ".join(f"{k}={v}" for k, v in zip(group_keys, values, strict=True))
         text += f"\n### Test accuracy per round ({label}; mean over seeds)\n\n"
-        text += _markdown(["round", *algorithms], curve_rows)
+        text += markdown_table(["round", *algorithms], curve_rows)
     samples = runs[0]["params"]["federated"]["predictive_samples"]
     table = f"### Accuracy (mean ± std over seeds; the predictive averages {samples} sampled models)\n\n"
-    return _write(root, preset.stem, {"runs": runs}, table + _markdown(header, rows) + text)
-
-
-# The settings the averaging-laws analysis reads, by their names in the preset (any may be left out but
-# the reference): the centralized reference, the IID − non-IID gap, partial participation, seen/unseen.
-LAWS_REFERENCE, LAWS_NON_IID = "iid", "non-iid"
-LAWS_PARTIAL = ("iid-partial", "non-iid-partial")
-LAWS_SEEN_UNSEEN = "seen-unseen"
+    return _write(root, preset.stem, {"runs": runs}, table + markdown_table(header, rows) + text)
 
 
 def averaging_laws(preset: Path, root: Path) -> Path:
@@ -283,23 +267,24 @@ def averaging_laws(preset: Path, root: Path) -> Path:
 
     spec = _read_yaml(preset)
     settings, models, seeds = spec.get("settings", {}), spec.get("models", {}), spec.get("seeds", [0])
-    if LAWS_REFERENCE not in settings or not models:
-        raise ConfigError([f"{preset}: needs settings (with {LAWS_REFERENCE!r}) and models"])
+    if laws.REFERENCE not in settings or not models:
+        raise ConfigError([f"{preset}: needs settings (with {laws.REFERENCE!r}) and models"])
     workspace = root / "results" / "averaging_laws-workspace"
     workspace.mkdir(parents=True, exist_ok=True)
     runs, facts, notes = [], {}, []
+    overrides = {}
+    for model, entry in models.items():
+        path = _package_model(entry["package"]) if "package" in entry else None
+        if "package" in entry and path is None:
+            notes.append(f"{model}: left out, its package {entry['package']!r} is not installed")
+            continue
+        overrides[model] = dict(entry.get("params", {})) | ({"model.hf.pretrained": path} if path else {})
     for seed in seeds:
         for model, entry in models.items():
-            overrides = dict(entry.get("params", {}))
-            if "package" in entry:
-                path = _package_model(entry["package"])
-                if path is None:
-                    note = f"{model}: left out, its package {entry['package']!r} is not installed"
-                    notes += [note] if note not in notes else []
-                    continue
-                overrides["model.hf.pretrained"] = path
+            if model not in overrides:
+                continue
             for setting, changes in settings.items():
-                record, state_facts = _laws_run(spec, overrides | changes | {"seed": seed}, workspace, preset)
+                record, state_facts = _laws_run(spec, overrides[model] | changes | {"seed": seed}, workspace, preset)
                 runs.append(laws.RunResult(model=model, setting=setting, seed=seed, **record))
                 if model not in facts:
                     tokens = entry.get("tokens", state_facts["tokens"])
@@ -333,6 +318,8 @@ def _laws_run(spec: dict[str, Any], changes: dict[str, Any], workspace: Path, pr
 
     point = [f"{key}={json.dumps(value)}" for key, value in changes.items()]
     params = validate_params(apply_overrides(spec.get("params", {}), point), f"{preset}: {' '.join(point)}")
+    if "fedavg" not in params.federated.algorithms:
+        raise ConfigError([f"{preset}: federated.algorithms: the averaging laws are FedAvg's; list fedavg"])
     run_and_record(params, workspace)
     metrics = json.loads((workspace / "metrics/evaluate.json").read_text())
     federated, central = metrics["federated/fedavg"], metrics["centralized"]
@@ -361,85 +348,26 @@ def _laws_run(spec: dict[str, Any], changes: dict[str, Any], workspace: Path, pr
     return record, facts
 
 
-def _points(values: list[float]) -> str:
-    """Accuracy differences in points, mean ± std over seeds."""
-    return _mean_std([100 * v for v in values], 2) if values else ""
-
-
 def _laws_report(root: Path, runs: list, facts: dict, spec: dict[str, Any], notes: list[str]) -> Path:
     """The tables (results/averaging_laws.md), the runs and facts (.json) and the plots (.png)."""
     from dataclasses import asdict
 
     from mergeflow.reproductions import averaging_laws as laws
 
-    settings = spec["settings"]
-    gain = laws.gains(runs, LAWS_REFERENCE)
-    models = sorted(facts, key=lambda m: facts[m].compute)
-    by_model = {m: [r for r in runs if r.model == m] for m in models}
-    fact_rows = [
-        [
-            m,
-            f"{facts[m].parameters:,}",
-            str(facts[m].vocabulary),
-            f"{facts[m].tokens:.3g} ({facts[m].tokens_source})",
-            f"{facts[m].compute:.3g}",
-            _mean_std([r.centralized for r in by_model[m] if r.setting == LAWS_REFERENCE], 3),
-        ]
-        for m in models
-    ]
-    text = "### Models (centralized: test accuracy at its best epoch on validation)\n\n"
-    text += _markdown(
-        ["model", "N (non-embedding)", "vocabulary", "pre-training tokens", "6·N·tokens", "centralized"], fact_rows
-    )
-    columns = [s for s in (LAWS_REFERENCE, LAWS_NON_IID, *LAWS_PARTIAL, LAWS_SEEN_UNSEEN) if s in settings]
-    rows = []
-    for m in models:
-        cells = [_points([v for (mm, s, _), v in gain.items() if mm == m and s == c]) for c in columns]
-        if LAWS_NON_IID in settings:
-            seeds = sorted({seed for (mm, s, seed) in gain if mm == m and s == LAWS_NON_IID})
-            cells.append(_points([gain[(m, LAWS_REFERENCE, x)] - gain[(m, LAWS_NON_IID, x)] for x in seeds]))
-        rows.append([m, *cells])
-    gap = [f"gap {LAWS_REFERENCE} − {LAWS_NON_IID}"] if LAWS_NON_IID in settings else []
-    text += "\n### Accuracy gain of FedAvg (final round) over centralized, test, points (mean ± std over seeds)\n\n"
-    text += _markdown(["model", *columns, *gap], rows)
-    if LAWS_SEEN_UNSEEN in settings:
-        cells = laws.seen_unseen(runs, LAWS_SEEN_UNSEEN)
-        keys = ("federated_seen", "federated_unseen", "centralized_seen", "centralized_unseen")
-        seen_rows = [[m, *(_mean_std(cells[m].get(k, []), 3) if cells[m].get(k) else "" for k in keys),
-                      str(len(cells[m].get("federated_unseen", [])))] for m in models if m in cells]  # fmt: skip
-        text += f"\n### Seen and unseen domains ({LAWS_SEEN_UNSEEN}: test accuracy, mean over domains, then seeds)\n\n"
-        text += _markdown(["model", "FedAvg seen", "FedAvg unseen", "centralized seen", "centralized unseen",
-                           "seeds with an unseen domain"], seen_rows)  # fmt: skip
-    correlation_rows, correlation_data = [], {}
-    for setting in (LAWS_REFERENCE, LAWS_NON_IID):
-        if setting in settings:
-            values = laws.correlations(facts, gain, setting, models)
-            correlation_data[setting] = values
-            if values["pearson"]:
-                correlation_rows.append([setting, _mean_std(values["pearson"], 2), _mean_std(values["spearman"], 2),
-                                         str(len(values["pearson"]))])  # fmt: skip
-    if correlation_rows:
-        text += "\n### Correlation of gain with compute budget (per seed, over models; mean ± std over seeds)\n\n"
-        text += _markdown(["setting", "Pearson (log10 compute)", "Spearman", "seeds"], correlation_rows)
-    pair = [m for m in spec.get("vocabulary", []) if m in facts]
-    if len(pair) == 2:
-        header = ["setting", *(f"{m} (vocabulary {facts[m].vocabulary})" for m in pair)]
-        vocabulary_rows = [
-            [c, *(_points([v for (mm, s, _), v in gain.items() if mm == m and s == c]) for m in pair)] for c in columns
-        ]
-        text += "\n### Vocabulary: gain in points of two models that differ only in their vocabulary\n\n"
-        text += _markdown(header, vocabulary_rows)
-    series = {s: s for s in (LAWS_REFERENCE, LAWS_NON_IID, *LAWS_PARTIAL) if s in settings}
-    gap_pair = (LAWS_REFERENCE, LAWS_NON_IID) if LAWS_NON_IID in settings else (LAWS_REFERENCE, LAWS_REFERENCE)
+    settings = list(spec["settings"])
+    text, correlations = laws.report(runs, facts, settings, spec.get("vocabulary", []))
+    notes = notes + [f"{m}: no pre-training tokens counted, so no compute budget: left out of the correlations "
+                     "and plots" for m, f in facts.items() if f.compute == 0]  # fmt: skip
+    series = [s for s in (laws.REFERENCE, laws.NON_IID, *laws.PARTIAL) if s in settings]
+    gap = (laws.REFERENCE, laws.NON_IID) if laws.NON_IID in settings else None
     plot = root / "results" / "averaging_laws.png"
-    laws.plot_laws(facts, gain, series, gap_pair, plot)
+    laws.plot_laws(facts, laws.gains(runs, laws.REFERENCE), series, gap, plot)
     text += f"\nPlots: {plot.name} (gain and gap against compute budget).\n"
-    if notes:
-        text += "\n" + "\n".join(f"- {note}" for note in notes) + "\n"
+    text += "".join(f"\n- {note}" for note in notes) + ("\n" if notes else "")
     data = {
         "runs": [asdict(r) for r in runs],
         "models": {m: {**asdict(f), "compute": f.compute} for m, f in facts.items()},
-        "correlations": correlation_data,
+        "correlations": correlations,
         "notes": notes,
     }
     return _write(root, "averaging_laws", data, text)

@@ -49,7 +49,9 @@ def _smoke_preset(tmp_path: Path) -> Path:
         "models": {
             "tiny": {"params": {"model.hf.config": {**TINY["bert"], "hidden_size": 16, "intermediate_size": 32}}},
             "small": {"params": {"model.hf.config": TINY["bert"], "pretrain.language_model.epochs": 2}},
+            "published": {"package": "no_such_model_package_here", "tokens": 1e9},
         },
+        "vocabulary": ["tiny", "small"],
         "params": {
             "data": {
                 "source": "text",
@@ -99,25 +101,31 @@ def smoke(tmp_path_factory, cli_env):
 
 def test_the_smoke_sweep_tables_gain_gap_and_seen_unseen_under_a_minute(smoke):
     from mergeflow.federated import sample_participants
+    from tasks.data import client_file, read_groups
 
     root, _, seconds = smoke
     assert seconds < 60
     table = (root / "results/averaging_laws.md").read_text()
     assert "| model | iid | non-iid | seen-unseen | gap iid − non-iid |" in table
     assert "FedAvg unseen" in table and (root / "results/averaging_laws.png").stat().st_size > 0
+    assert "published: left out, its package 'no_such_model_package_here' is not installed" in table
+    assert "| setting | tiny (vocabulary " in table  # the vocabulary pair's table
     data = json.loads((root / "results/averaging_laws.json").read_text())
     runs = {(r["model"], r["setting"]): r for r in data["runs"]}
     assert len(runs) == 6
-    # One centralized model per model and seed: the IID run's, whatever the partition.
-    for model in ("tiny", "small"):
-        reference = runs[(model, "iid")]["centralized"]
-        gain = runs[(model, "non-iid")]["federated"] - reference
-        assert f"{100 * gain:.2f} ± 0.00" in table.split(f"| {model} |")[2]
+    gains = table.split("### Accuracy gain")[1].split("###")[0]
+    header = [cell.strip() for cell in gains.splitlines()[2].split("|")]
+    for model in ("tiny", "small"):  # one centralized model per model and seed: the IID run's, whatever the partition
+        row = next(line for line in gains.splitlines() if line.startswith(f"| {model} |"))
+        cell = [c.strip() for c in row.split("|")][header.index("non-iid")]
+        gain = runs[(model, "non-iid")]["federated"] - runs[(model, "iid")]["centralized"]
+        assert cell == f"{100 * gain:.2f} ± 0.00"
     # Seen domains are those of the clients sampled in some round (one client per domain, 1 of 3 a round).
     sampled = {k for r in range(2) for k in sample_participants(3, 0.34, 0, r)}
-    domains = sorted(_DOMAIN_FILLERS)  # the natural partitioner's clients, in the order of the group values
-    seen = runs[("tiny", "seen-unseen")]["seen_domains"]
-    assert len(seen) == len(sampled) and set(seen) <= set(domains)
+    workspace = root / "results/averaging_laws-workspace"
+    domain_of = {k: read_groups(workspace / client_file(k))[0] for k in range(3)}  # the last run: seen-unseen
+    assert set(domain_of.values()) == set(_DOMAIN_FILLERS)
+    assert set(runs[("small", "seen-unseen")]["seen_domains"]) == {domain_of[k] for k in sampled}
     # N excludes embeddings and the head; tokens are counted: twice the epochs, twice the tokens.
     facts = data["models"]
     assert 0 < facts["tiny"]["parameters"] < facts["small"]["parameters"]
@@ -158,7 +166,14 @@ def test_wordnet_kinds_of_text_are_domains_in_equal_shares_each_synset_once(tmp_
 
 
 def test_gain_seen_unseen_and_correlations_match_hand_computations():
-    from mergeflow.reproductions.averaging_laws import ModelFacts, RunResult, correlations, gains, seen_unseen
+    from mergeflow.reproductions.averaging_laws import (
+        ModelFacts,
+        RunResult,
+        correlations,
+        gains,
+        per_domain,
+        seen_unseen,
+    )
 
     runs = [
         RunResult("a", "iid", 0, federated=0.50, centralized=0.60),
@@ -169,8 +184,11 @@ def test_gain_seen_unseen_and_correlations_match_hand_computations():
     ]
     gain = gains([r for r in runs if r.setting != "su"], "iid")
     assert gain[("a", "non-iid", 0)] == pytest.approx(0.40 - 0.60)  # against the IID run's centralized model
-    cells = seen_unseen(runs, "su")["a"]
+    runs[0] = RunResult("a", "iid", 0, 0.50, 0.60, centralized_by_domain={"x": 0.3, "y": 0.5, "z": 0.6})
+    cells = seen_unseen(runs, "su", "iid")["a"]  # the centralized model is the reference (iid) run's
     assert cells["federated_seen"] == [pytest.approx(0.3)] and cells["centralized_unseen"] == [pytest.approx(0.6)]
+    assert cells["centralized_seen"] == [pytest.approx(0.4)] and "federated_unseen" in cells
+    assert per_domain(runs, "su", "iid")[2] == ["a", "z", "0 of 1", "", "+30.0"]
     facts = {m: ModelFacts(m, n, 1e3, "counted", 100) for m, n in (("a", 10), ("b", 100), ("c", 1000))}
     values = correlations(facts, gain, "iid", ["a", "b", "c"])
     assert values["spearman"] == [pytest.approx(1.0)] and 0.9 < values["pearson"][0] <= 1.0
@@ -201,3 +219,25 @@ def test_corpus_pretraining_and_best_epoch_need_what_they_read(tmp_path):
     assert validate_params(corpus, "test").data.wordnet.corpus_examples == 100
     with pytest.raises(ConfigError, match="validation_fraction"):
         validate_params({**base, "centralized": {"keep": "best_validation"}}, "test")
+
+
+def test_the_masked_lm_head_on_masked_positions_only_gives_the_full_heads_losses(monkeypatch):
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from mergeflow.models import language_model
+    from mergeflow.models.hf import SequenceClassifier
+
+    config = AutoConfig.for_model(**TINY["bert"], vocab_size=120, max_position_embeddings=32, num_labels=3)
+    ids = torch.randint(5, 120, (64, 12), generator=torch.Generator().manual_seed(0))
+    ids[::3, 9:] = 0  # some padding
+    special = language_model.SpecialIds(pad=0, mask=4, never_masked=(1, 2, 3))
+
+    def losses() -> list[float]:
+        torch.manual_seed(0)
+        model = SequenceClassifier(AutoModelForSequenceClassification.from_config(config), 0, None, False)
+        return language_model.pretrain_language_model(model, ids, special, objective="mlm", epochs=2, lr=1e-3)
+
+    fast = losses()
+    monkeypatch.setattr(language_model._MaskedPositionsHead, "install", classmethod(lambda cls, lm: None))
+    assert fast == pytest.approx(losses(), rel=1e-5)
