@@ -283,8 +283,11 @@ def averaging_laws(preset: Path, root: Path) -> Path:
         for model, entry in models.items():
             if model not in overrides:
                 continue
+            outcomes: list[dict[str, Any]] = []
             for setting, changes in settings.items():
-                record, state_facts = _laws_run(spec, overrides[model] | changes | {"seed": seed}, workspace, preset)
+                point = overrides[model] | changes | {"seed": seed}
+                record, state_facts = _laws_run(spec, point, workspace, preset, outcomes)
+                record["seen_domains"] = tuple(record["seen_domains"])
                 runs.append(laws.RunResult(model=model, setting=setting, seed=seed, **record))
                 if model not in facts:
                     tokens = entry.get("tokens", state_facts["tokens"])
@@ -292,7 +295,39 @@ def averaging_laws(preset: Path, root: Path) -> Path:
                     facts[model] = laws.ModelFacts(
                         model, state_facts["parameters"], float(tokens), source, state_facts["vocabulary"]
                     )
+            _drop_bulky_blobs(workspace, outcomes)
     return _laws_report(root, runs, facts, spec, notes)
+
+
+# The per-client and per-round checkpoints of a run (clients, their Fishers and aligned copies, every
+# round's messages): tens of GB over the sweep, and no other run of it reads them.
+_BULKY = ("models/clients/", "models/fishers/", "models/aligned/", "models/federated/")
+_LAWS_RECORDS = "records"
+
+
+def _drop_bulky_blobs(workspace: Path, outcomes: list[dict[str, Any]]) -> None:
+    """Delete from the workspace's store the blobs that only the bulky outputs of ``outcomes`` use: the
+    runs' results are kept as records, and a step whose blobs are gone is a cache miss, never an error."""
+    from tasks.store import ArtifactStore
+
+    bulky, kept = set(), set()
+    for outcome in outcomes:
+        for rel, digest in outcome["files"].items():
+            (bulky if rel.startswith(_BULKY) else kept).add(digest)
+    store = ArtifactStore(workspace)
+    for digest in bulky - kept:
+        store.blob(digest).unlink(missing_ok=True)
+
+
+def _code_fingerprint() -> str:
+    """sha256 over the library's and tasks' source files: a run record is reused only with the same code."""
+    import hashlib
+
+    from tasks.store import hash_paths
+
+    project = Path(__file__).resolve().parent.parent
+    hashes = hash_paths(project, ["mergeflow", "tasks"])
+    return hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()
 
 
 def _package_model(module: str) -> str | None:
@@ -305,8 +340,30 @@ def _package_model(module: str) -> str | None:
         return None
 
 
-def _laws_run(spec: dict[str, Any], changes: dict[str, Any], workspace: Path, preset: Path):
-    """One pipeline run of the sweep; its :class:`RunResult` fields, and the model's N and counted tokens."""
+def _laws_run(
+    spec: dict[str, Any], changes: dict[str, Any], workspace: Path, preset: Path, outcomes: list[dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One run of the sweep: its :class:`RunResult` fields and the model's N, counted tokens and vocabulary,
+    from its record when the same params already ran with the same code, else from a pipeline run (whose
+    step outcomes are added to ``outcomes``)."""
+    import hashlib
+
+    point = [f"{key}={json.dumps(value)}" for key, value in changes.items()]
+    params = validate_params(apply_overrides(spec.get("params", {}), point), f"{preset}: {' '.join(point)}")
+    if "fedavg" not in params.federated.algorithms:
+        raise ConfigError([f"{preset}: federated.algorithms: the averaging laws are FedAvg's; list fedavg"])
+    identity = json.dumps({"params": params.model_dump(mode="json"), "code": _code_fingerprint()}, sort_keys=True)
+    path = workspace / _LAWS_RECORDS / f"{hashlib.sha256(identity.encode()).hexdigest()}.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        return saved["record"], saved["facts"]
+    record, facts = _laws_pipeline_run(params, workspace, outcomes)
+    write_json(path, {"record": record, "facts": facts})
+    return record, facts
+
+
+def _laws_pipeline_run(params, workspace: Path, outcomes: list[dict[str, Any]]):
+    """Run the pipeline on ``params`` and read what the analysis needs from its outputs."""
     from safetensors.torch import load_file
 
     from flows.runs import run_and_record
@@ -316,11 +373,7 @@ def _laws_run(spec: dict[str, Any], changes: dict[str, Any], workspace: Path, pr
     from tasks.data import client_file, read_groups
     from tasks.training import BASE
 
-    point = [f"{key}={json.dumps(value)}" for key, value in changes.items()]
-    params = validate_params(apply_overrides(spec.get("params", {}), point), f"{preset}: {' '.join(point)}")
-    if "fedavg" not in params.federated.algorithms:
-        raise ConfigError([f"{preset}: federated.algorithms: the averaging laws are FedAvg's; list fedavg"])
-    run_and_record(params, workspace)
+    outcomes += run_and_record(params, workspace)[0]
     metrics = json.loads((workspace / "metrics/evaluate.json").read_text())
     federated, central = metrics["federated/fedavg"], metrics["centralized"]
     clients = params.partition.num_clients
@@ -336,7 +389,7 @@ def _laws_run(spec: dict[str, Any], changes: dict[str, Any], workspace: Path, pr
         "centralized": central["accuracy"],
         "federated_by_domain": {g: v["accuracy"] for g, v in federated.get("by_group", {}).items()},
         "centralized_by_domain": {g: v["accuracy"] for g, v in central.get("by_group", {}).items()},
-        "seen_domains": tuple(seen),
+        "seen_domains": seen,
     }
     meta = load_checkpoint_meta(workspace / BASE)
     info = json.loads((workspace / "data/prepared/info.json").read_text())

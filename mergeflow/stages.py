@@ -86,8 +86,8 @@ STAGES: tuple[Stage, ...] = (
         summary="Train the oracle on the pooled client data with the fine-tuning defaults (or its best epoch).",
         phases=("tasks.training:plan_centralized",),
         deps=("models/base", "data/partitions", "data/prepared"),
-        code=(*_TRAINING_CODE, "tasks/scoring.py"),
-        params=("seed", *_CENTRALIZED_PARAMS, "centralized"),
+        code=(*_TRAINING_CODE, "tasks/scoring.py", "mergeflow/evaluation.py", "mergeflow/merge/search.py"),
+        params=("seed", *_CENTRALIZED_PARAMS, "centralized", "merge.select_by", "evaluate.noise_std"),
         outs=("models/centralized",),
     ),
     Stage(

@@ -240,15 +240,20 @@ def plan_centralized(params: Params) -> list[Step]:
     best = params.centralized.keep == "best_validation"
     step_params = {"seed": params.seed, "train": settings, "num_clients": params.partition.num_clients}
     if best:
-        step_params |= {"keep": "best_validation", "select_by": params.merge.selection_metric(params.task)}
+        step_params |= {
+            "keep": "best_validation",
+            "select_by": params.merge.selection_metric(params.task),
+            "noise_std": params.evaluate.noise_std,
+        }
     validation = (f"{PREPARED}/validation.parquet", f"{PREPARED}/info.json") if best else ()
+    scoring = ("tasks/scoring.py", "mergeflow/evaluation.py", "mergeflow/merge/search.py") if best else ()
     return [
         Step(
             "centralized",
             "tasks.training:centralized",
             step_params,
             inputs=(BASE, f"{PARTITIONS}/info.json", *files, *validation),
-            code=(*_CODE, "tasks/scoring.py"),
+            code=(*_CODE, *scoring),
         )
     ]
 
@@ -263,7 +268,8 @@ def centralized(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]
     y = np.concatenate([a[1] for a in arrays])
     seed = derive_seed(params["seed"], "centralized")
     model, spec = _start_model(root)
-    tracker = _BestEpoch(root, model, params["select_by"]) if params.get("keep") == "best_validation" else None
+    best = params.get("keep") == "best_validation"
+    tracker = _BestEpoch(root, model, params["select_by"], params["noise_std"]) if best else None
     result = _fit(model, X, y, info["task"], params["train"], seed, "centralized", tracker)
     meta = {"spec": spec, "role": "centralized", "num_examples": len(y), "epoch_losses": result.epoch_losses}
     if tracker is not None and tracker.best_state is not None:
@@ -276,12 +282,12 @@ def centralized(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]
 class _BestEpoch:
     """Scores a model on the validation split after each epoch and keeps a copy of the best weights."""
 
-    def __init__(self, root: Path, model: torch.nn.Module, select_by: str) -> None:
+    def __init__(self, root: Path, model: torch.nn.Module, select_by: str, noise_std: float) -> None:
         from tasks.scoring import score_outputs
 
         info = read_info(root)
         X, y = read_arrays(root / PREPARED / "validation.parquet", info)
-        self.score = lambda: score_outputs(predict(model, X), y, info, noise_std=1.0)
+        self.score = lambda: score_outputs(predict(model, X), y, info, noise_std)
         self.model, self.select_by = model, select_by
         self.curve: list[dict[str, float]] = []
         self.best_epoch: int | None = None

@@ -92,14 +92,14 @@ def pretrain_language_model(
                 inputs, labels = mask_tokens(batch, special, vocab_size, generator, mask_probability)
             else:
                 inputs, labels = batch, next_token_labels(batch, special.pad)
+            predicted = int((labels != IGNORE_INDEX).sum())
+            if predicted == 0:
+                continue
             if head is not None:
                 head.positions = labels != IGNORE_INDEX
-                loss = F.cross_entropy(wrapper(inputs), labels[head.positions]) if head.positions.any() else None
+                loss = F.cross_entropy(wrapper(inputs), labels[head.positions])
             else:
                 loss = token_cross_entropy(wrapper(inputs), labels)
-            predicted = int((labels != IGNORE_INDEX).sum())
-            if predicted == 0 or loss is None:
-                continue
             if not math.isfinite(loss.item()):
                 raise DivergenceError(f"non-finite language-model loss at epoch {epoch}, step {step}")
             opt.zero_grad(set_to_none=True)
