@@ -287,6 +287,7 @@ def averaging_laws(preset: Path, root: Path) -> Path:
             for setting, changes in settings.items():
                 point = overrides[model] | changes | {"seed": seed}
                 record, state_facts = _laws_run(spec, point, workspace, preset, outcomes)
+                _drop_bulky_blobs(workspace, outcomes, _ROUNDS)  # no other setting reads a run's rounds
                 record["seen_domains"] = tuple(record["seen_domains"])
                 runs.append(laws.RunResult(model=model, setting=setting, seed=seed, **record))
                 if model not in facts:
@@ -300,20 +301,21 @@ def averaging_laws(preset: Path, root: Path) -> Path:
 
 
 # The per-client and per-round checkpoints of a run (clients, their Fishers and aligned copies, every
-# round's messages): tens of GB over the sweep, and no other run of it reads them.
-_BULKY = ("models/clients/", "models/fishers/", "models/aligned/", "models/federated/")
+# round's messages): tens of GB over the sweep. The settings of a model and seed share the first ones.
+_ROUNDS = ("models/federated/",)
+_BULKY = ("models/clients/", "models/fishers/", "models/aligned/", *_ROUNDS)
 _LAWS_RECORDS = "records"
 
 
-def _drop_bulky_blobs(workspace: Path, outcomes: list[dict[str, Any]]) -> None:
-    """Delete from the workspace's store the blobs that only the bulky outputs of ``outcomes`` use: the
-    runs' results are kept as records, and a step whose blobs are gone is a cache miss, never an error."""
+def _drop_bulky_blobs(workspace: Path, outcomes: list[dict[str, Any]], prefixes: tuple[str, ...] = _BULKY) -> None:
+    """Delete from the workspace's store the blobs that only outputs under ``prefixes`` use: the runs'
+    results are kept as records, and a step whose blobs are gone is a cache miss, never an error."""
     from tasks.store import ArtifactStore
 
     bulky, kept = set(), set()
     for outcome in outcomes:
         for rel, digest in outcome["files"].items():
-            (bulky if rel.startswith(_BULKY) else kept).add(digest)
+            (bulky if rel.startswith(prefixes) else kept).add(digest)
     store = ArtifactStore(workspace)
     for digest in bulky - kept:
         store.blob(digest).unlink(missing_ok=True)
