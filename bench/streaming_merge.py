@@ -1,7 +1,7 @@
 """Streaming merges of K Hugging Face GPT-2 checkpoints against a raw read of the files and a naive merge.
 
 Usage: python bench/streaming_merge.py [--models 4 8] [--n-layer 12] [--shard-size 200MB] [--dir DIR] [--keep]
-                                      [--mergekit /tmp/mk-venv/bin/mergekit-yaml]
+                                      [--mergekit /tmp/mk-venv/bin/mergekit-yaml] [--cases model_stock slerp]
 
 Writes GPT-2 checkpoints with ``save_pretrained`` (``GPT2Config()``: 124M parameters, float32,
 sharded at ``--shard-size``): a base model, K fine-tuned stand-ins (the base plus noise) and K
@@ -27,7 +27,8 @@ added (``RssAnon`` sampled every 5 ms less its value after imports; page-cache p
 do not count) in MiB and as a ratio to one model's size. Then the error of the streamed and the
 naive average against a float64 reference (the float64 mean rounded once to float32). Files are
 read once before each K, so every case finds them in the page cache.
-Record the output in docs/benchmarks.md.
+``--cases`` runs only the cases whose name holds one of the given strings, beside the raw read (no
+mergekit rows then). Record the output in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -285,8 +286,9 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/mergeflow-stream-gpt2")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints for another run")
     parser.add_argument("--mergekit", type=Path, default=Path("/tmp/mk-venv/bin/mergekit-yaml"))
+    parser.add_argument("--cases", nargs="+", help="only the cases whose name holds one of these (and the raw read)")
     args = parser.parse_args()
-    mergekit = args.mergekit if args.mergekit.is_file() else None
+    mergekit = args.mergekit if args.mergekit.is_file() and not args.cases else None
     if mergekit is None:
         print(f"{args.mergekit} not found: no mergekit rows (see this script's docstring)")
     else:
@@ -301,7 +303,12 @@ def main() -> None:
     for count in args.models:
         warm([*models[:count], base, *fishers[:count]])
         results, outputs = {}, {}
-        for name, code in cases().items():
+        chosen = {
+            name: code
+            for name, code in cases().items()
+            if not args.cases or name in ("import only", "raw read") or any(part in name for part in args.cases)
+        }
+        for name, code in chosen.items():
             out = directory / "out" / name.replace(" ", "_").replace("'", "").replace("(", "").replace(")", "")
             shutil.rmtree(out, ignore_errors=True)
             case = {
@@ -338,9 +345,8 @@ def main() -> None:
             )
         print("\n| average | elements ≠ float64 reference | largest difference (ulp of the largest input) |")
         print("|---|---:|---:|")
-        averages = {name: outputs[name] for name in ("merge_files('average')", "naive: load, stack, mean, save")}
-        if mergekit is not None:
-            averages["mergekit linear"] = outputs["mergekit linear"]
+        names = ("merge_files('average')", "naive: load, stack, mean, save", "mergekit linear")
+        averages = {name: outputs[name] for name in names if name in outputs}
         for name, (fraction, worst) in accuracy(models[:count], averages).items():
             print(f"| {name} | {fraction:.2e} | {worst:.2f} |")
         if mergekit is not None:
