@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from mergeflow.plots import save_figure
-from mergeflow.reproductions.tables import markdown_table, mean_std_cell
+from mergeflow.reproductions.tables import markdown_table, mean_std, mean_std_cell
 
 # The settings the analysis reads, by their names in the preset (any may be left out but the reference):
 # the centralized reference, the IID − non-IID gap, partial participation, seen/unseen domains.
@@ -72,11 +72,6 @@ def gains(runs: Sequence[RunResult], reference_setting: str) -> dict[tuple[str, 
     seed, whatever the partition)."""
     central = {(r.model, r.seed): r.centralized for r in runs if r.setting == reference_setting}
     return {(r.model, r.setting, r.seed): r.federated - central[(r.model, r.seed)] for r in runs}
-
-
-def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for one value)."""
-    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
 def seen_unseen(runs: Sequence[RunResult], setting: str, reference: str) -> dict[str, dict[str, list[float]]]:

@@ -12,7 +12,12 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
 
 
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation over replicates (0 for one value)."""
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
 def mean_std_cell(values: Sequence[float], digits: int = 4) -> str:
-    """``mean ± std`` over replicates (sample std; 0 for one value)."""
-    spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.{digits}f} ± {spread:.{digits}f}"
+    """``mean ± std`` over replicates, as a table cell."""
+    mean, spread = mean_std(values)
+    return f"{mean:.{digits}f} ± {spread:.{digits}f}"
