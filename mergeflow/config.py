@@ -7,6 +7,7 @@ that names it. Stages read whole sections; their names double as DVC ``params:``
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import re
 from pathlib import Path
@@ -420,11 +421,17 @@ def _check_variants(
     known: dict[str, Any],
     validate: Any,
     error_prefix: str,
+    package: str,
 ) -> None:
     """Every listed entry is registered or a declared variant; every option set validates.
 
     Shared by ``merge.methods`` and ``federated.algorithms``; raises ValueError naming the key.
+    ``known`` is the torch-free schema of the built-ins; a name outside it imports ``package``
+    first, where a method or algorithm added there declares itself when it registers.
     """
+    named = {chosen.get(kind_key, name) for name, chosen in options.items()} | set(entries) - set(options)
+    if not named <= known.keys():
+        importlib.import_module(package)
     for name, chosen in options.items():
         kind = chosen.get(kind_key, name)
         if kind not in known:
@@ -470,8 +477,8 @@ class MergeConfig(_Section):
 
     @model_validator(mode="after")
     def _known_methods_and_options(self) -> MergeConfig:
-        from mergeflow.merge import METHODS, validate_options
-        from mergeflow.merge.search import search_grid
+        from mergeflow.schema.merge import DECLARED, validate_options
+        from mergeflow.schema.search import search_grid
 
         def validate_search(method: str, options: dict[str, Any]) -> None:
             for candidate in search_grid(options, prefix=f"merge.options.{method}."):
@@ -482,9 +489,10 @@ class MergeConfig(_Section):
             self.options,
             list_key="methods",
             kind_key="method",
-            known=METHODS,
+            known=DECLARED,
             validate=validate_search,
             error_prefix="merge.options",
+            package="mergeflow.merge",
         )
         return self
 
@@ -532,7 +540,7 @@ class FederatedConfig(_Section):
 
     @model_validator(mode="after")
     def _known_algorithms_and_options(self) -> FederatedConfig:
-        from mergeflow.federated import ALGORITHMS, validate_options
+        from mergeflow.schema.federated import DECLARED, validate_options
 
         for name, chosen in self.options.items():
             try:
@@ -546,9 +554,10 @@ class FederatedConfig(_Section):
             {name: {k: v for k, v in chosen.items() if k != "local"} for name, chosen in self.options.items()},
             list_key="algorithms",
             kind_key="algorithm",
-            known=ALGORITHMS,
+            known=DECLARED,
             validate=validate_options,
             error_prefix="federated.options",
+            package="mergeflow.federated",
         )
         return self
 
@@ -712,12 +721,12 @@ class Params(_Section):
                 )
         if self.centralized.keep == "best_validation" and self.finetune.lora:
             raise ValueError("centralized.keep: best_validation does not support finetune.lora yet; use keep: last")
-        from mergeflow.merge import METHODS
-        from mergeflow.merge.search import searched_keys
+        from mergeflow.schema.merge import DECLARED
+        from mergeflow.schema.search import searched_keys
 
         for name in self.merge.methods:
             method, options = self.merge.resolve(name)
-            if "scorer" in METHODS[method].needs and self.data.validation_fraction == 0:
+            if "scorer" in DECLARED[method].needs and self.data.validation_fraction == 0:
                 raise ValueError(
                     f"merge.methods: {name!r} chooses on the validation split; set data.validation_fraction > 0"
                 )
@@ -732,7 +741,7 @@ class Params(_Section):
                     f"merge.methods: {name!r} (slerp) merges exactly two models, and partition.num_clients is "
                     f"{self.partition.num_clients}"
                 )
-            if "factors" in METHODS[method].needs and not self.fisher.low_rank:
+            if "factors" in DECLARED[method].needs and not self.fisher.low_rank:
                 raise ValueError(f"fisher.low_rank: merge method {name!r} needs Fisher factors; set it to true")
         rows = _known_training_rows(self.data)
         if rows is not None and self.partition.num_clients > rows:

@@ -16,10 +16,10 @@ from mergeflow.checkpoints import checkpoint_header, load_checkpoint, load_check
 from mergeflow.config import Params
 from mergeflow.merge import METHODS, run_merge
 from mergeflow.merge.registry import Scorer
-from mergeflow.merge.search import HIGHER_IS_BETTER, candidate_id, choose, search_grid, searched_keys
 from mergeflow.merge.streaming import merge_files
 from mergeflow.models import is_transformer, parameter_names
 from mergeflow.models.hf import save_pretrained
+from mergeflow.schema.search import HIGHER_IS_BETTER, candidate_id, choose, search_grid, searched_keys
 from tasks.align import aligned_checkpoint, aligned_factors, aligned_fisher, aligned_grams
 from tasks.data import PREPARED, TOKENIZER
 from tasks.scoring import split_metrics

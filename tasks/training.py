@@ -294,7 +294,7 @@ class _BestEpoch:
         self.best_state: dict[str, torch.Tensor] | None = None
 
     def __call__(self, epoch: int) -> None:
-        from mergeflow.merge.search import choose
+        from mergeflow.schema.search import choose
 
         self.curve.append(self.score())
         if choose(self.curve, self.select_by) == epoch:

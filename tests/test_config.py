@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import run_cli
 
 from mergeflow.config import apply_overrides, load_params, validate_params
 from mergeflow.errors import ConfigError
@@ -17,6 +19,16 @@ def test_committed_params_are_valid():
     params = load_params(ROOT / "params.yaml")
     assert params.partition.num_clients >= 2
     assert params.merge.methods
+
+
+def test_validate_imports_no_torch(tmp_path):
+    """Params validate from the torch-free schema (``mergeflow.schema``): well under a second."""
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    done = run_cli(["validate"], tmp_path, env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "mergeflow.config" in imported and not {"torch", "prefect", "mlflow", "datasets"} & imported
 
 
 def test_overrides_parse_yaml_values():

@@ -33,6 +33,7 @@ from mergeflow.federated import (
 from mergeflow.federated.local import local_train
 from mergeflow.federated.quadratic import QuadraticProblem
 from mergeflow.models import build_model
+from mergeflow.schema.federated import DECLARED
 from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError, predict
 from mergeflow.training import train as central_train
@@ -194,6 +195,7 @@ def test_fedprox_large_mu_keeps_clients_at_the_global_model() -> None:
 
 def test_options_are_validated_and_every_algorithm_is_registered() -> None:
     assert {"fedavg", "fedprox", "fedadmm", "bayes_admm"} <= set(ALGORITHMS)
+    assert all(DECLARED[name] is algorithm.Options for name, algorithm in ALGORITHMS.items())
     with pytest.raises(ConfigError, match="federated.options.fedprox.nu"):
         get_algorithm("fedprox").parse_options({"nu": 1.0})
     with pytest.raises(ConfigError, match="rho"):

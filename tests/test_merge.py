@@ -9,6 +9,7 @@ import torch
 from mergeflow.errors import ConfigError, MergeflowError
 from mergeflow.merge import METHODS, merge, merge_method, run_merge
 from mergeflow.merge.registry import METHODS as REGISTRY
+from mergeflow.schema.merge import DECLARED, TiesOptions
 
 
 def _states(values: list[float]) -> list[dict[str, torch.Tensor]]:
@@ -88,10 +89,20 @@ def test_registering_a_new_method_is_one_function():
     try:
         assert merge("test_max", _states([1.0, 5.0, 2.0]))["w"].max().item() == 5.0
         assert METHODS["test_max"].summary == "Elementwise maximum."
+        assert DECLARED["test_max"].needs == frozenset()  # declared by its registration
         with pytest.raises(ValueError, match="registered twice"):
             merge_method("test_max")(test_max)
     finally:
-        del REGISTRY["test_max"]
+        del REGISTRY["test_max"], DECLARED["test_max"]
+
+
+def test_every_builtin_method_is_declared_torch_free_and_declared_once():
+    assert set(DECLARED) == set(METHODS)
+    assert all(METHODS[name].options is DECLARED[name].options for name in METHODS)
+    assert METHODS["ties"].options is TiesOptions and METHODS["ties"].needs == {"base"}
+    assert METHODS["exact"].uses == {"fishers", "factors", "base"}
+    with pytest.raises(ValueError, match="declared in mergeflow.schema.merge"):
+        merge_method("ties", needs=("sizes",))
 
 
 def test_fisher_merge_closed_form():

@@ -11,7 +11,7 @@ import torch
 from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import load_params
 from mergeflow.errors import ConfigError
-from mergeflow.merge.search import choose, search_grid
+from mergeflow.schema.search import choose, search_grid
 from tasks import merging, scoring
 from tests.conftest import fast_params, make_workspace, ran_steps, run_cli
 

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel
 from torch import nn
 
 from mergeflow.errors import ConfigError
+from mergeflow.schema.federated import DECLARED, validate_options
 from mergeflow.seeding import derive_seed
 from mergeflow.training import OPTIMIZERS, TASKS
 
@@ -113,16 +114,7 @@ class FederatedAlgorithm:
         Raises:
             ConfigError: naming the algorithm and the offending key.
         """
-        if isinstance(options, self.Options):
-            return options
-        if isinstance(options, BaseModel):
-            options = options.model_dump()
-        try:
-            return self.Options.model_validate(dict(options or {}))
-        except ValidationError as error:
-            first = error.errors()[0]
-            key = ".".join(str(p) for p in first["loc"])
-            raise ConfigError([f"federated.options.{self.name}.{key}: {first['msg']}"]) from None
+        return validate_options(self.name, options)
 
     def init_server(
         self, global_state: Mapping[str, torch.Tensor], num_clients: int, options: BaseModel
@@ -186,11 +178,21 @@ ALGORITHMS: dict[str, FederatedAlgorithm] = {}
 
 
 def register_algorithm(cls: type[FederatedAlgorithm]) -> type[FederatedAlgorithm]:
-    """Class decorator: register one instance of ``cls`` under ``cls.name``."""
+    """Class decorator: register one instance of ``cls`` under ``cls.name``.
+
+    A built-in algorithm's ``Options`` is the model declared in ``mergeflow.schema.federated``;
+    any other algorithm's ``Options`` is declared here.
+    """
     if cls.name in ALGORITHMS:
         raise ValueError(f"federated algorithm {cls.name!r} is registered twice")
     if cls.Options.model_config.get("extra") != "forbid":
         raise ValueError(f"options of {cls.name!r} must forbid extra keys")
+    declared = DECLARED.setdefault(cls.name, cls.Options)
+    if declared is not cls.Options:
+        raise ValueError(
+            f"federated algorithm {cls.name!r}: its options are {declared.__name__} "
+            f"(mergeflow.schema.federated), not {cls.Options.__name__}"
+        )
     ALGORITHMS[cls.name] = cls()
     return cls
 
@@ -206,17 +208,6 @@ def get_algorithm(name: str | FederatedAlgorithm) -> FederatedAlgorithm:
     if name not in ALGORITHMS:
         raise ConfigError([f"federated algorithm {name!r} is unknown; known: {', '.join(ALGORITHMS)}"])
     return ALGORITHMS[name]
-
-
-def validate_options(name: str, options: Mapping[str, Any] | None = None) -> BaseModel:
-    """Parse the options of algorithm ``name``; raises ConfigError naming the key."""
-    return get_algorithm(name).parse_options(options)
-
-
-class StrictOptions(BaseModel):
-    """Base of the options models: unknown keys are errors, assignments are validated."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 # ----------------------------------------------------------------------------- state helpers

@@ -36,12 +36,9 @@ dual step needs damping (d ≈ 0.1; d = 1 diverged in the notes' runs). Evaluati
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from typing import Literal
 
 import torch
-from pydantic import Field
 from torch import nn
 
 from mergeflow.federated.base import (
@@ -54,7 +51,6 @@ from mergeflow.federated.base import (
     LocalTraining,
     Message,
     ServerState,
-    StrictOptions,
     exchanged_parameters,
     load_parameters,
     register_algorithm,
@@ -63,6 +59,7 @@ from mergeflow.federated.base import (
 from mergeflow.federated.ivon_prior import IVONWithPrior
 from mergeflow.federated.local import check_finite, minibatches, prepared
 from mergeflow.federated.quadratic import THETA, QuadraticProblem, eye_like, pmul, psolve
+from mergeflow.schema.federated import BayesADMMOptions
 from mergeflow.training import DivergenceError, token_lengths
 
 DUAL_MEAN = "dual_mean."
@@ -72,32 +69,6 @@ DUAL_PREC_SUM = "dual_prec_sum."
 SERVER_ROUNDS = "server_rounds"
 IVON_MOMENTUM = "ivon_momentum."
 IVON_STEPS = "ivon_steps"
-
-
-class BayesADMMOptions(StrictOptions):
-    """Hyperparameters of Bayes-ADMM / IVON-ADMM.
-
-    ``rho`` ρ (proximal weight, dual step and server mix), ``damping`` d of the dual step,
-    ``temperature`` τ, ``prior_precision`` δ (S0 = δI), ``prior_mean`` m0 (the initial model or 0),
-    ``server_step`` α (default 1/(1 + Kρ)); IVON: ``lr`` (not rescaled), ``hess_init`` (used only
-    before the first server update), ``beta1``, ``beta2``, ``mc_samples``, ``clip_radius``. The
-    defaults are the setting chosen on validation for digits MLPs from a pre-trained base
-    (``experiments/bayes_admm_tuning.yaml``); the reference configs' scales (τ 1e-3, small
-    ``hess_init``, lr 1e-2, β2 0.999) did as well there and better from random init.
-    """
-
-    rho: float = Field(0.3, gt=0.0)
-    damping: float = Field(0.1, gt=0.0, le=1.0)
-    temperature: float = Field(1.0, gt=0.0)
-    prior_precision: float = Field(1.0, gt=0.0)
-    prior_mean: Literal["init", "zero"] = "init"
-    server_step: float | None = Field(None, gt=0.0, le=1.0)
-    lr: float = Field(0.2, gt=0.0)
-    hess_init: float = Field(1.0, ge=0.0)
-    beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    beta2: float = Field(0.99, ge=0.0, le=1.0)
-    mc_samples: int = Field(1, ge=1)
-    clip_radius: float = Field(math.inf, gt=0.0)
 
 
 @register_algorithm

@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from pydantic import Field
 from torch import nn
 
 from mergeflow.federated.base import (
@@ -32,7 +31,6 @@ from mergeflow.federated.base import (
     LocalTraining,
     Message,
     ServerState,
-    StrictOptions,
     add_prefix,
     exchanged_parameters,
     load_parameters,
@@ -42,16 +40,10 @@ from mergeflow.federated.base import (
 )
 from mergeflow.federated.local import local_train
 from mergeflow.federated.quadratic import THETA, QuadraticProblem, eye_like, psolve
+from mergeflow.schema.federated import FedADMMOptions
 
 DUAL = "dual."
 DUAL_SUM = "dual_sum."
-
-
-class FedADMMOptions(StrictOptions):
-    """``rho``: penalty and dual step ρ; ``prior_precision``: the server's L2 prior precision δ (0: none)."""
-
-    rho: float = Field(1.0, gt=0.0)
-    prior_precision: float = Field(0.0, ge=0.0)
 
 
 @register_algorithm

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
 
 import torch
 from torch import nn
@@ -16,7 +15,6 @@ from mergeflow.federated.base import (
     LocalTraining,
     Message,
     ServerState,
-    StrictOptions,
     add_prefix,
     load_parameters,
     model_parameters,
@@ -26,12 +24,7 @@ from mergeflow.federated.base import (
 )
 from mergeflow.federated.local import local_train
 from mergeflow.federated.quadratic import THETA, QuadraticProblem, psolve
-
-
-class FedAvgOptions(StrictOptions):
-    """``weighting``: ``"size"`` averages with n_k/N over the participants, ``"uniform"`` with 1/|P|."""
-
-    weighting: Literal["size", "uniform"] = "size"
+from mergeflow.schema.federated import FedAvgOptions
 
 
 def weighted_mean(messages: Mapping[int, Message], weights: Mapping[int, float], prefix: str = MEAN) -> dict:

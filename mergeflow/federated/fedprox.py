@@ -8,7 +8,6 @@ example use the unsquared ``torch.norm``). It is added to the client's mean mini
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 from torch import nn
 
 from mergeflow.federated.base import (
@@ -20,14 +19,9 @@ from mergeflow.federated.base import (
     register_algorithm,
     take_prefix,
 )
-from mergeflow.federated.fedavg import FedAvg, FedAvgOptions
+from mergeflow.federated.fedavg import FedAvg
 from mergeflow.federated.quadratic import THETA, QuadraticProblem, eye_like, psolve
-
-
-class FedProxOptions(FedAvgOptions):
-    """``mu``: weight of the proximal term μ/2·‖θ − θ̄‖² added to the local mean loss."""
-
-    mu: float = Field(0.01, ge=0.0)
+from mergeflow.schema.federated import FedProxOptions
 
 
 @register_algorithm

@@ -5,21 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from mergeflow.merge.registry import TaskVectors, TensorInputs, merge_method
 from mergeflow.merge.sparsify import disjoint_mean, dropout_masks, tensor_generator
 from mergeflow.merge.sums import running_sum
-
-
-class DareOptions(BaseModel):
-    """``drop_rate``: p, each entry's drop probability (survivors scaled by 1/(1−p)); ``scaling``: λ;
-    ``seed``: the draws, derived per tensor from it and the tensor's name."""
-
-    model_config = ConfigDict(extra="forbid")
-    drop_rate: float = Field(0.9, ge=0, lt=1)
-    scaling: float = 1.0
-    seed: int = 0
+from mergeflow.schema.merge import DareOptions
 
 
 def _drops(tasks: TaskVectors, shape: tuple[int, ...], name: str, options: DareOptions) -> Iterator[torch.Tensor]:
@@ -35,13 +25,13 @@ def _dropped(x: TensorInputs, options: DareOptions) -> torch.Tensor:
     return tasks.mul_(x.masks).div_(1.0 - options.drop_rate)
 
 
-@merge_method("dare_linear", options=DareOptions, needs=("base",), masks=_drops)
+@merge_method("dare_linear", masks=_drops)
 def dare_linear(x: TensorInputs, options: DareOptions) -> torch.Tensor:
     """DARE + task arithmetic: base + λ · Σ_k of the dropped-and-rescaled task vectors."""
     return x.base + options.scaling * running_sum(_dropped(x, options))
 
 
-@merge_method("dare_ties", options=DareOptions, needs=("base",), masks=_drops)
+@merge_method("dare_ties", masks=_drops)
 def dare_ties(x: TensorInputs, options: DareOptions) -> torch.Tensor:
     """DARE + TIES: base + λ · disjoint mean of the dropped-and-rescaled, sign-elected task vectors."""
     return x.base + options.scaling * disjoint_mean(_dropped(x, options))

@@ -21,26 +21,12 @@ With no factors (U = 0) and δ = 0 it is the diagonal Fisher merge.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-from mergeflow.merge.precision import ClientPrecision, PriorMean, client_precisions, prior_mean
+from mergeflow.merge.precision import ClientPrecision, client_precisions, prior_mean
 from mergeflow.merge.registry import MergeResult, ModelInputs, merge_method
-
-
-class ExactOptions(BaseModel):
-    """Prior precision δ and mean (``auto``: the base model when one is given, else zero), whether
-    precisions scale with data size, and the CG budget."""
-
-    model_config = ConfigDict(extra="forbid")
-    prior_precision: float = Field(1e-3, ge=0)
-    prior_mean: PriorMean = "auto"
-    by_size: bool = True
-    max_iterations: int = Field(1000, ge=1)
-    tolerance: float = Field(1e-12, gt=0)
-    preconditioner: Literal["woodbury", "jacobi", "none"] = "woodbury"
+from mergeflow.schema.merge import ExactOptions
 
 
 def conjugate_gradient(
@@ -131,7 +117,7 @@ def woodbury_inverse(
     return apply
 
 
-@merge_method("exact", options=ExactOptions, needs=("fishers",), uses=("factors", "base"), scope="model")
+@merge_method("exact", scope="model")
 def exact(x: ModelInputs, options: ExactOptions) -> MergeResult:
     """Product of Gaussian posteriors, θ* = (Σ Λ_k − (K−1)δ)⁻¹ (Σ Λ_k θ_k − (K−1)δθ₀), by matrix-free CG."""
     clients = client_precisions(x, by_size=options.by_size)

@@ -8,7 +8,6 @@ precision (counted once in a product of posteriors). Shared by the exact and SSF
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
@@ -98,9 +97,6 @@ def client_precisions(x: ModelInputs, *, by_size: bool) -> list[ClientPrecision]
         residual = (diagonal - _squared_column_sums(factors)).clamp_min(0)
         out.append(ClientPrecision(x.flatten(state), factors, residual * scale, scale, scratch))
     return out
-
-
-PriorMean = Literal["auto", "base", "zero"]
 
 
 def prior_mean(x: ModelInputs, choice: str) -> torch.Tensor:

@@ -10,11 +10,8 @@ Two scopes:
 - ``scope="model"``: a function over whole models (``ModelInputs``), for methods that couple
   all parameters, such as the exact Gaussian merge (one CG solve over the flattened model).
 
-Methods declare what they need besides the weights: ``"base"`` (the shared base model),
-``"sizes"`` (client data sizes), ``"fishers"`` (diagonal Fishers, one dict per client),
-``"factors"`` (per-client Fisher factors U with F ≈ UᵀU over the flattened parameters),
-``"grams"`` (per-client Gram matrices XᵀX of each linear layer's inputs, keyed by its weight) and
-``"scorer"`` (a function scoring a whole state dict on held-out data, higher is better).
+What a method needs besides the weights, and its options model, are its declaration
+(``mergeflow.schema.merge``, torch-free so that params validate without torch).
 """
 
 from __future__ import annotations
@@ -25,20 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel
 
-from mergeflow.errors import ConfigError, MergeflowError
+from mergeflow.errors import MergeflowError
 from mergeflow.merge.sums import mean
+from mergeflow.schema.merge import DECLARED, NoOptions, declare, validate_options
 
 State = Mapping[str, torch.Tensor]
-NEEDS = ("base", "sizes", "fishers", "factors", "grams", "scorer")
 Scorer = Callable[[dict[str, torch.Tensor]], float]
-
-
-class NoOptions(BaseModel):
-    """Options of a method that takes none."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 @dataclass(frozen=True)
@@ -159,9 +150,9 @@ METHODS: dict[str, MergeMethod] = {}
 def merge_method(
     name: str,
     *,
-    options: type[BaseModel] = NoOptions,
-    needs: Sequence[str] = (),
-    uses: Sequence[str] = (),
+    options: type[BaseModel] | None = None,
+    needs: Sequence[str] | None = None,
+    uses: Sequence[str] | None = None,
     scope: Literal["tensor", "model"] = "tensor",
     elementwise: bool = False,
     masks: MaskFunction | None = None,
@@ -170,8 +161,10 @@ def merge_method(
     """Register a merge method under ``name``.
 
     Tensor scope: ``fn(x: TensorInputs, options) -> tensor``. Model scope:
-    ``fn(x: ModelInputs, options) -> MergeResult | dict``. ``needs`` are required inputs,
-    ``uses`` optional ones that the pipeline supplies when it has them (e.g. factors).
+    ``fn(x: ModelInputs, options) -> MergeResult | dict``. A built-in method's options model and
+    inputs are its declaration in ``mergeflow.schema.merge``; any other method declares
+    them here: ``options`` (a pydantic model, extra keys forbidden), ``needs`` (required inputs)
+    and ``uses`` (optional ones that the pipeline supplies when it has them, e.g. factors).
     ``elementwise``: output element i depends only on element i of each input (tensor scope).
     ``masks``: per-client masks that need each whole task vector (TIES' top magnitudes, DARE's
     draws); given them (``TensorInputs.masks``), ``fn`` is elementwise, so a streamed merge holds
@@ -181,38 +174,36 @@ def merge_method(
     elementwise (Model Stock's angle, SLERP's): a streamed merge sums the Gram over blocks in a first
     pass, then merges blocks in a second.
     """
-    unknown = (set(needs) | set(uses)) - set(NEEDS)
-    if unknown:
-        raise ValueError(f"merge method {name!r} needs unknown inputs {sorted(unknown)}; known: {NEEDS}")
+    declared = name in DECLARED
+    if declared and (options, needs, uses) != (None, None, None):
+        raise ValueError(f"merge method {name!r} is declared in mergeflow.schema.merge; change it there")
+    if name in METHODS:
+        raise ValueError(f"merge method {name!r} is registered twice")
     elementwise = elementwise or masks is not None or gram is not None
     if elementwise and scope != "tensor":
         raise ValueError(f"merge method {name!r}: only tensor-scope methods can be elementwise")
-    if (masks is not None or gram == "tasks") and "base" not in needs:
+    needed = DECLARED[name].needs if declared else frozenset(needs or ())
+    if (masks is not None or gram == "tasks") and "base" not in needed:
         raise ValueError(f"merge method {name!r}: its masks or Gram are of task vectors, so it needs base")
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if name in METHODS:
-            raise ValueError(f"merge method {name!r} is registered twice")
+        declaration = DECLARED[name] if declared else declare(name, options or NoOptions, needs or (), uses or ())
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-        uses_all = frozenset(needs) | frozenset(uses)
         METHODS[name] = MergeMethod(
-            name, fn, scope, options, frozenset(needs), uses_all, summary, elementwise, masks, gram
+            name,
+            fn,
+            scope,
+            declaration.options,
+            declaration.needs,
+            declaration.uses,
+            summary,
+            elementwise,
+            masks,
+            gram,
         )
         return fn
 
     return register
-
-
-def validate_options(method: str, options: Mapping[str, object]) -> BaseModel:
-    """Parse a method's options, raising ConfigError that names the method and key."""
-    if method not in METHODS:
-        raise ConfigError([f"merge method {method!r} is unknown; known: {', '.join(METHODS)}"])
-    try:
-        return METHODS[method].options.model_validate(dict(options))
-    except ValidationError as error:
-        first = error.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        raise ConfigError([f"merge.options.{method}.{key}: {first['msg']}"]) from None
 
 
 def _check_compatible(states: Sequence[State]) -> None:

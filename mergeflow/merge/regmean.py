@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from mergeflow.grams import CONV1D
 from mergeflow.merge.registry import MergeResult, ModelInputs, merge_method
+from mergeflow.schema.merge import RegMeanOptions
 
 RCOND = 1e-6
-
-
-class RegMeanOptions(BaseModel):
-    """``alpha`` scales the Grams' off-diagonal entries (the paper's regularisation; 1 = exact Grams)."""
-
-    model_config = ConfigDict(extra="forbid")
-    alpha: float = Field(0.9, gt=0, le=1)
 
 
 def shrink(gram: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -23,7 +16,7 @@ def shrink(gram: torch.Tensor, alpha: float) -> torch.Tensor:
     return alpha * gram + (1 - alpha) * torch.diag(torch.diagonal(gram))
 
 
-@merge_method("regmean", options=RegMeanOptions, needs=("grams",), scope="model")
+@merge_method("regmean", scope="model")
 def regmean(x: ModelInputs, options: RegMeanOptions) -> MergeResult:
     """RegMean: W* = Σ_k W_k G_k (Σ_k G_k)⁻¹ per linear layer (G_k = X_kᵀX_k; ``nn.Linear`` and GPT-2's
     ``Conv1D``), other parameters averaged."""

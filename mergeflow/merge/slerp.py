@@ -5,20 +5,13 @@ from __future__ import annotations
 import math
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from mergeflow.errors import MergeflowError
 from mergeflow.merge.registry import TensorInputs, merge_method
+from mergeflow.schema.merge import SlerpOptions
 
 # Directions closer than this (|cos| above it) are interpolated linearly, as mergekit does.
 PARALLEL = 0.9995
-
-
-class SlerpOptions(BaseModel):
-    """``t``: 0 gives the first model, 1 the second."""
-
-    model_config = ConfigDict(extra="forbid")
-    t: float = Field(0.5, ge=0, le=1)
 
 
 def slerp_coefficients(gram: torch.Tensor, t: float) -> tuple[float, float]:
@@ -32,7 +25,7 @@ def slerp_coefficients(gram: torch.Tensor, t: float) -> tuple[float, float]:
     return math.sin((1 - t) * theta) / math.sin(theta), math.sin(t * theta) / math.sin(theta)
 
 
-@merge_method("slerp", options=SlerpOptions, gram="inputs")
+@merge_method("slerp", gram="inputs")
 def slerp(x: TensorInputs, options: SlerpOptions) -> torch.Tensor:
     """SLERP of exactly two models per tensor at t (K > 2 is refused: no single rule is standard)."""
     if len(x.tensors) != 2:

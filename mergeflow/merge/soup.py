@@ -15,7 +15,7 @@ def _soup(x: ModelInputs, members: list[int]) -> dict[str, torch.Tensor]:
     return state
 
 
-@merge_method("greedy_soup", needs=("scorer",), scope="model")
+@merge_method("greedy_soup", scope="model")
 def greedy_soup(x: ModelInputs, options: object) -> MergeResult:
     """Greedy soup: clients by held-out score, each added only if the soup's score does not drop."""
     assert x.scorer is not None  # guaranteed by needs=("scorer",)

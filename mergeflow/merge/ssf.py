@@ -18,37 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-from mergeflow.merge.precision import ClientPrecision, PriorMean, client_precisions, prior_mean
+from mergeflow.merge.precision import ClientPrecision, client_precisions, prior_mean
 from mergeflow.merge.registry import MergeResult, ModelInputs, merge_method
-
-
-class SSFOptions(BaseModel):
-    """Masking, optimisation and the start point of the SSF merge.
-
-    The paper optimises with SGD from a random init; Adam from the average is the default
-    here because its step size does not depend on the scale of the precisions. The cosine
-    schedule anneals the noise of the random masks away, so θ settles instead of hovering.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-    mask_rate: float = Field(0.3, gt=0, le=1)
-    masks_per_step: int = Field(10, ge=1)
-    steps: int = Field(300, ge=1)
-    window: int | None = Field(1000, ge=2)
-    lr: float = Field(0.003, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    optimizer: Literal["sgd", "adam"] = "adam"
-    schedule: Literal["constant", "cosine"] = "cosine"
-    start: Literal["random", "average"] = "average"
-    prior_precision: float = Field(1e-3, ge=0)
-    prior_mean: PriorMean = "auto"
-    by_size: bool = True
-    seed: int = 0
+from mergeflow.schema.merge import SSFOptions
 
 
 def _mask_sizes(dim: int, options: SSFOptions) -> tuple[int, int]:
@@ -209,7 +184,7 @@ def ssf_iterates(x: ModelInputs, options: SSFOptions) -> Iterator[tuple[torch.Te
         yield theta.detach().clone(), float(loss.detach())
 
 
-@merge_method("ssf", options=SSFOptions, needs=("fishers",), uses=("factors", "base"), scope="model")
+@merge_method("ssf", scope="model")
 def ssf(x: ModelInputs, options: SSFOptions) -> MergeResult:
     """Self-supervised Fisher merging: SGD on the clients' masked Gaussian conditionals."""
     losses: list[float] = []

@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from mergeflow.merge.registry import TensorInputs, merge_method
 from mergeflow.merge.sums import running_sum
+from mergeflow.schema.merge import TaskArithmeticOptions
 
 
-class TaskArithmeticOptions(BaseModel):
-    """λ scales the summed task vectors; 1/K makes it the plain average."""
-
-    model_config = ConfigDict(extra="forbid")
-    scaling: float = 0.3
-
-
-@merge_method("task_arithmetic", options=TaskArithmeticOptions, needs=("base",), elementwise=True)
+@merge_method("task_arithmetic", elementwise=True)
 def task_arithmetic(x: TensorInputs, options: TaskArithmeticOptions) -> torch.Tensor:
     """base + λ·Σ_k (θ_k − base)."""
     assert x.base is not None  # guaranteed by needs=("base",)

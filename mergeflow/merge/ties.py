@@ -5,26 +5,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from mergeflow.merge.registry import TaskVectors, TensorInputs, merge_method
 from mergeflow.merge.sparsify import disjoint_mean, magnitude_masks
-
-
-class TiesOptions(BaseModel):
-    """``density``: the fraction of each task vector kept (top magnitudes, per tensor as in PEFT and
-    mergekit; the paper's k = 20%); ``scaling``: λ on the merged task vector."""
-
-    model_config = ConfigDict(extra="forbid")
-    density: float = Field(0.2, gt=0, le=1)
-    scaling: float = 1.0
+from mergeflow.schema.merge import TiesOptions
 
 
 def _trimmed(tasks: TaskVectors, shape: tuple[int, ...], name: str, options: TiesOptions) -> Iterator[torch.Tensor]:
     return magnitude_masks(tasks, options.density)
 
 
-@merge_method("ties", options=TiesOptions, needs=("base",), masks=_trimmed)
+@merge_method("ties", masks=_trimmed)
 def ties(x: TensorInputs, options: TiesOptions) -> torch.Tensor:
     """TIES: base + λ · disjoint mean of the trimmed, sign-elected task vectors."""
     assert x.base is not None and x.masks is not None  # guaranteed by needs=("base",) and masks=

@@ -8,7 +8,7 @@ from mergeflow.merge.registry import TensorInputs, merge_method
 from mergeflow.merge.sums import running_sum
 
 
-@merge_method("weighted", needs=("sizes",), elementwise=True)
+@merge_method("weighted", elementwise=True)
 def weighted(x: TensorInputs, options: object) -> torch.Tensor:
     """Weighted average Σ (n_k/N) θ_k."""
     return running_sum(x.tensors, x.weights)

@@ -1,0 +1,178 @@
+"""What params can say about each merge method: its options model and the inputs it needs.
+
+Torch-free on purpose: validating params (``mergeflow validate``, and every run before its heavy
+work) imports this module, not the methods' code. A built-in method is declared here and
+implemented in its own module with ``@merge_method`` (``mergeflow.merge.registry``), which takes
+the declaration; a method registered from a notebook declares itself through ``merge_method``'s
+``options``, ``needs`` and ``uses``.
+
+Inputs a method can need besides the weights: ``"base"`` (the shared base model), ``"sizes"``
+(client data sizes), ``"fishers"`` (diagonal Fishers, one dict per client), ``"factors"``
+(per-client Fisher factors U with F ≈ UᵀU over the flattened parameters), ``"grams"`` (per-client
+Gram matrices XᵀX of each linear layer's inputs, keyed by its weight) and ``"scorer"`` (a function
+scoring a whole state dict on held-out data, higher is better).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mergeflow.errors import ConfigError
+
+NEEDS = ("base", "sizes", "fishers", "factors", "grams", "scorer")
+PriorMean = Literal["auto", "base", "zero"]
+
+
+class NoOptions(BaseModel):
+    """Options of a method that takes none."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class TaskArithmeticOptions(BaseModel):
+    """λ scales the summed task vectors; 1/K makes it the plain average."""
+
+    model_config = ConfigDict(extra="forbid")
+    scaling: float = 0.3
+
+
+class FisherOptions(BaseModel):
+    """How the clients' diagonal Fishers F_k weight their parameters.
+
+    ``by_size`` multiplies F_k (an average over examples) by n_k/N, so the weights are the
+    clients' data precisions, as in a product of Gaussian posteriors. ``coefficients`` are
+    explicit λ_k; ``normalize`` divides λ_k by the global L2 norm of F_k; ``floor`` keeps a
+    parameter that no client has information about from dividing by zero.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    coefficients: list[float] | None = None
+    by_size: bool = True
+    normalize: bool = False
+    floor: float = Field(1e-8, ge=0)
+
+
+class TiesOptions(BaseModel):
+    """``density``: the fraction of each task vector kept (top magnitudes, per tensor as in PEFT and
+    mergekit; the paper's k = 20%); ``scaling``: λ on the merged task vector."""
+
+    model_config = ConfigDict(extra="forbid")
+    density: float = Field(0.2, gt=0, le=1)
+    scaling: float = 1.0
+
+
+class DareOptions(BaseModel):
+    """``drop_rate``: p, each entry's drop probability (survivors scaled by 1/(1−p)); ``scaling``: λ;
+    ``seed``: the draws, derived per tensor from it and the tensor's name."""
+
+    model_config = ConfigDict(extra="forbid")
+    drop_rate: float = Field(0.9, ge=0, lt=1)
+    scaling: float = 1.0
+    seed: int = 0
+
+
+class SlerpOptions(BaseModel):
+    """``t``: 0 gives the first model, 1 the second."""
+
+    model_config = ConfigDict(extra="forbid")
+    t: float = Field(0.5, ge=0, le=1)
+
+
+class RegMeanOptions(BaseModel):
+    """``alpha`` scales the Grams' off-diagonal entries (the paper's regularisation; 1 = exact Grams)."""
+
+    model_config = ConfigDict(extra="forbid")
+    alpha: float = Field(0.9, gt=0, le=1)
+
+
+class ExactOptions(BaseModel):
+    """Prior precision δ and mean (``auto``: the base model when one is given, else zero), whether
+    precisions scale with data size, and the CG budget."""
+
+    model_config = ConfigDict(extra="forbid")
+    prior_precision: float = Field(1e-3, ge=0)
+    prior_mean: PriorMean = "auto"
+    by_size: bool = True
+    max_iterations: int = Field(1000, ge=1)
+    tolerance: float = Field(1e-12, gt=0)
+    preconditioner: Literal["woodbury", "jacobi", "none"] = "woodbury"
+
+
+class SSFOptions(BaseModel):
+    """Masking, optimisation and the start point of the SSF merge.
+
+    The paper optimises with SGD from a random init; Adam from the average is the default
+    here because its step size does not depend on the scale of the precisions. The cosine
+    schedule anneals the noise of the random masks away, so θ settles instead of hovering.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    mask_rate: float = Field(0.3, gt=0, le=1)
+    masks_per_step: int = Field(10, ge=1)
+    steps: int = Field(300, ge=1)
+    window: int | None = Field(1000, ge=2)
+    lr: float = Field(0.003, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    optimizer: Literal["sgd", "adam"] = "adam"
+    schedule: Literal["constant", "cosine"] = "cosine"
+    start: Literal["random", "average"] = "average"
+    prior_precision: float = Field(1e-3, ge=0)
+    prior_mean: PriorMean = "auto"
+    by_size: bool = True
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class MethodDeclaration:
+    """A method's options model, the inputs it needs and those it uses when given (``uses`` ⊇ ``needs``)."""
+
+    options: type[BaseModel]
+    needs: frozenset[str]
+    uses: frozenset[str]
+
+
+DECLARED: dict[str, MethodDeclaration] = {}
+
+
+def declare(
+    name: str, options: type[BaseModel] = NoOptions, needs: Sequence[str] = (), uses: Sequence[str] = ()
+) -> MethodDeclaration:
+    """Declare method ``name``: its options model, required inputs and optional ones."""
+    unknown = (set(needs) | set(uses)) - set(NEEDS)
+    if unknown:
+        raise ValueError(f"merge method {name!r} needs unknown inputs {sorted(unknown)}; known: {NEEDS}")
+    if name in DECLARED:
+        raise ValueError(f"merge method {name!r} is declared twice")
+    DECLARED[name] = MethodDeclaration(options, frozenset(needs), frozenset(needs) | frozenset(uses))
+    return DECLARED[name]
+
+
+declare("average")
+declare("weighted", needs=("sizes",))
+declare("task_arithmetic", TaskArithmeticOptions, needs=("base",))
+declare("fisher", FisherOptions, needs=("fishers",))
+declare("ties", TiesOptions, needs=("base",))
+declare("dare_linear", DareOptions, needs=("base",))
+declare("dare_ties", DareOptions, needs=("base",))
+declare("model_stock", needs=("base",))
+declare("slerp", SlerpOptions)
+declare("regmean", RegMeanOptions, needs=("grams",))
+declare("greedy_soup", needs=("scorer",))
+declare("exact", ExactOptions, needs=("fishers",), uses=("factors", "base"))
+declare("ssf", SSFOptions, needs=("fishers",), uses=("factors", "base"))
+
+
+def validate_options(method: str, options: Mapping[str, object]) -> BaseModel:
+    """Parse a method's options, raising ConfigError that names the method and key."""
+    if method not in DECLARED:
+        raise ConfigError([f"merge method {method!r} is unknown; known: {', '.join(DECLARED)}"])
+    try:
+        return DECLARED[method].options.model_validate(dict(options))
+    except ValidationError as error:
+        first = error.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        raise ConfigError([f"merge.options.{method}.{key}: {first['msg']}"]) from None
