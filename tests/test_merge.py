@@ -196,7 +196,7 @@ def test_woodbury_preconditioner_solves_an_ill_conditioned_low_rank_system_in_fe
     woodbury = run_merge("exact", states, **inputs)
     jacobi = run_merge("exact", states, preconditioner="jacobi", max_iterations=50, **inputs)
     assert woodbury.summary["cg_relative_residual"] < 1e-10
-    assert woodbury.summary["cg_iterations"] <= 8  # a float32 preconditioner: 6 iterations to 1e-12
+    assert woodbury.summary["cg_iterations"] <= 2  # the float64 Woodbury inverse is exact up to rounding
     assert jacobi.summary["cg_relative_residual"] > 1e3 * woodbury.summary["cg_relative_residual"]
 
 

@@ -62,9 +62,24 @@ class ClientPrecision:
             total.addmv_(wide.T, wide @ v, alpha=self.factor_scale)
         return total
 
+    def project(self, v: torch.Tensor) -> torch.Tensor:
+        """√s · U v in float64 (one length-``rows`` vector), widening a block of rows at a time."""
+        out = torch.empty(len(self.factors), dtype=torch.float64)
+        for start in range(0, len(self.factors), _ROW_BLOCK):
+            rows = self.factors[start : start + _ROW_BLOCK]
+            torch.mv(self.scratch.widened(rows), v, out=out[start : start + len(rows)])
+        return out.mul_(self.factor_scale**0.5)
+
+    def lift(self, weights: torch.Tensor, into: torch.Tensor) -> None:
+        """``into`` += √s · Uᵀ weights, in float64, widening a block of rows at a time."""
+        for start in range(0, len(self.factors), _ROW_BLOCK):
+            rows = self.factors[start : start + _ROW_BLOCK]
+            block = weights[start : start + len(rows)]
+            into.addmv_(self.scratch.widened(rows).T, block, alpha=self.factor_scale**0.5)
+
     def precision_diagonal(self) -> torch.Tensor:
         """diag(s(UᵀU + D)), in float64."""
-        return self.factor_scale * _squared_column_sums(self.factors) + self.diagonal
+        return self.factor_scale * _squared_column_sums(self.factors, self.scratch) + self.diagonal
 
     def scaled(self) -> ClientPrecision:
         """The same precision with the scale multiplied into (a float64 copy of) the factors."""
@@ -72,11 +87,17 @@ class ClientPrecision:
         return ClientPrecision(self.theta, factors, self.diagonal)
 
 
-def _squared_column_sums(factors: torch.Tensor) -> torch.Tensor:
-    """diag(UᵀU) in float64, with bounded temporaries for large models."""
+def _squared_column_sums(factors: torch.Tensor, scratch: _Scratch | None = None) -> torch.Tensor:
+    """diag(UᵀU) in float64, squaring a block of rows at a time in a reused float64 buffer."""
+    scratch = scratch or _Scratch()
     total = torch.zeros(factors.shape[-1], dtype=torch.float64)
     for rows in torch.split(factors, _ROW_BLOCK):
-        total += (rows.to(torch.float64) ** 2).sum(0)
+        wide = scratch.widened(rows)
+        if wide is rows:  # float64 factors are the caller's: square a copy
+            wide = rows.square()
+        else:
+            wide.square_()
+        total += wide.sum(0)
     return total
 
 
@@ -94,7 +115,7 @@ def client_precisions(x: ModelInputs, *, by_size: bool) -> list[ClientPrecision]
         factors = x.factors[k] if x.factors is not None else torch.zeros((0, dim), dtype=torch.float64)
         if factors.shape[-1] != dim:
             raise MergeflowError(f"client {k} factors have {factors.shape[-1]} columns, the model has {dim} parameters")
-        residual = (diagonal - _squared_column_sums(factors)).clamp_min(0)
+        residual = (diagonal - _squared_column_sums(factors, scratch)).clamp_min(0)
         out.append(ClientPrecision(x.flatten(state), factors, residual * scale, scale, scratch))
     return out
 
