@@ -7,7 +7,6 @@ that names it. Stages read whole sections; their names double as DVC ``params:``
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import re
 from pathlib import Path
@@ -421,17 +420,12 @@ def _check_variants(
     known: dict[str, Any],
     validate: Any,
     error_prefix: str,
-    package: str,
 ) -> None:
     """Every listed entry is registered or a declared variant; every option set validates.
 
     Shared by ``merge.methods`` and ``federated.algorithms``; raises ValueError naming the key.
-    ``known`` is the torch-free schema of the built-ins; a name outside it imports ``package``
-    first, where a method or algorithm added there declares itself when it registers.
+    ``known`` is the torch-free schema (``mergeflow.schema``), so validating imports no torch.
     """
-    named = {chosen.get(kind_key, name) for name, chosen in options.items()} | set(entries) - set(options)
-    if not named <= known.keys():
-        importlib.import_module(package)
     for name, chosen in options.items():
         kind = chosen.get(kind_key, name)
         if kind not in known:
@@ -492,7 +486,6 @@ class MergeConfig(_Section):
             known=DECLARED,
             validate=validate_search,
             error_prefix="merge.options",
-            package="mergeflow.merge",
         )
         return self
 
@@ -557,7 +550,6 @@ class FederatedConfig(_Section):
             known=DECLARED,
             validate=validate_options,
             error_prefix="federated.options",
-            package="mergeflow.federated",
         )
         return self
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -97,6 +100,14 @@ def test_registering_a_new_method_is_one_function():
 
 
 def test_every_builtin_method_is_declared_torch_free_and_declared_once():
+    # In a fresh process: the schema alone names every method the package registers.
+    code = (
+        "import sys; from mergeflow.schema import federated, merge; assert 'torch' not in sys.modules; "
+        "names = (set(merge.DECLARED), set(federated.DECLARED)); import mergeflow.merge, mergeflow.federated; "
+        "assert names == (set(mergeflow.merge.METHODS), set(mergeflow.federated.ALGORITHMS)), names"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
     assert set(DECLARED) == set(METHODS)
     assert all(METHODS[name].options is DECLARED[name].options for name in METHODS)
     assert METHODS["ties"].options is TiesOptions and METHODS["ties"].needs == {"base"}
