@@ -86,7 +86,7 @@ STAGES: tuple[Stage, ...] = (
         summary="Train the oracle on the pooled client data with the fine-tuning defaults (or its best epoch).",
         phases=("tasks.training:plan_centralized",),
         deps=("models/base", "data/partitions", "data/prepared"),
-        code=(*_TRAINING_CODE, "tasks/scoring.py", "mergeflow/evaluation.py", "mergeflow/merge/search.py"),
+        code=(*_TRAINING_CODE, "tasks/scoring.py", "mergeflow/evaluation.py", "mergeflow/schema/search.py"),
         params=("seed", *_CENTRALIZED_PARAMS, "centralized", "merge.select_by", "evaluate.noise_std"),
         outs=("models/centralized",),
     ),
@@ -124,6 +124,8 @@ STAGES: tuple[Stage, ...] = (
         deps=("models/base", "models/aligned", "data/prepared"),
         code=(
             "mergeflow/merge",
+            "mergeflow/schema/merge.py",
+            "mergeflow/schema/search.py",
             "mergeflow/checkpoints.py",
             "mergeflow/safetensors_io.py",
             "mergeflow/hf_checkpoints.py",
@@ -141,6 +143,7 @@ STAGES: tuple[Stage, ...] = (
         deps=("data/prepared", "data/partitions", "models/base"),
         code=(
             "mergeflow/federated",
+            "mergeflow/schema/federated.py",
             "mergeflow/models",
             "mergeflow/checkpoints.py",
             "mergeflow/evaluation.py",

@@ -55,6 +55,7 @@ FEDERATED_PLOT = "plots/federated.png"
 PARTITION_METRICS = "metrics/partition.json"
 _CODE = (
     "mergeflow/federated",
+    "mergeflow/schema/federated.py",
     "mergeflow/models",
     "mergeflow/checkpoints.py",
     "mergeflow/evaluation.py",

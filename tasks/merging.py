@@ -29,6 +29,8 @@ from tasks.training import BASE
 MERGED = "models/merged"
 _CODE = (
     "mergeflow/merge",
+    "mergeflow/schema/merge.py",
+    "mergeflow/schema/search.py",
     "mergeflow/checkpoints.py",
     "mergeflow/safetensors_io.py",
     "mergeflow/hf_checkpoints.py",

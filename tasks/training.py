@@ -246,7 +246,7 @@ def plan_centralized(params: Params) -> list[Step]:
             "noise_std": params.evaluate.noise_std,
         }
     validation = (f"{PREPARED}/validation.parquet", f"{PREPARED}/info.json") if best else ()
-    scoring = ("tasks/scoring.py", "mergeflow/evaluation.py", "mergeflow/merge/search.py") if best else ()
+    scoring = ("tasks/scoring.py", "mergeflow/evaluation.py", "mergeflow/schema/search.py") if best else ()
     return [
         Step(
             "centralized",

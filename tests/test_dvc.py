@@ -18,6 +18,24 @@ def test_committed_dvc_yaml_is_generated_from_the_registry():
     assert (ROOT / "dvc.yaml").read_text() == render(), "run `mergeflow dvc-yaml --write`"
 
 
+def test_every_code_path_of_every_stage_and_step_exists():
+    """A moved module must not leave a stale path: it would hash as "missing" and stop invalidating caches."""
+    from mergeflow.config import load_params
+    from tasks.runner import _waves
+    from tasks.steps import resolve
+
+    # the committed params, and with the options whose steps read more code
+    variants = [[], ["centralized.keep=best_validation", "data.validation_fraction=0.2"]]
+    for overrides in variants:
+        params = load_params(ROOT / "params.yaml", overrides)
+        for stage in STAGES:
+            paths = set(stage.code)
+            for phase in stage.phases:
+                paths |= {path for wave in _waves(resolve(phase)(params)) for step in wave for path in step.code}
+            missing = sorted(path for path in paths if not (ROOT / path).exists())
+            assert not missing, f"stage {stage.name} ({overrides}): code paths that do not exist: {missing}"
+
+
 def test_dvc_yaml_lists_every_stage_with_its_params_and_paths():
     stages = yaml.safe_load(render())["stages"]
     assert list(stages) == [stage.name for stage in STAGES]
