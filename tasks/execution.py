@@ -1,7 +1,8 @@
 """Executing steps as Prefect task runs: one task type whose cache key is the step's content key.
 
 Cache hits are read from the persisted records first (no task run); the misses run one per task
-run, or several to a task run, each still recorded on its own as soon as it finishes.
+run, or several to a task run, each still recorded on its own as soon as it finishes; short steps
+in waves (federated rounds) can run wave after wave in one task run (``execute_waves``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,49 @@ def execute_steps(label: str, steps: list[Step], keys: list[str], root: str, tor
         results.write(obj=outcome, key=record_name(step, key))
         outcomes.append(outcome)
     return outcomes
+
+
+@task(persist_result=False, cache_policy=NO_CACHE, task_run_name="{label}")
+def execute_waves(label: str, waves: list[list[Step]], root: str, torch_threads: int = 1) -> list[dict[str, Any]]:
+    """Run waves of steps one after another in one task run (short steps: ``OrchestrationConfig.runs_waves_together``).
+
+    A wave's keys hash what the waves before it wrote, so each step is keyed, looked up, run when
+    missing, recorded and materialised in turn, here in the worker: steps stay cached, and resumed,
+    one by one, as in ``execute_steps``. Returns each step's record with ``cached`` added.
+    """
+    store = ArtifactStore(Path(root))
+    results = _result_store(Path(root))
+    refresh = get_current_settings().tasks.refresh_cache
+    outcomes = []
+    for step in (step for wave in waves for step in wave):
+        key = step_key(step, Path(root))
+        hit = None if refresh else _persisted_result(results, step, key)
+        if hit is not None and store.has(hit["files"]):
+            outcome = {**hit, "cached": True}
+        else:
+            outcome = _run_step(step, root, torch_threads)
+            results.write(obj=outcome, key=record_name(step, key))
+            outcome = {**outcome, "cached": False}
+        store.materialise(outcome["files"])
+        outcomes.append(outcome)
+    return outcomes
+
+
+def run_waves(waves: list[list[Step]], root: Path, torch_threads: int = 1) -> list[StepOutcome]:
+    """Run ``waves`` in one task run (``execute_waves``) and wait; their outputs are in place on return."""
+    steps = [step for wave in waves for step in wave]
+    label = f"{steps[0].name} … {steps[-1].name} ({len(steps)} steps)"
+    records = execute_waves.submit(label, waves, str(root), torch_threads).result()
+    return [
+        StepOutcome(
+            step.name,
+            record["cached"],
+            0.0 if record["cached"] else record["seconds"],
+            record["files"],
+            record["summary"],
+        )
+        for step, record in zip(steps, records, strict=True)
+    ]
 
 
 def _run_step(step: Step, root: str, torch_threads: int) -> dict[str, Any]:

@@ -31,18 +31,23 @@ def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
     """Execute a stage's phases in order and remove stale files from its outputs."""
     from prefect.logging import get_run_logger
 
-    from tasks.execution import run_steps
+    from tasks.execution import run_steps, run_waves
 
     log = get_run_logger()
     outcomes: list[StepOutcome] = []
+    threads = params.orchestration.torch_threads
     for phase in stage.phases:
-        for wave in _waves(resolve(phase)(params)):
+        waves = _waves(resolve(phase)(params))
+        for index, wave in enumerate(waves):
             typical = _typical_seconds(outcomes)
+            if index + 1 < len(waves) and params.orchestration.runs_waves_together(typical):
+                outcomes += run_waves(waves[index:], root, threads)
+                break
 
             def batch_size(uncached: int, typical: float | None = typical) -> int:
                 return params.orchestration.batch_size(uncached, typical)
 
-            outcomes += run_steps(wave, root, params.orchestration.torch_threads, batch_size)
+            outcomes += run_steps(wave, root, threads, batch_size)
     for stale in _prune(stage, outcomes, root):
         log.info("removed stale output %s", stale)
     for outcome in outcomes:

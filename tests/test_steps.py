@@ -160,3 +160,47 @@ def test_steps_run_several_to_a_task_are_cached_one_by_one(tmp_path, prefect_set
     assert [(tmp_path / "outputs" / f"b{i}.txt").read_text() for i in range(5)] == [f"b{i}" for i in range(5)]
     # A record written inside a batch is the record a one-step task run would have written.
     assert all(o.cached for o in run(1))
+
+
+def chained_step(params: dict, root: Path, out: Path) -> dict:
+    """Appends its name to what the step before it wrote (``params["after"]``), failing for the name in ``FAIL``."""
+    failing_step(params, root, out)
+    before = (root / "outputs" / f"{params['after']}.txt").read_text() if params["after"] else ""
+    (out / "outputs" / f"{params['name']}.txt").write_text(before + params["name"] + params.get("version", ""))
+    return {"name": params["name"]}
+
+
+def test_waves_run_together_key_each_wave_on_the_one_before_and_resume_step_by_step(tmp_path, prefect_settings):
+    from prefect import flow
+
+    from tasks.execution import run_waves
+
+    def chain(first: str) -> list[list[Step]]:
+        names = [f"{first}{i}" for i in range(4)]
+        return [
+            [Step(name, f"{__name__}:chained_step", {"name": name, "after": after}, inputs=(f"outputs/{after}.txt",))]
+            for name, after in zip(names, ["", *names[:-1]], strict=True)
+        ]
+
+    @flow
+    def run(waves: list[list[Step]], together: bool) -> list:
+        if together:
+            return run_waves(waves, tmp_path)
+        return [outcome for wave in waves for outcome in run_steps(wave, tmp_path)]
+
+    CALLS.clear()
+    (tmp_path / "FAIL").write_text("a2")
+    with pytest.raises(Exception, match="a2 failed"):
+        run(chain("a"), True)
+    (tmp_path / "FAIL").unlink()
+    outcomes = run(chain("a"), True)
+    assert [o.cached for o in outcomes] == [True, True, False, False]  # a0, a1 finished before the crash
+    assert (tmp_path / "outputs" / "a3.txt").read_text() == "a0a1a2a3"  # a3 read what a2 wrote in the same task run
+    # wave by wave, one task run each: the same keys and records, so every step is a hit
+    assert all(o.cached for o in run(chain("a"), False))
+    # a first step that writes something else changes every key after it: each wave is keyed on the one before
+    CALLS.clear()
+    changed = Step("a0", f"{__name__}:chained_step", {"name": "a0", "after": "", "version": "'"})
+    again = run([[changed], *chain("a")[1:]], True)
+    assert not any(o.cached for o in again) and CALLS == ["a0", "a1", "a2", "a3"]
+    assert (tmp_path / "outputs" / "a3.txt").read_text() == "a0'a1a2a3"
