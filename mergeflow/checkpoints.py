@@ -6,6 +6,7 @@ model spec (see ``mergeflow.models.model_spec``) and any extra facts (data size,
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import tempfile
@@ -21,13 +22,31 @@ from safetensors.torch import load_file, save_file
 from mergeflow.errors import MergeflowError
 
 _META_KEY = "mergeflow"
+_PRIVATE_DIRECTORIES: contextvars.ContextVar[tuple[Path, ...]] = contextvars.ContextVar("private", default=())
+
+
+@contextmanager
+def private_directory(path: str | Path) -> Iterator[None]:
+    """Within the block (in this thread), :func:`atomic_path` writes files under ``path`` in place: a
+    directory that nobody reads until it is complete (a step's scratch directory) needs no temp file."""
+    token = _PRIVATE_DIRECTORIES.set((*_PRIVATE_DIRECTORIES.get(), Path(path)))
+    try:
+        yield
+    finally:
+        _PRIVATE_DIRECTORIES.reset(token)
 
 
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temp path beside ``path``; on success it replaces ``path`` in one rename."""
+    """Yield a temp path beside ``path``; on success it replaces ``path`` in one rename.
+
+    Under a :func:`private_directory` the path itself is yielded.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if any(path.is_relative_to(private) for private in _PRIVATE_DIRECTORIES.get()):
+        yield path
+        return
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:

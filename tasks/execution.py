@@ -19,6 +19,7 @@ from prefect.context import TaskRunContext
 from prefect.futures import PrefectFuture
 from prefect.settings import get_current_settings
 
+from mergeflow.checkpoints import private_directory
 from tasks.steps import Step, StepOutcome, record_name, resolve, results_dir, step_key
 from tasks.store import ArtifactStore
 
@@ -104,7 +105,8 @@ def _run_step(step: Step, root: str, torch_threads: int) -> dict[str, Any]:
     torch.set_num_threads(torch_threads)
     store = ArtifactStore(Path(root))
     started = time.perf_counter()
-    with store.scratch_dir() as scratch:
+    # Nothing reads the scratch directory before the step returns: its files need no temp-and-rename.
+    with store.scratch_dir() as scratch, private_directory(scratch):
         summary = resolve(step.fn)({**step.params, **step.settings}, Path(root), Path(scratch))
         files = store.ingest(Path(scratch))
     return {"files": files, "summary": summary, "seconds": time.perf_counter() - started}

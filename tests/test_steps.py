@@ -204,3 +204,19 @@ def test_waves_run_together_key_each_wave_on_the_one_before_and_resume_step_by_s
     again = run([[changed], *chain("a")[1:]], True)
     assert not any(o.cached for o in again) and CALLS == ["a0", "a1", "a2", "a3"]
     assert (tmp_path / "outputs" / "a3.txt").read_text() == "a0'a1a2a3"
+
+
+def test_atomic_writes_skip_the_temp_file_only_inside_a_private_directory(tmp_path, monkeypatch):
+    import tempfile
+
+    from mergeflow.checkpoints import private_directory, write_json
+
+    made = []
+    real = tempfile.mkstemp
+    monkeypatch.setattr(tempfile, "mkstemp", lambda *a, **k: made.append(k.get("dir")) or real(*a, **k))
+    with private_directory(tmp_path / "scratch"):
+        write_json(tmp_path / "scratch" / "deep" / "a.json", {"a": 1})  # a step's scratch output: in place
+        write_json(tmp_path / "outside.json", {"b": 2})  # anything else: temp file and rename
+    write_json(tmp_path / "scratch" / "after.json", {"c": 3})
+    assert made == [tmp_path, tmp_path / "scratch"]
+    assert (tmp_path / "scratch" / "deep" / "a.json").read_text().strip().endswith("}")
