@@ -140,3 +140,24 @@ def test_grams_are_permuted_like_the_layer_inputs():
     assert moved.keys() == expected.keys() == {"0.weight", "2.weight"}
     for key in expected:
         torch.testing.assert_close(moved[key], expected[key])
+
+
+def test_radix_selection_finds_the_same_cut_as_kthvalue(monkeypatch):
+    import mergeflow.merge.sparsify as sparsify
+
+    monkeypatch.setattr(sparsify, "_RADIX_FROM", 1)
+    monkeypatch.setattr(sparsify, "_RADIX_BLOCK", 1000)  # several blocks per tensor
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(5000, generator=generator, dtype=torch.float64).abs_()
+    values[:300] = 0.25  # a run of ties
+    values[300:600] = 0.0  # and zeros (unchanged entries of a task vector)
+    values[600] = 1e300
+    values[601] = 1e-300
+    for k in (1, 2, 150, 299, 2500, 4400, 4700, 4999, 5000):
+        assert sparsify.kth_largest(values, k) == values.kthvalue(5000 - k + 1).values, k
+    # the masks then keep exactly int(density * numel) entries, ties to the lower index, as before
+    tasks = [torch.randn(4000, generator=generator, dtype=torch.float64).round(decimals=1) for _ in range(3)]
+    radix = list(magnitude_masks([t.clone() for t in tasks], 0.3))
+    monkeypatch.setattr(sparsify, "_RADIX_FROM", 1 << 30)
+    assert all(torch.equal(a, b) for a, b in zip(radix, magnitude_masks([t.clone() for t in tasks], 0.3), strict=True))
+    assert all(int(mask.sum()) == 1200 for mask in radix)

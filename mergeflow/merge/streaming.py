@@ -328,6 +328,9 @@ def _intra_op_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+_MASK_READ_BLOCK = 1 << 20  # elements of a task vector read at a time while drawing masks
+
+
 class _Masks:
     """The per-client masks of a method with ``masks`` (TIES, DARE), drawn once per tensor before its blocks.
 
@@ -348,7 +351,7 @@ class _Masks:
             n, count, itemsize = self._capacity, len(self._inputs.models), self._inputs.itemsize()
             row = torch.empty(n, dtype=torch.float64)
             raw_base = torch.empty(n * itemsize, dtype=torch.uint8)
-            scratch = torch.empty(n * itemsize, dtype=torch.uint8)
+            scratch = torch.empty(min(n, _MASK_READ_BLOCK) * itemsize, dtype=torch.uint8)
             self._buffers = (torch.empty(count * n, dtype=torch.bool), row, raw_base, scratch)
         return self._buffers
 
@@ -358,7 +361,6 @@ class _Masks:
         everything, row, raw_base, scratch = self._allocate()
         shape, count = item.total, len(self._inputs.models)
         n = math.prod(shape)
-        whole = _Item(item.key, item.method, 0, (n,))
         base_entry = self._inputs.base.entry(item.key)
         base: list[torch.Tensor] = []
 
@@ -367,7 +369,9 @@ class _Masks:
                 raw = raw_base[: n * base_entry.torch_dtype.itemsize]
                 self._inputs.base.read_into(item.key, memoryview(raw.numpy()))
                 base.append(raw.view(base_entry.torch_dtype))
-            _read_float64(self._inputs.models[k], whole, row[:n], scratch)
+            for start in range(0, n, _MASK_READ_BLOCK):  # through a block-sized scratch, not a tensor-sized one
+                block = _Item(item.key, item.method, start, (min(_MASK_READ_BLOCK, n - start),))
+                _read_float64(self._inputs.models[k], block, row[start : start + block.count], scratch)
             return row[:n].sub_(base[0]).view(shape)
 
         masks = everything[: count * n].view(count, n)
