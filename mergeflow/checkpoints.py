@@ -28,7 +28,11 @@ _PRIVATE_DIRECTORIES: contextvars.ContextVar[tuple[Path, ...]] = contextvars.Con
 @contextmanager
 def private_directory(path: str | Path) -> Iterator[None]:
     """Within the block (in this thread), :func:`atomic_path` writes files under ``path`` in place: a
-    directory that nobody reads until it is complete (a step's scratch directory) needs no temp file."""
+    directory that nobody reads until it is complete (a step's scratch directory) needs no temp file.
+
+    A half-written file is then left there when a write fails, so code in the block must let the
+    exception end the block (the step fails and its scratch directory is discarded), never swallow it.
+    """
     token = _PRIVATE_DIRECTORIES.set((*_PRIVATE_DIRECTORIES.get(), Path(path)))
     try:
         yield

@@ -40,7 +40,8 @@ def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
         waves = _waves(resolve(phase)(params))
         for index, wave in enumerate(waves):
             typical = _typical_seconds(outcomes)
-            if index + 1 < len(waves) and params.orchestration.runs_waves_together(typical):
+            # Judged after two waves: a federated stage's first is one quick init step, not a client update.
+            if 2 <= index < len(waves) - 1 and params.orchestration.runs_waves_together(typical):
                 outcomes += run_waves(waves[index:], root, threads)
                 break
 

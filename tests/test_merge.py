@@ -408,3 +408,25 @@ def test_linear_gaussian_reproduction_exact_merge_is_the_pooled_posterior_and_ss
         assert len(curves[f"ssf 50%/{metric}"]) == 40
     full = curves["ssf 100%/relative_error_to_pooled_posterior"]
     assert full[-1] < full[0]  # the full mask's objective is the exact merge's: SSF moves towards it
+
+
+def test_woodbury_inverse_in_strips_and_column_blocks_equals_a_dense_solve():
+    from mergeflow.merge.exact import woodbury_inverse
+    from mergeflow.merge.precision import ClientPrecision
+
+    generator = torch.Generator().manual_seed(1)
+    dim = 300
+    diagonal = torch.rand(dim, generator=generator, dtype=torch.float64) + 0.1
+    factors = [
+        torch.randn(7, dim, generator=generator),  # float32, widened block by block
+        torch.randn(5, dim, generator=generator, dtype=torch.float64),
+        torch.zeros(0, dim, dtype=torch.float64),  # a client without factors
+    ]
+    scales = [2.0, 0.5, 3.0]
+    clients = [ClientPrecision(torch.zeros(dim), u, torch.zeros(dim), s) for u, s in zip(factors, scales, strict=True)]
+    dense = torch.diag(diagonal) + sum(s * u.double().T @ u.double() for u, s in zip(factors, scales, strict=True))
+    v = torch.randn(dim, generator=generator, dtype=torch.float64)
+    expected = torch.linalg.solve(dense, v)
+    for columns, strip in ((1 << 15, 128), (64, 5)):  # one block and strip, or a partial last block and strip
+        solved = woodbury_inverse(diagonal, clients, columns=columns, strip=strip)(v)
+        torch.testing.assert_close(solved, expected, rtol=1e-10, atol=1e-12)

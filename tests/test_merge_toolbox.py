@@ -145,7 +145,6 @@ def test_grams_are_permuted_like_the_layer_inputs():
 def test_radix_selection_finds_the_same_cut_as_kthvalue(monkeypatch):
     import mergeflow.merge.sparsify as sparsify
 
-    monkeypatch.setattr(sparsify, "_RADIX_FROM", 1)
     monkeypatch.setattr(sparsify, "_RADIX_BLOCK", 1000)  # several blocks per tensor
     generator = torch.Generator().manual_seed(0)
     values = torch.randn(5000, generator=generator, dtype=torch.float64).abs_()
@@ -153,8 +152,14 @@ def test_radix_selection_finds_the_same_cut_as_kthvalue(monkeypatch):
     values[300:600] = 0.0  # and zeros (unchanged entries of a task vector)
     values[600] = 1e300
     values[601] = 1e-300
-    for k in (1, 2, 150, 299, 2500, 4400, 4700, 4999, 5000):
-        assert sparsify.kth_largest(values, k) == values.kthvalue(5000 - k + 1).values, k
+    # all 64 bits by radix passes (threshold 1), or gathering the entries that share a prefix (200)
+    for threshold in (1, 200):
+        monkeypatch.setattr(sparsify, "_RADIX_FROM", threshold)
+        for k in (1, 2, 150, 299, 2500, 4400, 4700, 4999, 5000):
+            assert sparsify.kth_largest(values, k) == values.kthvalue(5000 - k + 1).values, (threshold, k)
+    with pytest.raises(ValueError, match="outside"):
+        sparsify.kth_largest(values, 5001)
+    monkeypatch.setattr(sparsify, "_RADIX_FROM", 1)
     # the masks then keep exactly int(density * numel) entries, ties to the lower index, as before
     tasks = [torch.randn(4000, generator=generator, dtype=torch.float64).round(decimals=1) for _ in range(3)]
     radix = list(magnitude_masks([t.clone() for t in tasks], 0.3))

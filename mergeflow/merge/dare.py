@@ -18,7 +18,7 @@ def _drops(tasks: TaskVectors, shape: tuple[int, ...], name: str, options: DareO
 
 def _dropped(x: TensorInputs, options: DareOptions) -> torch.Tensor:
     """The task vectors with the drawn entries dropped and the survivors rescaled by 1/(1 − p)."""
-    assert x.base is not None and x.masks is not None  # guaranteed by needs=("base",) and masks=
+    assert x.base is not None and x.masks is not None  # needs base (schema), masks=
     tasks = x.stacked() - x.base
     if options.drop_rate == 0:
         return tasks

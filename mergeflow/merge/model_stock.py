@@ -27,6 +27,6 @@ def stock_ratio(gram: torch.Tensor) -> float:
 @merge_method("model_stock", gram="tasks")
 def model_stock(x: TensorInputs, options: object) -> torch.Tensor:
     """Model Stock: t · average + (1 − t) · base per tensor, t from the task vectors' mean pairwise angle."""
-    assert x.base is not None and x.gram is not None  # guaranteed by needs=("base",) and gram=
+    assert x.base is not None and x.gram is not None  # needs base (schema), gram=
     ratio = stock_ratio(x.gram)
     return mean(x.tensors).mul_(ratio).add_(x.base, alpha=1 - ratio)

@@ -20,7 +20,7 @@ def shrink(gram: torch.Tensor, alpha: float) -> torch.Tensor:
 def regmean(x: ModelInputs, options: RegMeanOptions) -> MergeResult:
     """RegMean: W* = Σ_k W_k G_k (Σ_k G_k)⁻¹ per linear layer (G_k = X_kᵀX_k; ``nn.Linear`` and GPT-2's
     ``Conv1D``), other parameters averaged."""
-    assert x.grams is not None  # guaranteed by needs=("grams",)
+    assert x.grams is not None  # needed, per mergeflow.schema.merge
     state = {name: torch.stack([s[name].to(torch.float64) for s in x.states]).mean(dim=0) for name in x.names}
     for key in x.grams[0]:
         grams = [shrink(g[key], options.alpha) for g in x.grams]

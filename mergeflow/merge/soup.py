@@ -18,7 +18,7 @@ def _soup(x: ModelInputs, members: list[int]) -> dict[str, torch.Tensor]:
 @merge_method("greedy_soup", scope="model")
 def greedy_soup(x: ModelInputs, options: object) -> MergeResult:
     """Greedy soup: clients by held-out score, each added only if the soup's score does not drop."""
-    assert x.scorer is not None  # guaranteed by needs=("scorer",)
+    assert x.scorer is not None  # needed, per mergeflow.schema.merge
     scores = [x.scorer(state) for state in x.states]
     order = sorted(range(len(scores)), key=lambda k: (-scores[k], k))
     members, best, trail = [order[0]], scores[order[0]], [scores[order[0]]]

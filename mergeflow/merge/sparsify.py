@@ -42,32 +42,42 @@ def magnitude_masks(tasks: Iterable[torch.Tensor], density: float) -> Iterator[t
 
 
 def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k``-th largest of a 1-D tensor of non-negative values (``k`` ≥ 1), exactly.
+    """The ``k``-th largest of a 1-D tensor of non-negative values (1 ≤ ``k`` ≤ numel), exactly.
 
-    ``kthvalue`` sorts a copy with its indices: twice the tensor again (600 MB for GPT-2's float64
+    ``kthvalue`` sorts a copy with its indices: twice the tensor again (590 MiB for GPT-2's float64
     embedding, 2 GB for a 7B model's). A large float64 tensor is instead searched by its bit
-    patterns, which order non-negative doubles as their values: three passes of 21–22 bits, each
-    counting, block by block, the entries that share the digits found so far.
+    patterns, which order non-negative doubles as their values: 16 bits at a time, counting block by
+    block the entries that share the bits found so far, until few enough share them to gather those
+    and finish with ``kthvalue``.
     """
     count = values.numel()
+    if not 1 <= k <= count:
+        raise ValueError(f"k = {k} is outside 1..{count}")
     if count < _RADIX_FROM or values.dtype != torch.float64:
         return values.kthvalue(count - k + 1).values
     bits = values.view(torch.int64)
-    prefix, rank, known = 0, k, 0  # the high bits found so far, the rank left among the entries sharing them
-    for width in (21, 21, 22):
-        shift = 64 - known - width
-        counts = torch.zeros(1 << width, dtype=torch.int64)
+    prefix, known, rank = 0, 0, k  # the high bits found so far, and k's rank among the entries sharing them
+
+    def sharing_prefix(block: torch.Tensor) -> torch.Tensor:
+        return block[(block >> (64 - known)) == prefix] if known else block
+
+    while True:
+        counts = torch.zeros(1 << 16, dtype=torch.int64)
         for start in range(0, count, _RADIX_BLOCK):
-            block = bits[start : start + _RADIX_BLOCK]
-            if known:
-                block = block[(block >> (64 - known)) == prefix]
-            counts += torch.bincount((block >> shift) & ((1 << width) - 1), minlength=1 << width)
+            block = sharing_prefix(bits[start : start + _RADIX_BLOCK])
+            counts += torch.bincount((block >> (48 - known)) & 0xFFFF, minlength=1 << 16)
         from_top = counts.flip(0).cumsum(0)  # entries at or above each digit, the largest digit first
         position = int(torch.searchsorted(from_top, rank))
         rank -= int(from_top[position - 1]) if position else 0
-        prefix = (prefix << width) | ((1 << width) - 1 - position)
-        known += width
-    return torch.tensor([prefix], dtype=torch.int64).view(torch.float64)[0]
+        digit = (1 << 16) - 1 - position
+        prefix, known = (prefix << 16) | digit, known + 16
+        sharing = int(counts[digit])
+        if known == 64 or sharing < _RADIX_FROM:
+            break
+    if known == 64:
+        return torch.tensor([prefix], dtype=torch.int64).view(torch.float64)[0]
+    survivors = torch.cat([sharing_prefix(bits[s : s + _RADIX_BLOCK]) for s in range(0, count, _RADIX_BLOCK)])
+    return survivors.view(torch.float64).kthvalue(sharing - rank + 1).values
 
 
 def dropout_masks(count: int, shape: tuple[int, ...], drop_rate: float, generator: torch.Generator):

@@ -12,6 +12,6 @@ from mergeflow.schema.merge import TaskArithmeticOptions
 @merge_method("task_arithmetic", elementwise=True)
 def task_arithmetic(x: TensorInputs, options: TaskArithmeticOptions) -> torch.Tensor:
     """base + λ·Σ_k (θ_k − base)."""
-    assert x.base is not None  # guaranteed by needs=("base",)
+    assert x.base is not None  # needed, per mergeflow.schema.merge
     tasks = running_sum(x.tensors).sub_(x.base, alpha=len(x.tensors))
     return tasks.mul_(options.scaling).add_(x.base)

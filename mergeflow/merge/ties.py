@@ -18,6 +18,6 @@ def _trimmed(tasks: TaskVectors, shape: tuple[int, ...], name: str, options: Tie
 @merge_method("ties", masks=_trimmed)
 def ties(x: TensorInputs, options: TiesOptions) -> torch.Tensor:
     """TIES: base + λ · disjoint mean of the trimmed, sign-elected task vectors."""
-    assert x.base is not None and x.masks is not None  # guaranteed by needs=("base",) and masks=
+    assert x.base is not None and x.masks is not None  # needs base (schema), masks=
     tasks = (x.stacked() - x.base).mul_(x.masks)
     return x.base + options.scaling * disjoint_mean(tasks)
