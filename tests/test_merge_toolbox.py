@@ -152,9 +152,10 @@ def test_radix_selection_finds_the_same_cut_as_kthvalue(monkeypatch):
     values[300:600] = 0.0  # and zeros (unchanged entries of a task vector)
     values[600] = 1e300
     values[601] = 1e-300
-    # all 64 bits by radix passes (threshold 1), or gathering the entries that share a prefix (200)
+    monkeypatch.setattr(sparsify, "_RADIX_FROM", 1)
+    # all 64 bits by radix passes (gathering below 1 entry: never), or gathering below 200 sharing entries
     for threshold in (1, 200):
-        monkeypatch.setattr(sparsify, "_RADIX_FROM", threshold)
+        monkeypatch.setattr(sparsify, "_GATHER_BELOW", threshold)
         for k in (1, 2, 150, 299, 2500, 4400, 4700, 4999, 5000):
             assert sparsify.kth_largest(values, k) == values.kthvalue(5000 - k + 1).values, (threshold, k)
     with pytest.raises(ValueError, match="outside"):

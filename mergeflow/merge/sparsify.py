@@ -17,6 +17,7 @@ from mergeflow.merge.sums import running_sum
 # From this many entries on, the cut is found by radix selection in blocks, not ``kthvalue``.
 _RADIX_FROM = 1 << 22
 _RADIX_BLOCK = 1 << 20
+_GATHER_BELOW = 1 << 18  # entries sharing the bits found so far, gathered for ``kthvalue`` (2 MiB)
 
 
 def magnitude_masks(tasks: Iterable[torch.Tensor], density: float) -> Iterator[torch.Tensor]:
@@ -47,8 +48,8 @@ def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
     ``kthvalue`` sorts a copy with its indices: twice the tensor again (590 MiB for GPT-2's float64
     embedding, 2 GB for a 7B model's). A large float64 tensor is instead searched by its bit
     patterns, which order non-negative doubles as their values: 16 bits at a time, counting block by
-    block the entries that share the bits found so far, until few enough share them to gather those
-    and finish with ``kthvalue``.
+    block the entries that share the bits found so far, until few enough share them (256k) to gather
+    those and finish with ``kthvalue``.
     """
     count = values.numel()
     if not 1 <= k <= count:
@@ -72,7 +73,7 @@ def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
         digit = (1 << 16) - 1 - position
         prefix, known = (prefix << 16) | digit, known + 16
         sharing = int(counts[digit])
-        if known == 64 or sharing < _RADIX_FROM:
+        if known == 64 or sharing < _GATHER_BELOW:
             break
     if known == 64:
         return torch.tensor([prefix], dtype=torch.int64).view(torch.float64)[0]
