@@ -63,14 +63,12 @@ def execute_waves(label: str, waves: list[list[Step]], root: str, torch_threads:
     missing, recorded and materialised in turn, here in the worker: steps stay cached, and resumed,
     one by one, as in ``execute_steps``. Returns each step's record with ``cached`` added.
     """
-    store = ArtifactStore(Path(root))
-    results = _result_store(Path(root))
-    refresh = get_current_settings().tasks.refresh_cache
+    store, results = ArtifactStore(Path(root)), _lookup_store(Path(root))
     outcomes = []
     for step in (step for wave in waves for step in wave):
         key = step_key(step, Path(root))
-        hit = None if refresh else _persisted_result(results, step, key)
-        if hit is not None and store.has(hit["files"]):
+        hit = _cache_hit(results, store, step, key)
+        if hit is not None:
             outcome = {**hit, "cached": True}
         else:
             outcome = _run_step(step, root, torch_threads)
@@ -86,16 +84,11 @@ def run_waves(waves: list[list[Step]], root: Path, torch_threads: int = 1) -> li
     steps = [step for wave in waves for step in wave]
     label = f"{steps[0].name} … {steps[-1].name} ({len(steps)} steps)"
     records = execute_waves.submit(label, waves, str(root), torch_threads).result()
-    return [
-        StepOutcome(
-            step.name,
-            record["cached"],
-            0.0 if record["cached"] else record["seconds"],
-            record["files"],
-            record["summary"],
-        )
-        for step, record in zip(steps, records, strict=True)
-    ]
+    return [_outcome(step, record, record["cached"]) for step, record in zip(steps, records, strict=True)]
+
+
+def _outcome(step: Step, record: dict[str, Any], cached: bool) -> StepOutcome:
+    return StepOutcome(step.name, cached, 0.0 if cached else record["seconds"], record["files"], record["summary"])
 
 
 def _run_step(step: Step, root: str, torch_threads: int) -> dict[str, Any]:
@@ -121,6 +114,19 @@ def _result_store(root: Path):
     return ResultStore(result_storage=LocalFileSystem(basepath=str(results_dir(root))), serializer=JSONSerializer())
 
 
+def _lookup_store(root: Path):
+    """The result store to look hits up in; None under PREFECT_TASKS_REFRESH_CACHE, which forces every
+    step to run, as it does for Prefect's own lookup."""
+    return None if get_current_settings().tasks.refresh_cache else _result_store(root)
+
+
+def _cache_hit(results, store: ArtifactStore, step: Step, key: str) -> dict[str, Any] | None:
+    """The step's record when it is a hit whose blobs are all in the store; None for a miss, or for a hit
+    whose blobs are gone (the step then runs and rewrites its record)."""
+    hit = None if results is None else _persisted_result(results, step, key)
+    return hit if hit is not None and store.has(hit["files"]) else None
+
+
 def _persisted_result(results, step: Step, key: str) -> dict[str, Any] | None:
     """The step's persisted result when Prefect's cache holds it, read without a task run.
 
@@ -143,17 +149,15 @@ def run_steps(
     short, while each step is still cached on its own. A cache hit whose blobs were deleted from
     the store is re-executed.
     """
-    store = ArtifactStore(root)
-    # PREFECT_TASKS_REFRESH_CACHE forces every step to run, as it does for Prefect's own lookup.
-    results = None if get_current_settings().tasks.refresh_cache else _result_store(root)
+    store, results = ArtifactStore(root), _lookup_store(root)
     found: dict[int, dict[str, Any]] = {}
     missing: list[tuple[int, Step, str]] = []
     for index, step in enumerate(steps):
         key = step_key(step, root)
-        hit = None if results is None else _persisted_result(results, step, key)
-        if hit is not None and store.has(hit["files"]):
+        hit = _cache_hit(results, store, step, key)
+        if hit is not None:
             found[index] = hit
-        else:  # a miss, or a hit whose blobs are gone: it runs and (over)writes its record
+        else:
             missing.append((index, step, key))
     per_task = steps_per_task(len(missing)) if callable(steps_per_task) else steps_per_task
     pending = _submit(missing, root, torch_threads, per_task)
@@ -162,8 +166,7 @@ def run_steps(
         cached = index in found
         result = found[index] if cached else pending[index]()
         store.materialise(result["files"])
-        seconds = 0.0 if cached else result["seconds"]
-        outcomes.append(StepOutcome(step.name, cached, seconds, result["files"], result["summary"]))
+        outcomes.append(_outcome(step, result, cached))
     return outcomes
 
 

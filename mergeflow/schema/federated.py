@@ -91,6 +91,4 @@ def validate_options(name: str, options: BaseModel | Mapping[str, Any] | None = 
     try:
         return model.model_validate(dict(options or {}))
     except ValidationError as error:
-        first = error.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        raise ConfigError([f"federated.options.{name}.{key}: {first['msg']}"]) from None
+        raise ConfigError.from_validation(f"federated.options.{name}.", error) from None

@@ -173,6 +173,4 @@ def validate_options(method: str, options: Mapping[str, object]) -> BaseModel:
     try:
         return DECLARED[method].options.model_validate(dict(options))
     except ValidationError as error:
-        first = error.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        raise ConfigError([f"merge.options.{method}.{key}: {first['msg']}"]) from None
+        raise ConfigError.from_validation(f"merge.options.{method}.", error) from None
