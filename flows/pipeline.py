@@ -3,13 +3,14 @@ and the scheduled flow that ``mergeflow serve`` deploys."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from prefect import flow
+from prefect import Flow, flow
 from prefect.context import SettingsContext, get_settings_context
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
@@ -67,11 +68,18 @@ def run_pipeline(params: Params, root: Path, stages: list[str] | None = None) ->
     The flow-run heartbeat is switched off: its thread is joined at exit, which adds up to a
     second to every flow.
     """
-    runner = task_runner(params.orchestration)
     name = "pipeline" if stages is None else "stage-" + "-".join(stages)
-    configured = pipeline.with_options(task_runner=runner, flow_run_name=name)
+    configured = _configured_pipeline(params.orchestration.model_dump_json(), name)
     with heartbeat_off():
         return configured(params.model_dump(mode="json"), str(root.resolve()), stages)
+
+
+@functools.lru_cache(maxsize=16)
+def _configured_pipeline(orchestration: str, name: str) -> Flow:
+    """The pipeline flow with its task runner and run name; made once per settings (``with_options`` takes
+    about 10 ms; each flow run starts from a duplicate of the task runner, so one can serve every run)."""
+    runner = task_runner(OrchestrationConfig.model_validate_json(orchestration))
+    return pipeline.with_options(task_runner=runner, flow_run_name=name)
 
 
 @flow(name="mergeflow-scheduled")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,12 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect.futures import PrefectFuture
+from prefect.results import ResultRecord, ResultRecordMetadata
+from prefect.serializers import JSONSerializer
 from prefect.settings import get_current_settings
 
-from mergeflow.checkpoints import private_directory
-from tasks.steps import Step, StepOutcome, record_name, resolve, results_dir, step_key
+from mergeflow.checkpoints import atomic_path, private_directory
+from tasks.steps import Step, StepOutcome, read_record, record_name, resolve, results_dir, step_key
 from tasks.store import ArtifactStore
 
 
@@ -35,7 +38,8 @@ def execute_step(step: Step, key: str, root: str, torch_threads: int = 1) -> dic
     ``key`` is computed by the caller (``step_key``) so that it is hashed once and reported.
     ``torch_threads`` is not part of the cache key: it changes no result.
     """
-    return _run_step(step, root, torch_threads)
+    with _scratch(root) as scratch:
+        return _run_step(step, root, torch_threads, scratch)
 
 
 @task(persist_result=False, cache_policy=NO_CACHE, task_run_name="{label}")
@@ -46,12 +50,12 @@ def execute_steps(label: str, steps: list[Step], keys: list[str], root: str, tor
     record ``execute_step`` would write, so steps stay cached one by one and a kill mid-batch
     loses only the step that was running.
     """
-    results = _result_store(Path(root))
     outcomes = []
-    for step, key in zip(steps, keys, strict=True):
-        outcome = _run_step(step, root, torch_threads)
-        results.write(obj=outcome, key=record_name(step, key))
-        outcomes.append(outcome)
+    with _scratch(root) as scratch:
+        for step, key in zip(steps, keys, strict=True):
+            outcome = _run_step(step, root, torch_threads, scratch)
+            _write_record(Path(root), step, key, outcome)
+            outcomes.append(outcome)
     return outcomes
 
 
@@ -63,19 +67,21 @@ def execute_waves(label: str, waves: list[list[Step]], root: str, torch_threads:
     missing, recorded and materialised in turn, here in the worker: steps stay cached, and resumed,
     one by one, as in ``execute_steps``. Returns each step's record with ``cached`` added.
     """
-    store, results = ArtifactStore(Path(root)), _lookup_store(Path(root))
+    store, lookup, code_hashes = ArtifactStore(Path(root)), _looks_up(), {}
     outcomes = []
-    for step in (step for wave in waves for step in wave):
-        key = step_key(step, Path(root))
-        hit = _cache_hit(results, store, step, key)
-        if hit is not None:
-            outcome = {**hit, "cached": True}
-        else:
-            outcome = _run_step(step, root, torch_threads)
-            results.write(obj=outcome, key=record_name(step, key))
-            outcome = {**outcome, "cached": False}
-        store.materialise(outcome["files"])
-        outcomes.append(outcome)
+    for wave in waves:
+        with _scratch(root) as scratch:
+            for step in wave:
+                key = step_key(step, Path(root), code_hashes)
+                hit = _cache_hit(store, step, key) if lookup else None
+                if hit is not None:
+                    outcome = {**hit, "cached": True}
+                else:
+                    outcome = _run_step(step, root, torch_threads, scratch)
+                    _write_record(Path(root), step, key, outcome)
+                    outcome = {**outcome, "cached": False}
+                store.materialise(outcome["files"])
+                outcomes.append(outcome)
     return outcomes
 
 
@@ -91,52 +97,53 @@ def _outcome(step: Step, record: dict[str, Any], cached: bool) -> StepOutcome:
     return StepOutcome(step.name, cached, 0.0 if cached else record["seconds"], record["files"], record["summary"])
 
 
-def _run_step(step: Step, root: str, torch_threads: int) -> dict[str, Any]:
-    """Run a step into a scratch directory and move its outputs into the artifact store."""
+def _run_step(step: Step, root: str, torch_threads: int, scratch: Path) -> dict[str, Any]:
+    """Run a step into ``scratch`` (empty, and left empty) and move its outputs into the artifact store."""
     import torch
 
     torch.set_num_threads(torch_threads)
     store = ArtifactStore(Path(root))
     started = time.perf_counter()
-    # Nothing reads the scratch directory before the step returns: its files need no temp-and-rename.
-    with store.scratch_dir() as scratch, private_directory(scratch):
-        summary = resolve(step.fn)({**step.params, **step.settings}, Path(root), Path(scratch))
-        files = store.ingest(Path(scratch))
+    summary = resolve(step.fn)({**step.params, **step.settings}, Path(root), scratch)
+    files = store.ingest(scratch)
     return {"files": files, "summary": summary, "seconds": time.perf_counter() - started}
 
 
-def _result_store(root: Path):
-    """Prefect's store of the steps' persisted results (where ``execute_step`` writes them)."""
-    from prefect.filesystems import LocalFileSystem
-    from prefect.results import ResultStore
-    from prefect.serializers import JSONSerializer
-
-    return ResultStore(result_storage=LocalFileSystem(basepath=str(results_dir(root))), serializer=JSONSerializer())
-
-
-def _lookup_store(root: Path):
-    """The result store to look hits up in; None under PREFECT_TASKS_REFRESH_CACHE, which forces every
-    step to run, as it does for Prefect's own lookup."""
-    return None if get_current_settings().tasks.refresh_cache else _result_store(root)
+@contextmanager
+def _scratch(root: str) -> Iterator[Path]:
+    """One scratch directory for a wave's steps in a task run, one after another: each step's outputs
+    leave it at ingest, its empty folders stay for the next step (a wave's steps write into the same
+    ones: creating and removing folders is most of a small step's file cost). Nothing reads it before
+    a step returns, so its files need no temp-and-rename (``private_directory``)."""
+    with ArtifactStore(Path(root)).scratch_dir() as scratch, private_directory(scratch):
+        yield Path(scratch)
 
 
-def _cache_hit(results, store: ArtifactStore, step: Step, key: str) -> dict[str, Any] | None:
+def _write_record(root: Path, step: Step, key: str, outcome: dict[str, Any]) -> None:
+    """Persist a step's outcome as the record ``execute_step``'s Prefect result is (``read_record`` reads both)."""
+    path = results_dir(root) / record_name(step, key)
+    metadata = ResultRecordMetadata(
+        serializer=JSONSerializer(), expiration=None, storage_key=str(path), storage_block_id=None
+    )
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(ResultRecord(result=outcome, metadata=metadata).serialize())
+
+
+def _looks_up() -> bool:
+    """Whether cache hits count; not under PREFECT_TASKS_REFRESH_CACHE, which forces every step to run,
+    as it does for Prefect's own lookup."""
+    return not get_current_settings().tasks.refresh_cache
+
+
+def _cache_hit(store: ArtifactStore, step: Step, key: str) -> dict[str, Any] | None:
     """The step's record when it is a hit whose blobs are all in the store; None for a miss, or for a hit
-    whose blobs are gone (the step then runs and rewrites its record)."""
-    hit = None if results is None else _persisted_result(results, step, key)
-    return hit if hit is not None and store.has(hit["files"]) else None
+    whose blobs are gone (the step then runs and rewrites its record).
 
-
-def _persisted_result(results, step: Step, key: str) -> dict[str, Any] | None:
-    """The step's persisted result when Prefect's cache holds it, read without a task run.
-
-    A hit then costs a file read instead of a Prefect task run (its API calls, states and
-    events), which dominated re-runs of stages with many small steps (federated rounds).
+    A hit then costs a file read instead of a Prefect task run (its API calls, states and events),
+    which dominated re-runs of stages with many small steps (federated rounds).
     """
-    try:
-        return results.read(record_name(step, key)).result
-    except Exception:  # missing, or half-written by a killed run: the task runs (and rewrites it)
-        return None
+    hit = read_record(store.root, step, key)
+    return hit if hit is not None and store.has(hit["files"]) else None
 
 
 def run_steps(
@@ -149,12 +156,12 @@ def run_steps(
     short, while each step is still cached on its own. A cache hit whose blobs were deleted from
     the store is re-executed.
     """
-    store, results = ArtifactStore(root), _lookup_store(root)
+    store, lookup, code_hashes = ArtifactStore(root), _looks_up(), {}
     found: dict[int, dict[str, Any]] = {}
     missing: list[tuple[int, Step, str]] = []
     for index, step in enumerate(steps):
-        key = step_key(step, root)
-        hit = _cache_hit(results, store, step, key)
+        key = step_key(step, root, code_hashes)
+        hit = _cache_hit(store, step, key) if lookup else None
         if hit is not None:
             found[index] = hit
         else:

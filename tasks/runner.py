@@ -10,7 +10,7 @@ from pathlib import Path
 
 from mergeflow.config import Params
 from mergeflow.stages import Stage
-from tasks.steps import Step, StepOutcome, cached_outcomes, resolve
+from tasks.steps import CodeHashes, Step, StepOutcome, cached_outcomes, resolve
 
 
 def _waves(planned: list) -> list[list[Step]]:
@@ -51,9 +51,11 @@ def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
             outcomes += run_steps(wave, root, threads, batch_size)
     for stale in _prune(stage, outcomes, root):
         log.info("removed stale output %s", stale)
-    for outcome in outcomes:
-        status = "cached  " if outcome.cached else f"ran {outcome.seconds:5.1f}s"
-        log.info("%-12s %-32s %s", stage.name, outcome.name, status)
+    # One record for the stage: a log record costs Prefect about half a millisecond, a step a few.
+    lines = [
+        f"{outcome.name:<32} {'cached' if outcome.cached else f'ran {outcome.seconds:5.1f}s'}" for outcome in outcomes
+    ]
+    log.info("%s: %d steps\n%s", stage.name, len(outcomes), "\n".join(lines))
     return outcomes
 
 
@@ -64,11 +66,12 @@ def cached_run(stages: Sequence[Stage], params: Params, root: Path) -> list[Step
     if _refresh_cache():
         return None
     outcomes: list[StepOutcome] = []
+    code_hashes: CodeHashes = {}
     for stage in stages:
         stage_outcomes: list[StepOutcome] = []
         for phase in stage.phases:
             for wave in _waves(resolve(phase)(params)):
-                found = cached_outcomes(wave, root)
+                found = cached_outcomes(wave, root, code_hashes)
                 if found is None:
                     return None
                 stage_outcomes += found

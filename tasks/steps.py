@@ -2,6 +2,8 @@
 
 A step is a plain function ``fn(params, root, out) -> summary`` that reads its inputs from
 the project root and writes its outputs under ``out`` with their final relative paths.
+``out`` holds no file when the step starts, but may hold folders an earlier step of its wave
+made (create folders with ``exist_ok=True``).
 The cache key hashes the step's name, its code files, its params (canonical JSON) and the
 sha256 of every input file, so it is stable across processes and machines; torch objects
 never enter it. The task's persisted result is the output manifest, so a hit in a new
@@ -60,14 +62,27 @@ def project_root_of_code() -> Path:
     return Path(__file__).resolve().parent.parent
 
 
-def step_key(step: Step, root: Path) -> str:
-    """The content-addressed cache key of a step."""
+CodeHashes = dict[tuple[str, ...], dict[str, str]]
+
+
+def step_key(step: Step, root: Path, code_hashes: CodeHashes | None = None) -> str:
+    """The content-addressed cache key of a step.
+
+    ``code_hashes`` memoises the code files' hashes for the steps keyed together (a wave, a chain
+    of waves, a fully cached run): they are keyed against the code as it was at the first of them,
+    the code the running process imported, without walking the code directories for each step.
+    """
+    code = None if code_hashes is None else code_hashes.get(step.code)
+    if code is None:
+        code = hash_paths(project_root_of_code(), step.code)
+        if code_hashes is not None:
+            code_hashes[step.code] = code
     payload = {
         "version": CACHE_VERSION,
         "step": step.name,
         "fn": step.fn,
         "params": step.params,
-        "code": hash_paths(project_root_of_code(), step.code),
+        "code": code,
         "inputs": hash_paths(root, step.inputs),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
@@ -102,13 +117,13 @@ def read_record(root: Path, step: Step, key: str) -> dict[str, Any] | None:
         return None
 
 
-def cached_outcomes(steps: list[Step], root: Path) -> list[StepOutcome] | None:
+def cached_outcomes(steps: list[Step], root: Path, code_hashes: CodeHashes | None = None) -> list[StepOutcome] | None:
     """The steps' outcomes when every one is a cache hit with its blobs in the store, materialised,
-    without Prefect; None (nothing materialised) at the first miss."""
+    without Prefect; None (nothing materialised) at the first miss. ``code_hashes``: as for ``step_key``."""
     store = ArtifactStore(root)
     hits = []
     for step in steps:
-        hit = read_record(root, step, step_key(step, root))
+        hit = read_record(root, step, step_key(step, root, code_hashes))
         if hit is None or not store.has(hit["files"]):
             return None
         hits.append(hit)

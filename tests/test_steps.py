@@ -19,7 +19,7 @@ CALLS: list[str] = []
 def record_step(params: dict, root: Path, out: Path) -> dict:
     """A step that notes each execution and writes one file."""
     CALLS.append(params["name"])
-    (out / "outputs").mkdir(parents=True)
+    (out / "outputs").mkdir(parents=True, exist_ok=True)  # an earlier step of the wave may have made it
     (out / "outputs" / f"{params['name']}.txt").write_text(params["name"])
     return {"name": params["name"]}
 
@@ -207,16 +207,58 @@ def test_waves_run_together_key_each_wave_on_the_one_before_and_resume_step_by_s
 
 
 def test_atomic_writes_skip_the_temp_file_only_inside_a_private_directory(tmp_path, monkeypatch):
-    import tempfile
-
     from mergeflow.checkpoints import private_directory, write_json
 
-    made = []
-    real = tempfile.mkstemp
-    monkeypatch.setattr(tempfile, "mkstemp", lambda *a, **k: made.append(k.get("dir")) or real(*a, **k))
+    renamed = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: renamed.append((Path(src), Path(dst))) or real(src, dst))
     with private_directory(tmp_path / "scratch"):
         write_json(tmp_path / "scratch" / "deep" / "a.json", {"a": 1})  # a step's scratch output: in place
         write_json(tmp_path / "outside.json", {"b": 2})  # anything else: temp file and rename
     write_json(tmp_path / "scratch" / "after.json", {"c": 3})
-    assert made == [tmp_path, tmp_path / "scratch"]
+    assert [dst for _, dst in renamed] == [tmp_path / "outside.json", tmp_path / "scratch" / "after.json"]
+    assert all(src.parent == dst.parent and src.name.endswith(".tmp") for src, dst in renamed)
     assert (tmp_path / "scratch" / "deep" / "a.json").read_text().strip().endswith("}")
+    assert sorted(p.name for p in tmp_path.rglob("*.tmp")) == []
+
+
+def test_outputs_are_read_only_links_to_the_store_that_writers_replace_not_change(tmp_path, monkeypatch):
+    import errno
+    import stat
+
+    from mergeflow.checkpoints import write_json
+    from tasks.store import ArtifactStore
+
+    store = ArtifactStore(tmp_path)
+    (tmp_path / "work" / "out").mkdir(parents=True)
+    (tmp_path / "work" / "out" / "a.json").write_text("{}\n")
+    manifest = store.ingest(tmp_path / "work")
+    store.materialise(manifest)
+    target, blob = tmp_path / "out" / "a.json", store.blob(manifest["out/a.json"])
+    assert os.path.samefile(target, blob) and stat.S_IMODE(blob.stat().st_mode) == 0o444
+    write_json(target, {"edited": 1})  # every writer here replaces a file by a rename
+    assert blob.read_text() == "{}\n" and not os.path.samefile(target, blob)
+    store.materialise(manifest)
+    assert os.path.samefile(target, blob)
+
+    def no_link(*args, **kwargs):
+        raise OSError(errno.EXDEV, "cross-device link")
+
+    target.unlink()
+    monkeypatch.setattr(os, "link", no_link)  # e.g. the store on another file system: a copy
+    store.materialise(manifest)
+    assert target.read_text() == "{}\n" and not os.path.samefile(target, blob)
+
+
+def test_steps_keyed_together_hash_their_code_once_and_get_the_same_keys(tmp_path, monkeypatch):
+    import tasks.steps
+    from tasks.steps import project_root_of_code, step_key
+
+    roots = []
+    real = tasks.steps.hash_paths
+    monkeypatch.setattr(tasks.steps, "hash_paths", lambda root, paths: roots.append(Path(root)) or real(root, paths))
+    steps = [Step(f"s{i}", f"{__name__}:record_step", {"name": f"s{i}"}, code=("tasks/steps.py",)) for i in range(3)]
+    code_hashes: dict = {}
+    keys = [step_key(step, tmp_path, code_hashes) for step in steps]
+    assert roots.count(project_root_of_code()) == 1 and len(set(keys)) == 3
+    assert keys == [step_key(step, tmp_path) for step in steps]
