@@ -577,9 +577,10 @@ class OrchestrationConfig(_Section):
     ``auto`` runs a wave's uncached steps in one task run when the stage's steps so far took
     under half a second each (a federated round of small models: threads would only contend for
     the GIL), and otherwise splits them into one task run per worker (``max_workers`` threads, or
-    ``dask_workers``), so the workers stay busy and a wave costs a few task runs. Once a stage's
-    steps are that short, ``auto`` also runs its remaining waves (the rest of the rounds) in one
-    task run (:meth:`runs_waves_together`), keying each wave after the one before it is in place.
+    ``dask_workers``), so the workers stay busy and a wave costs a few task runs. A stage of waves
+    (federated rounds) starts as one chain of its waves in one task run, keying each wave after the
+    one before it is in place, and goes on wave by wave once its steps turn out long
+    (:meth:`runs_waves_together`).
     """
 
     task_runner: Literal["threads", "dask"] = "threads"
@@ -600,9 +601,10 @@ class OrchestrationConfig(_Section):
         return max(1, -(-uncached // workers))
 
     def runs_waves_together(self, typical_seconds: float | None) -> bool:
-        """Whether a stage's remaining waves run in one task run: ``auto``, after steps of the stage that
-        took under ``SHORT_STEP_SECONDS`` each."""
-        return self.steps_per_task == "auto" and typical_seconds is not None and typical_seconds < SHORT_STEP_SECONDS
+        """Whether a stage's remaining waves run as one chain in one task run: ``auto``, unless the stage's
+        steps so far took ``SHORT_STEP_SECONDS`` or more each (typically). The chain stops itself once its
+        steps turn out that long, so a stage of long steps runs at most one of them alone."""
+        return self.steps_per_task == "auto" and (typical_seconds is None or typical_seconds < SHORT_STEP_SECONDS)
 
     @field_validator("steps_per_task")
     @classmethod

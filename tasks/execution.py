@@ -23,7 +23,7 @@ from prefect.serializers import JSONSerializer
 from prefect.settings import get_current_settings
 
 from mergeflow.checkpoints import atomic_path, private_directory
-from tasks.steps import Step, StepOutcome, read_record, record_name, resolve, results_dir, step_key
+from tasks.steps import Step, StepOutcome, read_record, record_name, resolve, results_dir, step_key, typical_seconds
 from tasks.store import ArtifactStore
 
 
@@ -60,15 +60,24 @@ def execute_steps(label: str, steps: list[Step], keys: list[str], root: str, tor
 
 
 @task(persist_result=False, cache_policy=NO_CACHE, task_run_name="{label}")
-def execute_waves(label: str, waves: list[list[Step]], root: str, torch_threads: int = 1) -> list[dict[str, Any]]:
+def execute_waves(
+    label: str,
+    waves: list[list[Step]],
+    root: str,
+    torch_threads: int = 1,
+    ran_before: list[float] | None = None,
+    short_below: float | None = None,
+) -> list[dict[str, Any]]:
     """Run waves of steps one after another in one task run (short steps: ``OrchestrationConfig.runs_waves_together``).
 
     A wave's keys hash what the waves before it wrote, so each step is keyed, looked up, run when
     missing, recorded and materialised in turn, here in the worker: steps stay cached, and resumed,
-    one by one, as in ``execute_steps``. Returns each step's record with ``cached`` added.
+    one by one, as in ``execute_steps``. With ``short_below``, the chain stops after the step that
+    makes the typical time of the steps run (``ran_before`` and these) reach it: the caller runs
+    the rest wave by wave, in parallel. Returns the records of the steps done, with ``cached`` added.
     """
     store, lookup, code_hashes = ArtifactStore(Path(root)), _looks_up(), {}
-    outcomes = []
+    outcomes, ran = [], list(ran_before or [])
     for wave in waves:
         with _scratch(root) as scratch:
             for step in wave:
@@ -80,17 +89,27 @@ def execute_waves(label: str, waves: list[list[Step]], root: str, torch_threads:
                     outcome = _run_step(step, root, torch_threads, scratch)
                     _write_record(Path(root), step, key, outcome)
                     outcome = {**outcome, "cached": False}
+                    ran.append(outcome["seconds"])
                 store.materialise(outcome["files"])
                 outcomes.append(outcome)
+                if short_below is not None and not outcome["cached"] and typical_seconds(ran) >= short_below:
+                    return outcomes
     return outcomes
 
 
-def run_waves(waves: list[list[Step]], root: Path, torch_threads: int = 1) -> list[StepOutcome]:
-    """Run ``waves`` in one task run (``execute_waves``) and wait; their outputs are in place on return."""
+def run_waves(
+    waves: list[list[Step]],
+    root: Path,
+    torch_threads: int = 1,
+    ran_before: list[float] | None = None,
+    short_below: float | None = None,
+) -> list[StepOutcome]:
+    """Run ``waves`` in one task run (``execute_waves``) and wait; the outcomes of the steps done (all of
+    them, unless ``short_below`` stopped the chain), their outputs in place."""
     steps = [step for wave in waves for step in wave]
     label = f"{steps[0].name} … {steps[-1].name} ({len(steps)} steps)"
-    records = execute_waves.submit(label, waves, str(root), torch_threads).result()
-    return [_outcome(step, record, record["cached"]) for step, record in zip(steps, records, strict=True)]
+    records = execute_waves.submit(label, waves, str(root), torch_threads, ran_before, short_below).result()
+    return [_outcome(step, record, record["cached"]) for step, record in zip(steps, records, strict=False)]
 
 
 def _outcome(step: Step, record: dict[str, Any], cached: bool) -> StepOutcome:

@@ -83,7 +83,8 @@ def round_metrics_file(name: str, round_index: int) -> str:
 
 
 def client_state_file(name: str, round_index: int, client: int) -> str:
-    """A client's state (e.g. its duals) after its update in ``round_index`` (0 = initial)."""
+    """A client's state (e.g. its duals) after its update in ``round_index`` (0 = initial); not written
+    when empty (FedAvg, FedProx: the file would hold nothing, and cost a file per client update)."""
     return f"{_round_dir(name, round_index)}/client_{client:03d}.state.safetensors"
 
 
@@ -226,6 +227,16 @@ def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
 
 
+def _save_state(path: Path, state: dict[str, torch.Tensor]) -> None:
+    if state:
+        _save(path, state)
+
+
+def _load_state(path: Path) -> dict[str, torch.Tensor]:
+    """A client's state as ``_save_state`` left it: an empty one has no file."""
+    return load_file(path) if path.is_file() else {}
+
+
 def _test_data(root: Path) -> tuple[ClientData, float | None]:
     info = read_info(root)
     X, y = read_arrays(root / PREPARED / "test.parquet", info)
@@ -289,7 +300,7 @@ def init_rounds(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]
     server = algorithm.init_server(initial, params["num_clients"], options)
     _save(out / server_file(params["name"], 0), server)
     for k in range(params["num_clients"]):
-        _save(out / client_state_file(params["name"], 0, k), algorithm.init_client(initial, options))
+        _save_state(out / client_state_file(params["name"], 0, k), algorithm.init_client(initial, options))
     _write_global(root, out, params, server, 0, {})
     return {"algorithm": params["algorithm"]}
 
@@ -304,7 +315,7 @@ def client_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
         algorithm,
         federated_model(root, params),
         load_file(root / server_file(name, r - 1)),
-        load_file(root / client_state_file(name, params["state_round"], k)),
+        _load_state(root / client_state_file(name, params["state_round"], k)),
         ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"]),
         LocalTraining(**params["local"]),
         algorithm.parse_options(params["options"]),
@@ -313,7 +324,7 @@ def client_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     # A diverged client (message None) sends an empty message and keeps its state: the server
     # step applies federated.on_divergence, so changing the policy re-runs no client update.
     _save(out / message_file(name, r, k), message or {})
-    _save(out / client_state_file(name, r, k), state)
+    _save_state(out / client_state_file(name, r, k), state)
     write_json(out / client_metrics_file(name, r, k), metrics)
     return {"num_examples": len(y), **metrics}
 

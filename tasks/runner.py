@@ -10,7 +10,7 @@ from pathlib import Path
 
 from mergeflow.config import Params
 from mergeflow.stages import Stage
-from tasks.steps import CodeHashes, Step, StepOutcome, cached_outcomes, resolve
+from tasks.steps import CodeHashes, Step, StepOutcome, cached_outcomes, resolve, typical_seconds
 
 
 def _waves(planned: list) -> list[list[Step]]:
@@ -28,9 +28,15 @@ def _prune(stage: Stage, outcomes: list[StepOutcome], root: Path) -> list[str]:
 
 
 def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
-    """Execute a stage's phases in order and remove stale files from its outputs."""
+    """Execute a stage's phases in order and remove stale files from its outputs.
+
+    Waves of short steps (``orchestration.steps_per_task: auto``) run as one chain in one task run,
+    which stops once its steps turn out long; the rest then runs wave by wave, a wave's uncached
+    steps split over the workers (``OrchestrationConfig.batch_size``).
+    """
     from prefect.logging import get_run_logger
 
+    from mergeflow.config import SHORT_STEP_SECONDS
     from tasks.execution import run_steps, run_waves
 
     log = get_run_logger()
@@ -38,17 +44,20 @@ def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
     threads = params.orchestration.torch_threads
     for phase in stage.phases:
         waves = _waves(resolve(phase)(params))
-        for index, wave in enumerate(waves):
-            typical = _typical_seconds(outcomes)
-            # Judged after two waves: a federated stage's first is one quick init step, not a client update.
-            if 2 <= index < len(waves) - 1 and params.orchestration.runs_waves_together(typical):
-                outcomes += run_waves(waves[index:], root, threads)
-                break
+        while waves:
+            ran = [outcome.seconds for outcome in outcomes if not outcome.cached]
+            typical = typical_seconds(ran)
+            if len(waves) > 1 and params.orchestration.runs_waves_together(typical):
+                done = run_waves(waves, root, threads, ran, SHORT_STEP_SECONDS)
+                outcomes += done
+                waves = _after(waves, len(done))
+                continue
 
             def batch_size(uncached: int, typical: float | None = typical) -> int:
                 return params.orchestration.batch_size(uncached, typical)
 
-            outcomes += run_steps(wave, root, threads, batch_size)
+            outcomes += run_steps(waves[0], root, threads, batch_size)
+            waves = waves[1:]
     for stale in _prune(stage, outcomes, root):
         log.info("removed stale output %s", stale)
     # One record for the stage: a log record costs Prefect about half a millisecond, a step a few.
@@ -91,7 +100,12 @@ def _refresh_cache() -> bool:
     return os.environ.get("PREFECT_TASKS_REFRESH_CACHE", "").strip().lower() in ("1", "true", "t", "yes", "on")
 
 
-def _typical_seconds(outcomes: list[StepOutcome]) -> float | None:
-    """The median time of the steps that ran so far (None when none did)."""
-    ran = sorted(outcome.seconds for outcome in outcomes if not outcome.cached)
-    return ran[len(ran) // 2] if ran else None
+def _after(waves: list[list[Step]], done: int) -> list[list[Step]]:
+    """The waves without their first ``done`` steps (a wave a chain stopped in keeps the rest of its steps)."""
+    rest = []
+    for wave in waves:
+        skipped = min(done, len(wave))
+        done -= skipped
+        if wave[skipped:]:
+            rest.append(wave[skipped:])
+    return rest

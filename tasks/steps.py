@@ -88,6 +88,12 @@ def step_key(step: Step, root: Path, code_hashes: CodeHashes | None = None) -> s
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def typical_seconds(seconds: list[float]) -> float | None:
+    """The median of steps' run times (the upper one of an even count; None for none)."""
+    ordered = sorted(seconds)
+    return ordered[len(ordered) // 2] if ordered else None
+
+
 def record_name(step: Step, key: str) -> str:
     """The name of a step's persisted result (Prefect's cache key): readable, and unique by ``key``."""
     return f"{step.name.replace('/', '-')}-{key}"

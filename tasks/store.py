@@ -127,12 +127,15 @@ class ArtifactStore:
         return tempfile.TemporaryDirectory(dir=self.scratch)
 
     def ingest(self, workdir: Path) -> dict[str, str]:
-        """Move every file under ``workdir`` into the store, read-only; return {relative path: sha256}."""
+        """Move every file under ``workdir`` into the store, read-only, leaving ``workdir`` without files (its
+        next step's scratch); return {relative path: sha256}."""
         manifest = {}
         for file in _files_under(workdir):
             digest = sha256_file(file)
             target = self.blob(digest)
-            if not target.exists():
+            if target.exists():
+                file.unlink()  # stored already; ``workdir`` is left without files
+            else:
                 file.chmod(_READ_ONLY)
                 try:
                     os.replace(file, target)

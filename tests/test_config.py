@@ -124,9 +124,9 @@ def test_steps_per_task_auto_batches_short_steps_and_spreads_long_ones_over_the_
     assert OrchestrationConfig(max_workers=4).batch_size(10, typical_seconds=0.02) == 10  # short steps: one task run
     assert OrchestrationConfig(max_workers=4).batch_size(10, typical_seconds=3.0) == 3
     assert OrchestrationConfig(max_workers=4, steps_per_task=1).batch_size(10, typical_seconds=0.02) == 1
-    # the remaining waves of a stage run in one task run once its steps are short, under auto only
-    assert OrchestrationConfig().runs_waves_together(0.02)
-    assert not OrchestrationConfig().runs_waves_together(None) and not OrchestrationConfig().runs_waves_together(3.0)
+    # a stage's waves run as one chain in one task run unless its steps are long, under auto only
+    assert OrchestrationConfig().runs_waves_together(0.02) and OrchestrationConfig().runs_waves_together(None)
+    assert not OrchestrationConfig().runs_waves_together(3.0)
     assert not OrchestrationConfig(steps_per_task=10).runs_waves_together(0.02)
     with pytest.raises(ValueError, match="must be 'auto' or at least 1"):
         OrchestrationConfig(steps_per_task=0)

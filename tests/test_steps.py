@@ -170,17 +170,19 @@ def chained_step(params: dict, root: Path, out: Path) -> dict:
     return {"name": params["name"]}
 
 
+def chain(first: str) -> list[list[Step]]:
+    """Four waves of one ``chained_step`` each, every one reading what the one before it wrote."""
+    names = [f"{first}{i}" for i in range(4)]
+    return [
+        [Step(name, f"{__name__}:chained_step", {"name": name, "after": after}, inputs=(f"outputs/{after}.txt",))]
+        for name, after in zip(names, ["", *names[:-1]], strict=True)
+    ]
+
+
 def test_waves_run_together_key_each_wave_on_the_one_before_and_resume_step_by_step(tmp_path, prefect_settings):
     from prefect import flow
 
     from tasks.execution import run_waves
-
-    def chain(first: str) -> list[list[Step]]:
-        names = [f"{first}{i}" for i in range(4)]
-        return [
-            [Step(name, f"{__name__}:chained_step", {"name": name, "after": after}, inputs=(f"outputs/{after}.txt",))]
-            for name, after in zip(names, ["", *names[:-1]], strict=True)
-        ]
 
     @flow
     def run(waves: list[list[Step]], together: bool) -> list:
@@ -262,3 +264,34 @@ def test_steps_keyed_together_hash_their_code_once_and_get_the_same_keys(tmp_pat
     keys = [step_key(step, tmp_path, code_hashes) for step in steps]
     assert roots.count(project_root_of_code()) == 1 and len(set(keys)) == 3
     assert keys == [step_key(step, tmp_path) for step in steps]
+
+
+def test_ingest_leaves_its_folder_without_files_when_the_content_is_stored_already(tmp_path):
+    from tasks.store import ArtifactStore
+
+    store, work = ArtifactStore(tmp_path), tmp_path / "work"
+    work.mkdir()
+    (work / "a.txt").write_text("same")
+    assert list(store.ingest(work)) == ["a.txt"]
+    (work / "b.txt").write_text("same")  # the next step in the same scratch folder: the same bytes
+    assert list(store.ingest(work)) == ["b.txt"]
+    (work / "c.txt").write_text("other")
+    assert list(store.ingest(work)) == ["c.txt"]  # b.txt did not stay behind to join c's outputs
+
+
+def test_a_chain_stops_once_its_steps_turn_out_long_and_leaves_the_rest_of_its_waves(tmp_path, prefect_settings):
+    from prefect import flow
+
+    from tasks.execution import run_waves
+    from tasks.runner import _after
+
+    @flow
+    def run(ran_before: list[float], short_below: float) -> list:
+        return run_waves(chain("c"), tmp_path, ran_before=ran_before, short_below=short_below)
+
+    CALLS.clear()
+    assert [o.name for o in run([], 0.0)] == ["c0"] and CALLS == ["c0"]  # every step counts as long: one, then stop
+    # two long steps before the chain: the first that runs (c1; c0 is a hit) keeps the typical time long
+    assert [(o.name, o.cached) for o in run([9.0, 9.0], 0.5)] == [("c0", True), ("c1", False)]
+    assert [o.cached for o in run([], 0.5)] == [True, True, False, False] and CALLS == ["c0", "c1", "c2", "c3"]
+    assert _after([["a"], ["b", "c"], ["d"]], 2) == [["c"], ["d"]] and _after([["a"], ["b"]], 2) == []
