@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mergeflow.checkpoints import atomic_path, load_checkpoint, load_checkpoint_meta, save_checkpoint, write_json
@@ -49,6 +50,7 @@ from tasks.steps import Step
 from tasks.training import BASE
 
 FEDERATED = "models/federated"
+_METRICS_KEY = "mergeflow.metrics"
 FEDERATED_INDEX = f"{FEDERATED}/index.json"
 FEDERATED_METRICS = "metrics/federated.json"
 FEDERATED_PLOT = "plots/federated.png"
@@ -89,13 +91,23 @@ def client_state_file(name: str, round_index: int, client: int) -> str:
 
 
 def message_file(name: str, round_index: int, client: int) -> str:
-    """What a client sent to the server in ``round_index``."""
+    """What a client sent to the server in ``round_index``: its tensors, and its local training metrics
+    (e.g. its last-epoch loss) in the header (:func:`read_message`), as Flower's ``FitRes`` carries both."""
     return f"{_round_dir(name, round_index)}/client_{client:03d}.message.safetensors"
 
 
-def client_metrics_file(name: str, round_index: int, client: int) -> str:
-    """A client's local training metrics in ``round_index`` (e.g. its last-epoch loss)."""
-    return f"{_round_dir(name, round_index)}/client_{client:03d}.metrics.json"
+def read_message(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A client's message file: its tensors and its metrics."""
+    with safe_open(str(path), framework="pt") as f:
+        metrics = json.loads((f.metadata() or {}).get(_METRICS_KEY, "{}"))
+        return {key: f.get_tensor(key) for key in f.keys()}, metrics
+
+
+def _save_message(path: Path, message: dict[str, torch.Tensor], metrics: dict[str, Any]) -> None:
+    # One file, not a tensor file and a metrics file: a new file costs most of a short client update's I/O.
+    with atomic_path(path) as tmp:
+        tensors = {k: v.contiguous() for k, v in message.items()}
+        save_file(tensors, str(tmp), metadata={_METRICS_KEY: json.dumps(metrics, sort_keys=True)})
 
 
 def final_checkpoint(params: Params, name: str) -> str:
@@ -205,7 +217,7 @@ def plan_federated(params: Params) -> list[list[Step]]:
                     )
                 )
                 last_round[name][k] = r
-            messages = tuple(f(name, r, k) for k in participants for f in (message_file, client_metrics_file))
+            messages = tuple(message_file(name, r, k) for k in participants)
             servers.append(
                 Step(
                     f"federated/{name}/r{r:03d}/server",
@@ -323,9 +335,8 @@ def client_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     )
     # A diverged client (message None) sends an empty message and keeps its state: the server
     # step applies federated.on_divergence, so changing the policy re-runs no client update.
-    _save(out / message_file(name, r, k), message or {})
+    _save_message(out / message_file(name, r, k), message or {}, metrics)
     _save_state(out / client_state_file(name, r, k), state)
-    write_json(out / client_metrics_file(name, r, k), metrics)
     return {"num_examples": len(y), **metrics}
 
 
@@ -335,9 +346,10 @@ def server_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     algorithm = get_algorithm(params["algorithm"])
     options = algorithm.parse_options(params["options"])
     server = load_file(root / server_file(name, r - 1))
-    client_metrics = {k: json.loads((root / client_metrics_file(name, r, k)).read_text()) for k in participants}
+    received = {k: read_message(root / message_file(name, r, k)) for k in participants}
+    client_metrics = {k: metrics for k, (_, metrics) in received.items()}
     reasons = {k: m["divergence"] for k, m in client_metrics.items() if "divergence" in m}
-    outcomes = {k: None if k in reasons else load_file(root / message_file(name, r, k)) for k in participants}
+    outcomes = {k: None if k in reasons else received[k][0] for k in participants}
     sizes = dict(enumerate(json.loads((root / PARTITION_METRICS).read_text())["sizes"]))
     try:
         messages = surviving_messages(outcomes, reasons, params["on_divergence"], r)

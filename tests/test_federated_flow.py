@@ -46,7 +46,7 @@ def workspace(tmp_path_factory, cli_env):
 def test_the_flow_reproduces_the_plain_round_loop_bit_for_bit(workspace):
     from mergeflow.checkpoints import load_checkpoint
     from mergeflow.federated import LocalTraining, run_rounds
-    from tasks.federated import loop_inputs
+    from tasks.federated import loop_inputs, message_file, read_message
 
     steps = ran_steps(workspace)
     for name in FEDERATED["algorithms"]:
@@ -81,6 +81,8 @@ def test_the_flow_reproduces_the_plain_round_loop_bit_for_bit(workspace):
         assert [row["accuracy"] for row in flow_rows] == [row["accuracy"] for row in run.metrics]
         assert [row["nll"] for row in flow_rows] == [row["nll"] for row in run.metrics]
         assert [row.get("drift") for row in flow_rows[1:]] == [row["drift"] for row in run.metrics[1:]]
+        # the clients' losses reach the server in their messages' headers
+        assert [row.get("train_loss") for row in flow_rows[1:]] == [row["train_loss"] for row in run.metrics[1:]]
         assert [row.get("bma_nll") for row in flow_rows] == [row.get("bma_nll") for row in run.metrics]
         final, meta = load_checkpoint(workspace / f"models/federated/{name}/round_002/global.safetensors")
         assert meta["round"] == 2
@@ -93,6 +95,8 @@ def test_the_flow_reproduces_the_plain_round_loop_bit_for_bit(workspace):
         assert entry["accuracy"] == curves[name][-1]["accuracy"]
         assert entry["accuracy_gain"] == pytest.approx(entry["accuracy"] - metrics["centralized"]["accuracy"])
     assert (workspace / "plots/federated.png").read_bytes()[:4] == b"\x89PNG"
+    message, sent = read_message(workspace / message_file("fedavg", 1, _participants(1)[0]))
+    assert message and sent["train_loss"] > 0
 
 
 def test_more_rounds_reuse_every_finished_round(workspace, cli_env):
