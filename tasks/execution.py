@@ -78,8 +78,9 @@ def execute_waves(
     """
     store, lookup, code_hashes = ArtifactStore(Path(root)), _looks_up(), {}
     outcomes, ran = [], list(ran_before or [])
-    for wave in waves:
-        with _scratch(root) as scratch:
+    with _scratch(root) as scratch:
+        for wave in waves:
+            folders = set()
             for step in wave:
                 key = step_key(step, Path(root), code_hashes)
                 hit = _cache_hit(store, step, key) if lookup else None
@@ -90,11 +91,24 @@ def execute_waves(
                     _write_record(Path(root), step, key, outcome)
                     outcome = {**outcome, "cached": False}
                     ran.append(outcome["seconds"])
+                    folders.update(Path(name).parent for name in outcome["files"])
                 store.materialise(outcome["files"])
                 outcomes.append(outcome)
                 if short_below is not None and not outcome["cached"] and typical_seconds(ran) >= short_below:
                     return outcomes
+            _remove_empty(scratch, folders)
     return outcomes
+
+
+def _remove_empty(scratch: Path, folders: set[Path]) -> None:
+    """Remove a wave's own folders (a round's) from the scratch folder once empty: the next wave writes into
+    new ones, and folders left behind would lengthen every later step's walk of the scratch folder."""
+    for folder in sorted(folders, key=lambda f: len(f.parts), reverse=True):
+        if folder.parts:
+            try:
+                (scratch / folder).rmdir()
+            except OSError:  # not empty, or gone
+                pass
 
 
 def run_waves(
@@ -130,10 +144,10 @@ def _run_step(step: Step, root: str, torch_threads: int, scratch: Path) -> dict[
 
 @contextmanager
 def _scratch(root: str) -> Iterator[Path]:
-    """One scratch directory for a wave's steps in a task run, one after another: each step's outputs
-    leave it at ingest, its empty folders stay for the next step (a wave's steps write into the same
-    ones: creating and removing folders is most of a small step's file cost). Nothing reads it before
-    a step returns, so its files need no temp-and-rename (``private_directory``)."""
+    """One scratch directory for the steps of a task run, one after another: each step's outputs leave
+    it at ingest, its empty folders stay for the next step (they write into the same ones: creating and
+    removing folders is most of a small step's file cost). Nothing reads it before a step returns, so
+    its files need no temp-and-rename (``private_directory``)."""
     with ArtifactStore(Path(root)).scratch_dir() as scratch, private_directory(scratch):
         yield Path(scratch)
 

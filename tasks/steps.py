@@ -2,8 +2,8 @@
 
 A step is a plain function ``fn(params, root, out) -> summary`` that reads its inputs from
 the project root and writes its outputs under ``out`` with their final relative paths.
-``out`` holds no file when the step starts, but may hold folders an earlier step of its wave
-made (create folders with ``exist_ok=True``).
+``out`` holds no file when the step starts, but may hold folders an earlier step of its task
+run made (create folders with ``exist_ok=True``).
 The cache key hashes the step's name, its code files, its params (canonical JSON) and the
 sha256 of every input file, so it is stable across processes and machines; torch objects
 never enter it. The task's persisted result is the output manifest, so a hit in a new

@@ -295,3 +295,18 @@ def test_a_chain_stops_once_its_steps_turn_out_long_and_leaves_the_rest_of_its_w
     assert [(o.name, o.cached) for o in run([9.0, 9.0], 0.5)] == [("c0", True), ("c1", False)]
     assert [o.cached for o in run([], 0.5)] == [True, True, False, False] and CALLS == ["c0", "c1", "c2", "c3"]
     assert _after([["a"], ["b", "c"], ["d"]], 2) == [["c"], ["d"]] and _after([["a"], ["b"]], 2) == []
+
+
+def test_a_chain_removes_each_waves_emptied_folders_from_its_scratch_folder(tmp_path):
+    from tasks.execution import _remove_empty
+
+    (tmp_path / "m/algo/round_001").mkdir(parents=True)
+    (tmp_path / "m/algo/round_002").mkdir(parents=True)
+    (tmp_path / "m/algo/round_002/left.tmp").write_text("")
+    _remove_empty(tmp_path, {Path("m/algo/round_001"), Path("m/algo/round_002"), Path(".")})
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "m",
+        "m/algo",
+        "m/algo/round_002",
+        "m/algo/round_002/left.tmp",
+    ]
