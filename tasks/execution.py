@@ -139,7 +139,12 @@ def _run_step(step: Step, root: str, torch_threads: int, scratch: Path) -> dict[
     started = time.perf_counter()
     summary = resolve(step.fn)({**step.params, **step.settings}, Path(root), scratch)
     files = store.ingest(scratch)
-    return {"files": files, "summary": summary, "seconds": time.perf_counter() - started}
+    return {
+        "files": files,
+        "stamps": store.stamps(files),
+        "summary": summary,
+        "seconds": time.perf_counter() - started,
+    }
 
 
 @contextmanager
@@ -176,7 +181,7 @@ def _cache_hit(store: ArtifactStore, step: Step, key: str) -> dict[str, Any] | N
     which dominated re-runs of stages with many small steps (federated rounds).
     """
     hit = read_record(store.root, step, key)
-    return hit if hit is not None and store.has(hit["files"]) else None
+    return hit if hit is not None and store.has(hit["files"], hit.get("stamps")) else None
 
 
 def run_steps(

@@ -130,7 +130,7 @@ def cached_outcomes(steps: list[Step], root: Path, code_hashes: CodeHashes | Non
     hits = []
     for step in steps:
         hit = read_record(root, step, step_key(step, root, code_hashes))
-        if hit is None or not store.has(hit["files"]):
+        if hit is None or not store.has(hit["files"], hit.get("stamps")):
             return None
         hits.append(hit)
     for hit in hits:

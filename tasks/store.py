@@ -6,7 +6,8 @@ cannot be made). So a kill leaves no half-written output, finished steps stay av
 resume, a cached step can always re-materialise the outputs that DVC deletes before it runs a
 stage, and an output costs neither a copy nor twice its disk space. As with DVC's hard-link
 cache, an output is the store's blob: it is replaced by renames (as every writer here does), and
-its read-only mode refuses in-place writes, which would change the cached copy too.
+its read-only mode refuses in-place writes, which would change the cached copy too; a blob written
+into anyway (by root) is caught by its modification time (:meth:`ArtifactStore.has`) and made again.
 """
 
 from __future__ import annotations
@@ -117,9 +118,29 @@ class ArtifactStore:
         """Where the blob with this sha256 lives."""
         return self.blobs / digest[:2] / digest
 
-    def has(self, manifest: dict[str, str]) -> bool:
-        """Whether every file of a manifest is in the store."""
-        return all(self.blob(d).is_file() for d in manifest.values())
+    def stamps(self, manifest: dict[str, str]) -> dict[str, int]:
+        """Each blob's modification time (ns), for :meth:`has` to see a blob written into in place."""
+        return {digest: self.blob(digest).stat().st_mtime_ns for digest in manifest.values()}
+
+    def has(self, manifest: dict[str, str], stamps: dict[str, int] | None = None) -> bool:
+        """Whether every file of a manifest is in the store, intact.
+
+        A blob whose modification time is not its ``stamps`` entry (an output written into in place
+        through its hard link, or a store copied without times) is hashed: if its bytes changed it is
+        deleted, and the step that made it counts as a miss and runs again.
+        """
+        return all(self._intact(digest, (stamps or {}).get(digest)) for digest in manifest.values())
+
+    def _intact(self, digest: str, stamp: int | None) -> bool:
+        blob = self.blob(digest)
+        try:
+            changed = stamp is not None and blob.stat().st_mtime_ns != stamp
+        except FileNotFoundError:
+            return False
+        if changed and sha256_file(blob) != digest:
+            blob.unlink(missing_ok=True)
+            return False
+        return True
 
     def scratch_dir(self) -> tempfile.TemporaryDirectory:
         """A temporary directory on the same filesystem as the store (so moves are renames)."""

@@ -310,3 +310,27 @@ def test_a_chain_removes_each_waves_emptied_folders_from_its_scratch_folder(tmp_
         "m/algo/round_002",
         "m/algo/round_002/left.tmp",
     ]
+
+
+def test_an_output_written_into_in_place_is_caught_and_its_blob_made_again(tmp_path):
+    from tasks.store import ArtifactStore
+
+    store, work = ArtifactStore(tmp_path), tmp_path / "work"
+    (work / "out").mkdir(parents=True)
+    (work / "out" / "a.txt").write_text("made")
+    files = store.ingest(work)
+    store.materialise(files)
+    target, blob = tmp_path / "out" / "a.txt", store.blob(files["out/a.txt"])
+    past = blob.stat().st_mtime_ns - 10**10  # clear of the clock's granularity
+    os.utime(blob, ns=(past, past))
+    stamps = store.stamps(files)
+    assert store.has(files, stamps)
+    os.utime(blob, ns=(past + 10**9, past + 10**9))  # a store copied without its times: the same bytes
+    assert store.has(files, stamps) and blob.exists()
+    target.chmod(0o644)  # (root needs no chmod)
+    target.write_text("changed")  # through the hard link: the stored copy changes too
+    assert not store.has(files, stamps) and not blob.exists()  # a miss: its step runs again
+    (work / "out" / "a.txt").write_text("made")
+    again = store.ingest(work)
+    store.materialise(again)
+    assert again == files and target.read_text() == "made" and store.has(again, store.stamps(again))
