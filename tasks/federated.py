@@ -105,9 +105,7 @@ def read_message(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 def _save_message(path: Path, message: dict[str, torch.Tensor], metrics: dict[str, Any]) -> None:
     # One file, not a tensor file and a metrics file: a new file costs most of a short client update's I/O.
-    with atomic_path(path) as tmp:
-        tensors = {k: v.contiguous() for k, v in message.items()}
-        save_file(tensors, str(tmp), metadata={_METRICS_KEY: json.dumps(metrics, sort_keys=True)})
+    _save(path, message, {_METRICS_KEY: json.dumps(metrics, sort_keys=True)})
 
 
 def final_checkpoint(params: Params, name: str) -> str:
@@ -234,9 +232,9 @@ def plan_federated(params: Params) -> list[list[Step]]:
     return waves
 
 
-def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def _save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     with atomic_path(path) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 def _save_state(path: Path, state: dict[str, torch.Tensor]) -> None:
