@@ -21,6 +21,7 @@ With no factors (U = 0) and δ = 0 it is the diagonal Fisher merge.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -78,22 +79,32 @@ def _preconditioner(
 
 
 def woodbury_inverse(
-    diagonal: torch.Tensor, clients: list[ClientPrecision], columns: int = 1 << 15, strip: int = 128
+    diagonal: torch.Tensor,
+    clients: list[ClientPrecision],
+    columns: int = 1 << 15,
+    strip: int = 128,
+    build_dtype: torch.dtype = torch.float64,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """v ↦ (A + Σ_k s_k U_kᵀU_k)⁻¹ v for a positive diagonal A and the clients' scaled factors, by Woodbury.
 
     (A + SᵀS)⁻¹ = A⁻¹ − A⁻¹Sᵀ (I + S A⁻¹ Sᵀ)⁻¹ S A⁻¹ with S the stacked √s_k U_k. The R × R
-    capacitance is built and factored in float64: its eigenvalues run from 1 to about 1e6, and a
-    float32 build's rounding left CG about 100 iterations at 1M parameters instead of 2. Each block
-    of ``columns`` columns of S A^(-1/2) is widened once into a reused float64 buffer, and only the
-    lower triangle is multiplied, in strips of ``strip`` rows (0.58 of the full product's time).
-    Applying it costs two passes over the factors, widened by row blocks like the CG products.
+    capacitance is summed and factored in float64 from products in ``build_dtype``. Float64 makes it
+    exact to rounding (CG then stops after one or two iterations). Float32 products take half the
+    time, and the capacitance they make differs from it by 2e-4 at 1M parameters, but their rounding
+    of S A^(-1/2), relative to the capacitance's largest eigenvalue (about 1e6), costs CG 1 to 4 more
+    iterations: at the default tolerance more than the build saves (``bench/woodbury_precision.py``,
+    docs/benchmarks.md). Each block of ``columns`` columns of S A^(-1/2)
+    is scaled once into a reused buffer, and only the lower triangle is multiplied, in strips of
+    ``strip`` rows (0.58 of the full product's time). Applying it is float64 whatever the build: in
+    float32 its two terms cancel, and CG took about 100 iterations at 1M parameters. It costs two
+    passes over the factors, widened by row blocks like the CG products.
     """
     inverse_a = 1.0 / diagonal.clamp_min(1e-30)
-    root_inverse = inverse_a.sqrt()
+    root_inverse = inverse_a.sqrt().to(build_dtype)
     rows = sum(len(c.factors) for c in clients)
     capacitance = torch.zeros(rows, rows, dtype=torch.float64)
-    block = torch.empty(rows, min(columns, diagonal.numel()), dtype=torch.float64)
+    block = torch.empty(rows, min(columns, diagonal.numel()), dtype=build_dtype)
+    product = torch.empty(min(strip, rows), rows, dtype=build_dtype)
     for start in range(0, diagonal.numel(), columns):
         stop = min(start + columns, diagonal.numel())
         scaled = block[:, : stop - start]
@@ -104,7 +115,8 @@ def woodbury_inverse(
             offset += len(c.factors)
         for first in range(0, rows, strip):
             last = min(first + strip, rows)
-            capacitance[first:last, :last].addmm_(scaled[first:last], scaled[:last].T)
+            torch.mm(scaled[first:last], scaled[:last].T, out=product[: last - first, :last])
+            capacitance[first:last, :last] += product[: last - first, :last]
     capacitance = capacitance.tril() + capacitance.tril(-1).T + torch.eye(rows, dtype=torch.float64)
     cholesky = torch.linalg.cholesky(capacitance)
 
@@ -122,26 +134,43 @@ def woodbury_inverse(
     return apply
 
 
-@merge_method("exact", scope="model")
-def exact(x: ModelInputs, options: ExactOptions) -> MergeResult:
-    """Product of Gaussian posteriors, θ* = (Σ Λ_k − (K−1)δ)⁻¹ (Σ Λ_k θ_k − (K−1)δθ₀), by matrix-free CG."""
+@dataclass(frozen=True)
+class ProductSystem:
+    """The exact merge's linear system (Σ Λ_k − (K−1)δI) θ = rhs, with CG's start and the clients' precisions."""
+
+    clients: list[ClientPrecision]
+    delta: float
+    rhs: torch.Tensor
+    start: torch.Tensor
+
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """(Σ Λ_k − (K−1)δI) v, matrix-free."""
+        return sum(c.matvec(v) for c in self.clients) + self.delta * v
+
+
+def product_system(x: ModelInputs, options: ExactOptions) -> ProductSystem:
+    """The linear system whose solution is the product of the clients' Gaussian posteriors; CG starts
+    from the clients' weighted average."""
     clients = client_precisions(x, by_size=options.by_size)
     delta = options.prior_precision
     theta0 = prior_mean(x, options.prior_mean)
-
-    def system(v: torch.Tensor) -> torch.Tensor:
-        return sum(c.matvec(v) for c in clients) + delta * v
-
     rhs = sum(c.matvec(c.theta) + delta * c.theta for c in clients) - (len(clients) - 1) * delta * theta0
     start = sum(w * c.theta for w, c in zip(x.weights, clients, strict=True))
+    return ProductSystem(clients, delta, rhs, start)
+
+
+@merge_method("exact", scope="model")
+def exact(x: ModelInputs, options: ExactOptions) -> MergeResult:
+    """Product of Gaussian posteriors, θ* = (Σ Λ_k − (K−1)δ)⁻¹ (Σ Λ_k θ_k − (K−1)δθ₀), by matrix-free CG."""
+    system = product_system(x, options)
     theta, residuals = conjugate_gradient(
-        system,
-        rhs,
-        start,
-        preconditioner=_preconditioner(options.preconditioner, clients, delta),
+        system.matvec,
+        system.rhs,
+        system.start,
+        preconditioner=_preconditioner(options.preconditioner, system.clients, system.delta),
         tolerance=options.tolerance,
         max_iterations=options.max_iterations,
     )
-    final = float((rhs - system(theta)).norm()) / (float(rhs.norm()) or 1.0)
+    final = float((system.rhs - system.matvec(theta)).norm()) / (float(system.rhs.norm()) or 1.0)
     summary = {"cg_iterations": float(len(residuals)), "cg_relative_residual": final}
     return MergeResult(x.unflatten(theta), {"cg_relative_residual": residuals}, summary)
