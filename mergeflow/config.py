@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mergeflow.errors import ConfigError, MergeflowError
+from mergeflow.errors import ConfigError, MergeflowError, first_problem
 
 
 class _Section(BaseModel):
@@ -539,9 +539,7 @@ class FederatedConfig(_Section):
             try:
                 TrainOverride.model_validate(chosen.get("local", {}))
             except ValidationError as error:
-                first = error.errors()[0]
-                key = ".".join(str(part) for part in first["loc"])
-                raise ValueError(f"options.{name}.local.{key}: {first['msg']}") from None
+                raise ValueError(first_problem(f"options.{name}.local", error)) from None
         _check_variants(
             self.algorithms,
             {name: {k: v for k, v in chosen.items() if k != "local"} for name, chosen in self.options.items()},

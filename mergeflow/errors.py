@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -23,8 +24,15 @@ class ConfigError(MergeflowError):
         self.lines = lines
 
     @classmethod
-    def from_validation(cls, prefix: str, error: ValidationError) -> ConfigError:
-        """One line naming ``prefix`` + the first invalid key of a pydantic ``ValidationError``, and why."""
-        first = error.errors()[0]
-        key = ".".join(str(part) for part in first["loc"])
-        return cls([f"{prefix}{key}: {first['msg']}"])
+    def from_validation(cls, key: str, error: ValidationError) -> ConfigError:
+        """One line naming the first invalid key of a pydantic ``ValidationError`` under ``key``, and why."""
+        return cls([first_problem(key, error)])
+
+
+def first_problem(key: str, error: ValidationError) -> str:
+    """``key.sub.key: why`` for the first problem of a pydantic ``ValidationError`` that validated ``key``
+    (just ``key: why`` when the value itself is wrong, e.g. a number where a mapping belongs)."""
+    first = error.errors()[0]
+    # pydantic names its model class ("a valid dictionary or instance of TrainOverride"): not the user's word
+    why = "unknown key" if first["type"] == "extra_forbidden" else re.sub(r" or instance of \w+", "", first["msg"])
+    return f"{'.'.join([key, *(str(part) for part in first['loc'])])}: {why}"

@@ -91,4 +91,4 @@ def validate_options(name: str, options: BaseModel | Mapping[str, Any] | None = 
     try:
         return model.model_validate(dict(options or {}))
     except ValidationError as error:
-        raise ConfigError.from_validation(f"federated.options.{name}.", error) from None
+        raise ConfigError.from_validation(f"federated.options.{name}", error) from None

@@ -173,4 +173,4 @@ def validate_options(method: str, options: Mapping[str, object]) -> BaseModel:
     try:
         return DECLARED[method].options.model_validate(dict(options))
     except ValidationError as error:
-        raise ConfigError.from_validation(f"merge.options.{method}.", error) from None
+        raise ConfigError.from_validation(f"merge.options.{method}", error) from None
