@@ -12,7 +12,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# CPU build of torch first, so nothing pulls the CUDA wheels.
+	# The pinned torch first (the CPU wheel where the index has one), so no dependency pulls another build.
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	# PyPI's torchvision (pulled in by backpack, which needs it only for its examples) does not

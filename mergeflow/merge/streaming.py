@@ -1,8 +1,8 @@
 """Streaming merges of safetensors files and Hugging Face model directories, at about disk speed.
 
-``merge_files`` reads each tensor of the K inputs once, with ``os.preadv`` at the header's
-offsets straight into preallocated buffers, in a reader thread that runs ahead of the merge,
-and writes the merged tensors into the output as they are done:
+``merge_files`` reads each tensor of the K inputs once (twice for the mask and Gram methods below),
+with ``os.preadv`` at the header's offsets straight into preallocated buffers, in a reader thread
+that runs ahead of the merge, and writes the merged tensors into the output as they are done:
 
 - Elementwise methods (``average``, ``weighted``, ``task_arithmetic``, ``fisher``) merge
   blocks of ``BLOCK`` elements. Each input block is widened to float64 in a reused buffer and
