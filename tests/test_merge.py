@@ -126,8 +126,28 @@ def test_fisher_merge_closed_form():
     assert torch.allclose(by_size["w"][0], torch.tensor((3 * 1 * 1 + 1 * 3 * 3) / (3 * 1 + 1 * 3.0)))
     normalized = merge("fisher", states, fishers=fishers, by_size=False, normalize=True)
     assert torch.allclose(normalized["w"], expected)  # equal norms: unchanged
+    weighted = merge("fisher", states, fishers=fishers, by_size=False, coefficients=[1, 3])
+    assert torch.allclose(weighted["w"], torch.tensor([(1 * 1 * 1 + 3 * 3 * 3) / 10, (1 * 3 * 2 + 3 * 1 * 6) / 6]))
     with pytest.raises(MergeflowError, match="needs fishers"):
         merge("fisher", states)
+
+
+def test_fisher_merge_normalizes_by_each_clients_norm_over_all_tensors():
+    states = [
+        {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([10.0])},
+        {"w": torch.tensor([3.0, 6.0]), "b": torch.tensor([20.0])},
+    ]
+    fishers = [
+        {"w": torch.tensor([1.0, 3.0]), "b": torch.tensor([2.0])},
+        {"w": torch.tensor([6.0, 2.0]), "b": torch.tensor([9.0])},
+    ]
+    norms = [14**0.5, 11.0]  # √(1 + 9 + 4), √(36 + 4 + 81): one norm per client, not per tensor
+    merged = merge("fisher", states, fishers=fishers, by_size=False, normalize=True)
+    for key in ("w", "b"):
+        precision = [f[key] / n for f, n in zip(fishers, norms, strict=True)]
+        expected = sum(p * s[key] for p, s in zip(precision, states, strict=True)) / sum(precision)
+        torch.testing.assert_close(merged[key], expected)
+    assert not torch.allclose(merged["w"], merge("fisher", states, fishers=fishers, by_size=False)["w"])
 
 
 def _linear_gaussian(overlap=0.0):
@@ -192,6 +212,19 @@ def test_exact_merge_is_the_same_without_the_preconditioner(preconditioner):
         torch.testing.assert_close(plain.state[key], preconditioned.state[key], rtol=1e-9, atol=1e-12)
 
 
+def test_jacobi_preconditioner_divides_by_the_diagonal_of_the_whole_precision():
+    from mergeflow.merge.exact import _preconditioner
+    from mergeflow.merge.precision import client_precisions
+    from mergeflow.merge.registry import model_inputs
+
+    states, fishers, factors, sizes, _ = _linear_gaussian()
+    clients = client_precisions(model_inputs(states, weights=sizes, fishers=fishers, factors=factors), by_size=True)
+    delta, dim = 2.0, len(clients[0].theta)
+    dense = sum(torch.stack([c.matvec(e) for e in torch.eye(dim, dtype=torch.float64)]) for c in clients)
+    r = torch.arange(1.0, dim + 1, dtype=torch.float64)
+    torch.testing.assert_close(_preconditioner("jacobi", clients, delta)(r), r / (torch.diagonal(dense) + delta))
+
+
 def test_woodbury_preconditioner_solves_an_ill_conditioned_low_rank_system_in_few_iterations():
     generator = torch.Generator().manual_seed(0)
     dim, rows = 400, 30
@@ -238,9 +271,14 @@ def _flat(state):
     return np.concatenate([state["1.weight"].numpy().ravel(), state["1.bias"].numpy()])
 
 
-def test_ssf_with_the_full_mask_converges_to_the_exact_merge():
+@pytest.mark.parametrize("base_shift", [None, 3.0])
+def test_ssf_with_the_full_mask_converges_to_the_exact_merge(base_shift):
     states, fishers, factors, sizes, _ = _linear_gaussian()
     inputs = {"weights": sizes, "fishers": fishers, "factors": factors, "prior_precision": 2.0}
+    if base_shift is not None:  # the prior centred at a base model, not at zero
+        without = _flat(merge("exact", states, **inputs))
+        inputs["base"] = {k: v + base_shift for k, v in states[0].items()}
+        assert np.linalg.norm(_flat(merge("exact", states, **inputs)) - without) > 1e-2 * np.linalg.norm(without)
     exact = _flat(merge("exact", states, **inputs))
     result = run_merge(
         "ssf",
