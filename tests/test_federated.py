@@ -450,6 +450,62 @@ class _NoSignal(torch.nn.Module):
         return x @ self.weight.T
 
 
+class _BiasFreeLinear(torch.nn.Module):
+    """y = xwᵀ: with the summed half squared error its loss is the quadratic ½‖Xw − y‖²."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T
+
+
+def test_fedadmm_neural_client_reaches_the_quadratic_closed_form_and_steps_its_dual() -> None:
+    # The neural client minimises the mean loss plus (⟨v, θ⟩ + ρ/2‖θ − θ̄‖²)/N, whose minimiser is
+    # the module's step 1, (XᵀX + ρI)⁻¹(Xᵀy − v + ρθ̄) for a linear model; full-batch SGD gets there.
+    generator = torch.Generator().manual_seed(0)
+    X = torch.randn(30, 3, generator=generator)
+    y = X @ torch.tensor([1.0, -2.0, 0.5]) + 0.1 * torch.randn(30, generator=generator)
+    algo, rho = get_algorithm("fedadmm"), 5.0
+    options = algo.parse_options({"rho": rho})
+    initial = dict(_BiasFreeLinear().named_parameters())
+    server = {**algo.init_server(initial, 2, options), "mean.weight": torch.tensor([[0.3, 0.1, -0.2]]).double()}
+    v = torch.tensor([[4.0, -3.0, 2.0]], dtype=torch.float64)
+    client = {**algo.init_client(initial, options), "dual.weight": v}
+    train = LocalTraining(epochs=3000, batch_size=30, lr=0.2, optimizer="sgd", momentum=0.0)
+    data = ClientData(X, y, task="regression")
+    message, new, _ = algo.client_update(
+        _BiasFreeLinear(), server, client, data, train, options, client_generator(0, 0, 0)
+    )
+    Xd, anchor = X.double(), server["mean.weight"][0]
+    expected = torch.linalg.solve(
+        Xd.T @ Xd + rho * torch.eye(3, dtype=torch.float64), Xd.T @ y.double() - v[0] + rho * anchor
+    )
+    torch.testing.assert_close(message["mean.weight"][0].double(), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(new["dual.weight"], v + rho * (message["mean.weight"].double() - server["mean.weight"]))
+
+
+def test_ivon_admm_client_step_uses_its_duals_against_the_server_prior() -> None:
+    # One IVON step without data signal (ĝ = 0), β1 = 0, β2 = 1 and h = 0 (after a server update):
+    # m = m̄ − lr·(−dual_mean + dual_prec⊙m̄)/wd with dual_mean = −v/s, dual_prec = −V/s and wd = ρS̄/s
+    # (s = N/τ), i.e. m̄ − lr·(v − V⊙m̄)/(ρS̄), whatever s is.
+    data = ClientData(torch.zeros(20, 4), torch.zeros(20), task="regression")
+    algo, rho, lr = get_algorithm("bayes_admm"), 0.5, 0.1
+    options = algo.parse_options({"rho": rho, "lr": lr, "beta1": 0.0, "beta2": 1.0, "prior_precision": 2.0})
+    initial = dict(_NoSignal().named_parameters())
+    mean, precision = torch.tensor([[0.5, -1.0, 2.0, 0.3]]).double(), torch.tensor([[3.0, 4.0, 5.0, 6.0]]).double()
+    server = algo.init_server(initial, 2, options)
+    server.update({"mean.weight": mean, "precision.weight": precision, "server_rounds": torch.tensor(1.0).double()})
+    v, V = torch.tensor([[1.0, 2.0, -1.0, 0.5]]).double(), torch.tensor([[0.5, 1.0, 2.0, 0.1]]).double()
+    client = {**algo.init_client(initial, options), "dual_mean.weight": v, "dual_prec.weight": V}
+    one_step = LocalTraining(epochs=1, batch_size=20)
+    message, _, _ = algo.client_update(_NoSignal(), server, client, data, one_step, options, client_generator(0, 0, 0))
+    torch.testing.assert_close(
+        message["mean.weight"], mean - lr * (v - V * mean) / (rho * precision), rtol=1e-5, atol=0
+    )
+
+
 def test_ivon_admm_restarts_each_round_at_the_server_posterior() -> None:
     # β2 = 1 freezes IVON's h at its start value, so S_k − S̄ = ess·h_start exactly. Restarting at
     # hess_init every round (the bug) sent S̄ + ess·hess_init; the reference restarts at h = 0.
