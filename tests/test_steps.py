@@ -266,6 +266,25 @@ def test_steps_keyed_together_hash_their_code_once_and_get_the_same_keys(tmp_pat
     assert keys == [step_key(step, tmp_path) for step in steps]
 
 
+def test_a_steps_key_changes_when_its_code_changes_and_the_memo_is_per_code_tuple(tmp_path, monkeypatch):
+    import tasks.steps
+    from tasks.steps import step_key
+
+    code_root = tmp_path / "code"
+    code_root.mkdir()
+    (code_root / "a.py").write_text("x = 1\n")
+    (code_root / "b.py").write_text("y = 1\n")
+    monkeypatch.setattr(tasks.steps, "project_root_of_code", lambda: code_root)
+    on_a = Step("s", f"{__name__}:record_step", {"name": "s"}, code=("a.py",))
+    on_b = Step("s", f"{__name__}:record_step", {"name": "s"}, code=("b.py",))  # same name and params
+    memo: dict = {}
+    before = step_key(on_a, tmp_path, memo)
+    assert step_key(on_b, tmp_path, memo) != before  # the memo did not hand b.py's step a.py's hash
+    (code_root / "a.py").write_text("x = 2\n")
+    assert step_key(on_a, tmp_path) != before  # an edited library file is a cache miss
+    assert step_key(on_a, tmp_path, memo) == before  # within one memo: the code the process imported
+
+
 def test_ingest_leaves_its_folder_without_files_when_the_content_is_stored_already(tmp_path):
     from tasks.store import ArtifactStore
 
