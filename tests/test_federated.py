@@ -461,29 +461,48 @@ class _BiasFreeLinear(torch.nn.Module):
         return x @ self.weight.T
 
 
-def test_fedadmm_neural_client_reaches_the_quadratic_closed_form_and_steps_its_dual() -> None:
-    # The neural client minimises the mean loss plus (⟨v, θ⟩ + ρ/2‖θ − θ̄‖²)/N, whose minimiser is
-    # the module's step 1, (XᵀX + ρI)⁻¹(Xᵀy − v + ρθ̄) for a linear model; full-batch SGD gets there.
+# Full-batch SGD long enough to land on a linear client's minimiser.
+_TO_THE_MINIMUM = LocalTraining(epochs=3000, batch_size=30, lr=0.2, optimizer="sgd", momentum=0.0)
+_ANCHOR = torch.tensor([[0.3, 0.1, -0.2]], dtype=torch.float64)  # the server's mean θ̄
+
+
+def _linear_client() -> tuple[torch.Tensor, torch.Tensor, ClientData]:
+    """X (30 × 3) and y in float64, and the same as a regression client (loss ½‖Xw − y‖² summed)."""
     generator = torch.Generator().manual_seed(0)
     X = torch.randn(30, 3, generator=generator)
     y = X @ torch.tensor([1.0, -2.0, 0.5]) + 0.1 * torch.randn(30, generator=generator)
+    return X.double(), y.double(), ClientData(X, y, task="regression")
+
+
+def test_fedadmm_neural_client_reaches_the_quadratic_closed_form_and_steps_its_dual() -> None:
+    # The neural client minimises the mean loss plus (⟨v, θ⟩ + ρ/2‖θ − θ̄‖²)/N, whose minimiser is
+    # the module's step 1, (XᵀX + ρI)⁻¹(Xᵀy − v + ρθ̄) for a linear model.
+    X, y, data = _linear_client()
     algo, rho = get_algorithm("fedadmm"), 5.0
     options = algo.parse_options({"rho": rho})
     initial = dict(_BiasFreeLinear().named_parameters())
-    server = {**algo.init_server(initial, 2, options), "mean.weight": torch.tensor([[0.3, 0.1, -0.2]]).double()}
+    server = {**algo.init_server(initial, 2, options), "mean.weight": _ANCHOR}
     v = torch.tensor([[4.0, -3.0, 2.0]], dtype=torch.float64)
     client = {**algo.init_client(initial, options), "dual.weight": v}
-    train = LocalTraining(epochs=3000, batch_size=30, lr=0.2, optimizer="sgd", momentum=0.0)
-    data = ClientData(X, y, task="regression")
     message, new, _ = algo.client_update(
-        _BiasFreeLinear(), server, client, data, train, options, client_generator(0, 0, 0)
+        _BiasFreeLinear(), server, client, data, _TO_THE_MINIMUM, options, client_generator(0, 0, 0)
     )
-    Xd, anchor = X.double(), server["mean.weight"][0]
-    expected = torch.linalg.solve(
-        Xd.T @ Xd + rho * torch.eye(3, dtype=torch.float64), Xd.T @ y.double() - v[0] + rho * anchor
-    )
+    expected = torch.linalg.solve(X.T @ X + rho * torch.eye(3, dtype=torch.float64), X.T @ y - v[0] + rho * _ANCHOR[0])
     torch.testing.assert_close(message["mean.weight"][0].double(), expected, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(new["dual.weight"], v + rho * (message["mean.weight"].double() - server["mean.weight"]))
+    torch.testing.assert_close(new["dual.weight"], v + rho * (message["mean.weight"].double() - _ANCHOR))
+
+
+def test_fedprox_neural_client_reaches_the_quadratic_closed_form() -> None:
+    # Mean loss plus μ/2‖θ − θ̄‖² (squared, on the per-example scale): (XᵀX/n + μI)⁻¹(Xᵀy/n + μθ̄).
+    X, y, data = _linear_client()
+    algo, mu, n = get_algorithm("fedprox"), 1.0, len(y)
+    options = algo.parse_options({"mu": mu})
+    server = {**algo.init_server(dict(_BiasFreeLinear().named_parameters()), 2, options), "mean.weight": _ANCHOR}
+    message, _, _ = algo.client_update(
+        _BiasFreeLinear(), server, {}, data, _TO_THE_MINIMUM, options, client_generator(0, 0, 0)
+    )
+    expected = torch.linalg.solve(X.T @ X / n + mu * torch.eye(3, dtype=torch.float64), X.T @ y / n + mu * _ANCHOR[0])
+    torch.testing.assert_close(message["mean.weight"][0].double(), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_ivon_admm_client_step_uses_its_duals_against_the_server_prior() -> None:
