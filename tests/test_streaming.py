@@ -157,6 +157,12 @@ def test_half_precision_stays_half_unless_out_dtype_asks(gpt2_dirs, tmp_path):
     assert {t.dtype for t in wide.values()} == {torch.float64}
     assert json.loads((tmp_path / "wide" / "config.json").read_text())["dtype"] == "float64"
     torch.testing.assert_close(wide["transformer.wte.weight"].to(dtype), kept["transformer.wte.weight"])
+    inputs = [_load_dir(model) for model in models]
+    for key, value in wide.items():  # the float64 mean itself, never rounded through the inputs' dtype
+        exact = merge("average", [{key: state[key].double()} for state in inputs])[key]
+        torch.testing.assert_close(value, exact, rtol=0, atol=0)
+    if dtype != torch.float32:  # bf16 inputs: the float64 mean has bits that bf16 cannot hold
+        assert any(not torch.equal(wide[key], kept[key].double()) for key in wide)
 
 
 @pytest.mark.parametrize(
