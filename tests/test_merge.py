@@ -434,14 +434,27 @@ def test_merge_step_orders_factor_columns_like_the_model_not_like_the_file(tmp_p
 
 
 def test_linear_gaussian_reproduction_exact_merge_is_the_pooled_posterior_and_ssf_curves_are_logged():
-    from mergeflow.reproductions.linear_gaussian import LinearGaussianSettings, run_linear_gaussian
+    from mergeflow.reproductions.linear_gaussian import (
+        LinearGaussianSettings,
+        linear_gaussian_problem,
+        run_linear_gaussian,
+    )
 
     settings = LinearGaussianSettings(
         n=120, n_test=50, dim=4, correlation=1.0, mask_rates=[0.5, 1.0], ssf={"steps": 40, "masks_per_step": 5}
     )
     table, curves = run_linear_gaussian(settings)
     assert table["exact"]["relative_error_to_pooled_posterior"] < 1e-8  # the prior counted once
-    assert table["pooled posterior (closed form)"]["relative_error_to_pooled_posterior"] == 0
+    pooled = table["pooled posterior (closed form)"]
+    assert pooled["relative_error_to_pooled_posterior"] == 0
+    problem = linear_gaussian_problem(**settings.model_dump(exclude={"ssf", "mask_rates"}))
+    X_test, t_test = problem.test
+    design = np.hstack([X_test, np.ones((len(X_test), 1))])  # weights, then the bias
+    assert pooled["parameter_mse_to_truth"] == pytest.approx(np.mean((problem.pooled_mean - problem.true_weights) ** 2))
+    assert pooled["test_mse"] == pytest.approx(np.mean((design @ problem.pooled_mean - t_test) ** 2))
+    assert pooled["test_mse"] < table["average"]["test_mse"]  # the pooled posterior predicts better than the mean
+    for metric in ("relative_error_to_pooled_posterior", "parameter_mse_to_truth"):
+        assert table["ssf 50%"][metric] == curves[f"ssf 50%/{metric}"][-1]  # the table is SSF's last step
     for metric in ("relative_error_to_pooled_posterior", "parameter_mse_to_truth", "ssf_loss"):
         assert len(curves[f"ssf 50%/{metric}"]) == 40
     full = curves["ssf 100%/relative_error_to_pooled_posterior"]
