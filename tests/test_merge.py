@@ -296,6 +296,21 @@ def test_ssf_with_the_full_mask_converges_to_the_exact_merge(base_shift):
     assert result.curves["ssf_loss"][-1] < result.curves["ssf_loss"][0]
 
 
+def test_ssf_windows_keep_the_exact_merge_only_when_precisions_are_diagonal():
+    # A mask looks at a window of 2 of the 5 coordinates and conditions on nothing outside it. With
+    # diagonal precisions the coordinates are independent, so the full mask's fixed point is still
+    # the exact merge; with factors coupling them, a window's marginal is not the conditional.
+    states, fishers, factors, sizes, _ = _linear_gaussian()
+    ssf = {"mask_rate": 1.0, "window": 2, "steps": 800, "masks_per_step": 1, "optimizer": "adam", "lr": 0.05}
+    diagonal = {"weights": sizes, "fishers": fishers, "prior_precision": 2.0}
+    gaps = {}
+    for name, inputs in (("diagonal", diagonal), ("coupled", {**diagonal, "factors": factors})):
+        exact = _flat(merge("exact", states, **inputs))
+        windowed = _flat(run_merge("ssf", states, **inputs, **ssf, start="random").state)
+        gaps[name] = np.linalg.norm(windowed - exact) / np.linalg.norm(exact)
+    assert gaps["diagonal"] < 1e-8 and gaps["coupled"] > 1e-3, gaps
+
+
 def test_ssf_with_random_masks_approaches_the_exact_merge():
     states, fishers, factors, sizes, _ = _linear_gaussian()
     inputs = {"weights": sizes, "fishers": fishers, "factors": factors, "prior_precision": 2.0}
