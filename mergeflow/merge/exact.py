@@ -75,7 +75,14 @@ def _preconditioner(
     if kind == "jacobi":
         inverse_diagonal = 1.0 / (sum(c.precision_diagonal() for c in clients) + delta).clamp_min(1e-30)
         return lambda r: r * inverse_diagonal
-    return woodbury_inverse(sum(c.diagonal for c in clients) + delta, clients)
+    return woodbury_preconditioner(clients, delta)
+
+
+def woodbury_preconditioner(
+    clients: list[ClientPrecision], delta: float, build_dtype: torch.dtype = torch.float64
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The exact inverse of Σ_k Λ_k − (K−1)δI (each Λ_k = s_k(U_kᵀU_k + D_k) + δI), by Woodbury."""
+    return woodbury_inverse(sum(c.diagonal for c in clients) + delta, clients, build_dtype=build_dtype)
 
 
 def woodbury_inverse(
@@ -93,11 +100,11 @@ def woodbury_inverse(
     time, and the capacitance they make differs from it by 2e-4 at 1M parameters, but their rounding
     of S A^(-1/2), relative to the capacitance's largest eigenvalue (about 1e6), costs CG 1 to 4 more
     iterations: at the default tolerance more than the build saves (``bench/woodbury_precision.py``,
-    docs/benchmarks.md). Each block of ``columns`` columns of S A^(-1/2)
-    is scaled once into a reused buffer, and only the lower triangle is multiplied, in strips of
-    ``strip`` rows (0.58 of the full product's time). Applying it is float64 whatever the build: in
-    float32 its two terms cancel, and CG took about 100 iterations at 1M parameters. It costs two
-    passes over the factors, widened by row blocks like the CG products.
+    docs/benchmarks.md). Each block of ``columns`` columns of S A^(-1/2) is scaled once into a
+    reused buffer, and only the lower triangle is multiplied, in strips of ``strip`` rows (0.58 of
+    the full product's time). Applying it is float64 whatever the build: in float32 its two terms
+    cancel, and CG took about 100 iterations at 1M parameters. It costs two passes over the
+    factors, widened by row blocks like the CG products.
     """
     inverse_a = 1.0 / diagonal.clamp_min(1e-30)
     root_inverse = inverse_a.sqrt().to(build_dtype)
@@ -147,6 +154,10 @@ class ProductSystem:
         """(Σ Λ_k − (K−1)δI) v, matrix-free."""
         return sum(c.matvec(v) for c in self.clients) + self.delta * v
 
+    def relative_residual(self, theta: torch.Tensor) -> float:
+        """‖rhs − Aθ‖ / ‖rhs‖, with one exact product."""
+        return float((self.rhs - self.matvec(theta)).norm()) / (float(self.rhs.norm()) or 1.0)
+
 
 def product_system(x: ModelInputs, options: ExactOptions) -> ProductSystem:
     """The linear system whose solution is the product of the clients' Gaussian posteriors; CG starts
@@ -171,6 +182,5 @@ def exact(x: ModelInputs, options: ExactOptions) -> MergeResult:
         tolerance=options.tolerance,
         max_iterations=options.max_iterations,
     )
-    final = float((system.rhs - system.matvec(theta)).norm()) / (float(system.rhs.norm()) or 1.0)
-    summary = {"cg_iterations": float(len(residuals)), "cg_relative_residual": final}
+    summary = {"cg_iterations": float(len(residuals)), "cg_relative_residual": system.relative_residual(theta)}
     return MergeResult(x.unflatten(theta), {"cg_relative_residual": residuals}, summary)
