@@ -84,12 +84,17 @@ def _run(args: argparse.Namespace, stages: list[str] | None) -> int:
     print(f"mergeflow: {len(outcomes)} steps in {elapsed:.1f}s: {len(ran)} ran, {len(outcomes) - len(ran)} cached")
     if ran:
         print("  ran: " + step_summary(ran))
+    warnings: list[str] = []
+    if stages is None or "federated" in stages:
+        from tasks.federated import run_warnings
+
+        warnings += run_warnings(Path.cwd())
     if stages is None or "evaluate" in stages:
         from tasks.evaluation import run_warning
 
-        warning = run_warning(Path.cwd())
-        if warning:
-            print(f"mergeflow: warning: {warning}", file=sys.stderr)
+        warnings += [warning] if (warning := run_warning(Path.cwd())) else []
+    for warning in warnings:
+        print(f"mergeflow: warning: {warning}", file=sys.stderr)
     return 0
 
 

@@ -227,8 +227,12 @@ def plan_federated(params: Params) -> list[list[Step]]:
             )
         waves += [clients, servers]
     metrics = tuple(round_metrics_file(name, r) for name in names for r in range(params.federated.rounds + 1))
-    summary = {"algorithms": list(names), "rounds": params.federated.rounds}
-    waves.append([Step("federated/summary", "tasks.federated:summarise_rounds", summary, metrics, _CODE)])
+    settings = {
+        name: {key: _settings(params, name)[key] for key in ("algorithm", "options", "local")} for name in names
+    }
+    summary = {"algorithms": list(names), "rounds": params.federated.rounds, "settings": settings}
+    inputs = (*metrics, PARTITION_METRICS)
+    waves.append([Step("federated/summary", "tasks.federated:summarise_rounds", summary, inputs, _CODE)])
     return waves
 
 
@@ -368,13 +372,34 @@ def server_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     return {"round": r}
 
 
+def run_warnings(root: Path) -> list[str]:
+    """The federated stage's warnings (settings known to run away), one line each, if it gave any."""
+    path = root / FEDERATED_INDEX
+    if not path.is_file():
+        return []
+    warnings = json.loads(path.read_text()).get("warnings", {})
+    return [f"federated.options.{name}: {text}" for name, text in warnings.items()]
+
+
 def summarise_rounds(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
-    """Per-round metrics of every algorithm in one file, and the accuracy-vs-round plot."""
+    """Per-round metrics of every algorithm in one file, the accuracy-vs-round plot, and each algorithm's
+    stability warning (in round 0's metrics and the index), computed here so that a change of the rounds
+    asked for re-runs no finished round."""
     curves = {
         name: [json.loads((root / round_metrics_file(name, r)).read_text()) for r in range(params["rounds"] + 1)]
         for name in params["algorithms"]
     }
+    sizes = json.loads((root / PARTITION_METRICS).read_text())["sizes"]
+    warnings = {}
+    for name, curve in curves.items():
+        settings = params["settings"][name]
+        algorithm = get_algorithm(settings["algorithm"])
+        options = algorithm.parse_options(settings["options"])
+        local = LocalTraining(**settings["local"])
+        if warning := algorithm.stability_warning(sizes, local, params["rounds"], options):
+            warnings[name] = curve[0]["warning"] = warning  # round 0, as the plain loop reports it
     write_json(out / FEDERATED_METRICS, curves)
-    write_json(out / FEDERATED_INDEX, {"algorithms": params["algorithms"], "rounds": params["rounds"]})
+    index = {"algorithms": params["algorithms"], "rounds": params["rounds"], "warnings": warnings}
+    write_json(out / FEDERATED_INDEX, index)
     plot_rounds(curves, out / FEDERATED_PLOT)
     return {"algorithms": len(curves)}

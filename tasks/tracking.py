@@ -289,6 +289,8 @@ def _log_federated(mlflow, root: Path, name: str, config: dict[str, Any], rounds
         "mergeflow.federated": name,
         "mergeflow.checkpoint_sha256": sha256_file(root / global_checkpoint(name, len(rounds) - 1)),
     }
+    if rounds[0].get("warning"):
+        tags["mergeflow.warning"] = rounds[0]["warning"]
     with mlflow.start_run(run_name=f"federated_{name}", nested=True, tags=tags):
         options = {k: v for k, v in config["federated"]["options"].get(name, {}).items() if k != "algorithm"}
         _log_params(mlflow, {"algorithm": algorithm, **flatten(options, "option.")})

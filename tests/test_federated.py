@@ -54,7 +54,9 @@ def _track(run, key: str) -> list[float]:
 
 def test_toy_bayes_admm_is_exact_after_one_round_and_stays() -> None:
     delta = 1e-8
-    run = run_quadratic_rounds("bayes_admm", _toy(), 5, {"rho": 0.5, "damping": 1.0, "prior_precision": delta})
+    run = run_quadratic_rounds(
+        "bayes_admm", _toy(), 5, {"rho": 0.5, "damping": 1.0, "prior_precision": delta, "temperature": 1.0}
+    )
     means, precisions = _track(run, "mean.theta"), _track(run, "precision.theta")
     assert means[0] == 0.0 and precisions[0] == delta
     for mean, precision in zip(means[1:], precisions[1:], strict=True):
@@ -69,7 +71,10 @@ def test_toy_bayes_admm_is_exact_after_one_round_and_stays() -> None:
 def test_toy_bayes_admm_other_steps_converge_slowly(rho: float, damping: float, expected: list[float]) -> None:
     # The precision sequences the reference toy script gives (notes §1); the mean is 4.5 at once.
     run = run_quadratic_rounds(
-        "bayes_admm", _toy(), len(expected), {"rho": rho, "damping": damping, "prior_precision": 1e-12}
+        "bayes_admm",
+        _toy(),
+        len(expected),
+        {"rho": rho, "damping": damping, "prior_precision": 1e-12, "temperature": 1.0},
     )
     assert _track(run, "precision.theta")[1:] == pytest.approx(expected, abs=1e-9)
     assert _track(run, "mean.theta")[1:] == pytest.approx([4.5] * len(expected), abs=1e-9)
@@ -126,7 +131,12 @@ def test_linear_gaussian_one_bayes_admm_round_is_the_full_posterior(temperature:
 def test_bayes_admm_server_tracks_the_sum_of_client_duals_under_partial_participation() -> None:
     problems = _linear_gaussian(num_clients=5)
     run = run_quadratic_rounds(
-        "bayes_admm", problems, 6, {"rho": 0.3, "damping": 0.5, "prior_precision": 1.0}, fraction=0.4, seed=3
+        "bayes_admm",
+        problems,
+        6,
+        {"rho": 0.3, "damping": 0.5, "prior_precision": 1.0, "temperature": 1.0},
+        fraction=0.4,
+        seed=3,
     )
     server = run.servers[-1]
     for key in ("mean", "prec"):
@@ -135,7 +145,12 @@ def test_bayes_admm_server_tracks_the_sum_of_client_duals_under_partial_particip
     # Partial participation still converges to the full posterior with ρ = 1/K, d = 1.
     exact = exact_posterior(problems, 1.0)[0]
     partial = run_quadratic_rounds(
-        "bayes_admm", problems, 30, {"rho": 0.2, "damping": 1.0, "prior_precision": 1.0}, fraction=0.6, seed=1
+        "bayes_admm",
+        problems,
+        30,
+        {"rho": 0.2, "damping": 1.0, "prior_precision": 1.0, "temperature": 1.0},
+        fraction=0.6,
+        seed=1,
     )
     assert _rel(partial.servers[-1]["mean.theta"], exact) < 1e-6
 

@@ -14,8 +14,10 @@ FEDERATED = {
     "algorithms": ["fedavg", "bayes_admm"],
     "rounds": 2,
     "fraction": 0.67,  # 2 of 3 clients per round
-    "options": {"bayes_admm": {"rho": 0.5, "damping": 0.1}},
+    # The settings that were the defaults until issue 29: at K·ρ = 0.9 the run warns that they run away.
+    "options": {"bayes_admm": {"rho": 0.3, "temperature": 1.0, "lr": 0.2, "hess_init": 1.0, "beta2": 0.99}},
 }
+RUN: dict[str, str] = {}
 
 
 def _round_steps(name: str, rounds: range, participants) -> set[str]:
@@ -40,6 +42,7 @@ def workspace(tmp_path_factory, cli_env):
     path = make_workspace(tmp_path_factory.mktemp("federated"), params)
     done = run_cli(["run"], path, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
+    RUN["stderr"] = done.stderr
     return path
 
 
@@ -130,6 +133,21 @@ def test_mlflow_has_a_federated_child_run_with_per_round_metrics(workspace):
     assert latest["metrics.test_accuracy"] == pytest.approx(by_round[3])
     drift = mlflow.tracking.MlflowClient().get_metric_history(latest.run_id, "round_drift")
     assert sorted(m.step for m in drift) == [1, 2, 3] and all(m.value > 0 for m in drift)
+
+
+def test_settings_known_to_run_away_warn_in_one_line_and_in_mlflow(workspace):
+    import mlflow
+
+    lines = [line for line in RUN["stderr"].splitlines() if line.startswith("mergeflow: warning: federated")]
+    assert len(lines) == 1, RUN["stderr"][-3000:]
+    assert lines[0].startswith(
+        "mergeflow: warning: federated.options.bayes_admm: K·ρ = 0.9 is below IVON-ADMM's stable"
+    )
+    mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["mergeflow"], filter_string="tags.`mergeflow.kind` = 'federated'")
+    tags = dict(zip(runs["tags.mergeflow.algorithm"], runs["tags.mergeflow.warning"], strict=True))
+    assert tags["bayes_admm"] == lines[0].split("federated.options.bayes_admm: ", 1)[1]
+    assert not isinstance(tags["fedavg"], str)  # no tag on the algorithm without a warning
 
 
 def test_a_diverged_client_stops_the_run_or_is_excluded_without_retraining(workspace, cli_env):

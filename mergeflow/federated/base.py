@@ -18,7 +18,7 @@ Server and client states are float64; model parameters keep their own dtype and 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -154,6 +154,19 @@ class FederatedAlgorithm:
     ) -> ServerState:
         """The new server state from the participants' messages (keys of ``messages``)."""
         raise NotImplementedError
+
+    def stability_warning(
+        self, sizes: Sequence[int], train: LocalTraining, rounds: int, options: BaseModel
+    ) -> str | None:
+        """One line when these settings are known to run away with clients of these sizes, else None.
+
+        Args:
+            sizes: every client's number of examples.
+            train: the local training settings (epochs and batch size set the steps per round).
+            rounds: the rounds the run is asked for.
+            options: the algorithm's options.
+        """
+        return None
 
     def global_state(self, server: ServerState) -> dict[str, torch.Tensor]:
         """The model parameters to evaluate (float64; cast when loading into a model)."""

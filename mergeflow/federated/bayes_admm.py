@@ -36,7 +36,7 @@ dual step needs damping (d ≈ 0.1; d = 1 diverged in the notes' runs). Evaluati
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -56,6 +56,8 @@ from mergeflow.federated.base import (
     register_algorithm,
     take_prefix,
 )
+from mergeflow.federated.divergence import guard_runaway
+from mergeflow.federated.flat_direction import local_steps, min_stable_rho
 from mergeflow.federated.ivon_prior import IVONWithPrior
 from mergeflow.federated.local import check_finite, minibatches, prepared
 from mergeflow.federated.quadratic import THETA, QuadraticProblem, eye_like, pmul, psolve
@@ -69,6 +71,7 @@ DUAL_PREC_SUM = "dual_prec_sum."
 SERVER_ROUNDS = "server_rounds"
 IVON_MOMENTUM = "ivon_momentum."
 IVON_STEPS = "ivon_steps"
+STABILITY_HORIZON = 200  # rounds over which stability_warning asks a parameter no data touches to stay put
 
 
 @register_algorithm
@@ -173,6 +176,9 @@ class BayesADMM(FederatedAlgorithm):
         mean, precision = opt.get_posterior()
         if not (torch.isfinite(mean).all() and torch.isfinite(precision).all() and (precision > 0).all()):
             raise DivergenceError("IVON-ADMM client posterior is not finite and positive")
+        distance = float((mean.to(torch.float64) - flat(server, MEAN)).norm())
+        scale = options.prior_precision**-0.5  # a prior standard deviation: smaller moves never run away
+        guard = guard_runaway(client, distance, options.runaway_window, options.runaway_growth, scale)
         message: Message = {}
         offset = 0
         for name, p in exchanged_parameters(model):
@@ -186,7 +192,7 @@ class BayesADMM(FederatedAlgorithm):
             "ess": scale / options.rho,
             "mean_precision": float(precision.double().mean()),
         }
-        state = self.dual_step(server, client, message, options)
+        state = self.dual_step(server, client, message, options) | guard
         momentum, ivon_steps = opt.get_momentum()
         state[IVON_STEPS] = torch.tensor(float(ivon_steps), dtype=torch.float64)
         offset = 0
@@ -236,6 +242,24 @@ class BayesADMM(FederatedAlgorithm):
                 raise DivergenceError(f"Bayes-ADMM server posterior of {name!r} is not finite and positive")
         new[SERVER_ROUNDS] = server[SERVER_ROUNDS] + 1
         return new
+
+    def stability_warning(
+        self, sizes: Sequence[int], train: LocalTraining, rounds: int, options: BayesADMMOptions
+    ) -> str | None:
+        """A warning when K·ρ is below the stable range for these clients: a parameter no data touches
+        runs away within max(``rounds``, 200) rounds in the closed-form recursion of
+        :mod:`~mergeflow.federated.flat_direction` (a necessary condition, not a sufficient one)."""
+        horizon = max(rounds, STABILITY_HORIZON)
+        steps = local_steps(sizes, train.epochs, train.batch_size)
+        rho = min_stable_rho(sizes, steps, options, horizon)
+        if rho == options.rho:
+            return None
+        k = len(sizes)
+        return (
+            f"K·ρ = {k * options.rho:.3g} is below IVON-ADMM's stable range for these {k} clients: a parameter "
+            f"no data touches runs away within {horizon} rounds (mergeflow.federated.flat_direction); "
+            f"rho >= {rho:.2g} (K·ρ >= {k * rho:.2g}) keeps it bounded, as can a smaller lr or hess_init"
+        )
 
     def posterior(self, server: ServerState) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The global Gaussian q̄: (means m̄, diagonal precisions S̄) by parameter name."""

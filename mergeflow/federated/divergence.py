@@ -1,7 +1,8 @@
 """What a round does with a client whose local training diverged (``federated.on_divergence``).
 
-A diverged client update (non-finite loss, or a non-finite or non-positive IVON posterior) is
-recorded, not raised, by :func:`guarded_client_update`: no message, the client's state unchanged.
+A diverged client update (non-finite loss, a non-finite or non-positive IVON posterior, or a
+client whose drift ran away, :func:`guard_runaway`) is recorded, not raised, by
+:func:`guarded_client_update`: no message, the client's state unchanged.
 The server step then applies the policy with :func:`surviving_messages`: ``fail`` stops the run
 with the clients and reasons, ``exclude`` drops those messages for this round only. Keeping the
 decision at the server step means changing the policy re-runs no client update.
@@ -20,6 +21,50 @@ from mergeflow.federated.base import ClientData, ClientState, FederatedAlgorithm
 from mergeflow.training import DivergenceError
 
 DIVERGENCE_POLICIES = ("fail", "exclude")
+FIRST_DISTANCE = "runaway_first_distance"  # client state: its distance ‖θ_k − θ̄‖ in its first round
+DISTANCES = "runaway_distances"  # client state: its last distances after the first round, oldest first
+
+
+def guard_runaway(
+    client: ClientState, distance: float, window: int, growth: float, scale: float = 0.0
+) -> dict[str, torch.Tensor]:
+    """The client's distance record with ``distance`` added, unless the client has run away.
+
+    A client that sent ``distance`` = ‖θ_k − θ̄‖ from the model it started at has run away when it
+    holds ``window`` earlier distances and ``distance`` is more than ``growth`` × the largest of:
+    the smallest of those distances, its first round's distance, and ``scale``. A healthy client's
+    distance shrinks or levels off as the duals settle; one in a run-away loop grows geometrically
+    (IVON-ADMM at small Kρ: about 1.4× a round, :mod:`.flat_direction`). Against the window alone a
+    converged client whose tiny distances vary by orders of magnitude would count as run away, and
+    so would a client whose first steps were damped (IVON starts at ``hess_init``) and whose later
+    ones are not; the first round's distance is the scale of one round of local training, and
+    ``scale`` one the algorithm knows (IVON-ADMM: a prior standard deviation, 1/√δ).
+    ``window`` = 0 turns the check off.
+
+    Returns:
+        The entries to store in the client's state: the first distance and the last ``window``
+        later ones (nothing when the check is off).
+
+    Raises:
+        DivergenceError: when the client has run away, saying by how much and what to change.
+    """
+    if window == 0:
+        return {}
+    if FIRST_DISTANCE not in client:
+        first = torch.tensor(distance, dtype=torch.float64)
+        return {FIRST_DISTANCE: first, DISTANCES: torch.zeros(0, dtype=torch.float64)}
+    history = client[DISTANCES]
+    if len(history) >= window:
+        reference = max(float(history.min()), float(client[FIRST_DISTANCE]), scale)
+        if distance > growth * reference:
+            raise DivergenceError(
+                f"client drift ran away: its distance from the global model, {distance:.3g}, is more than "
+                f"{growth:g}x its smallest over its last {window} rounds, its first round's and its scale's "
+                f"(the largest: {reference:.3g}); raise the algorithm's rho or lower its lr "
+                "(docs/results.md: IVON-ADMM's stable region)"
+            )
+    appended = torch.cat([history, torch.tensor([distance], dtype=torch.float64)])
+    return {DISTANCES: appended[-window:]}
 
 
 def guarded_client_update(

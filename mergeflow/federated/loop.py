@@ -7,6 +7,7 @@ flow with the same seed reproduces it bit for bit.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,7 +170,9 @@ def run_rounds(
         ``train_loss`` (participants' last-epoch losses weighted by n_k), ``drift`` (mean ‖θ_k − θ̄‖
         from the global model the clients started at), ``diverged`` (ids of the participants whose
         message was dropped) and the evaluation metrics of the new global model (accuracy/nll/ece
-        or mse/nll, plus ``bma_*`` with ``predictive_samples``).
+        or mse/nll, plus ``bma_*`` with ``predictive_samples``). Round 0's also hold ``warning`` when
+        the algorithm's :meth:`~mergeflow.federated.base.FederatedAlgorithm.stability_warning` gave
+        one, which is also issued as a ``RuntimeWarning``.
     """
     algo = get_algorithm(algorithm)
     opts = algo.parse_options(options)
@@ -190,7 +193,11 @@ def run_rounds(
             algo, server, eval_model, evaluation, validation_data, noise_std, predictive_samples, seed, round_index
         )
 
+    warning = algo.stability_warning([len(d) for d in clients_data], train, rounds, opts)
     first = {"round": 0.0, **scores(0)}
+    if warning:
+        warnings.warn(f"{algo.name}: {warning}", RuntimeWarning, stacklevel=2)
+        first["warning"] = warning
     run.metrics.append(first)
     if callback is not None:
         callback(first)
