@@ -160,3 +160,21 @@ def test_the_stability_warning_names_the_stable_rho() -> None:
     with pytest.warns(RuntimeWarning, match="bayes_admm: K·ρ = 0.9 is below"):
         run = run_rounds("bayes_admm", _Untouched, _clients(), 1, options=UNTIL_ISSUE_29, train=TRAIN)
     assert run.metrics[0]["warning"].startswith("K·ρ = 0.9")
+
+
+@pytest.mark.slow
+def test_the_default_pipeline_keeps_its_drift_over_50_rounds(tmp_path, cli_env):
+    import json
+
+    import yaml
+    from conftest import ROOT, make_workspace, run_cli
+
+    workspace = make_workspace(tmp_path / "defaults", yaml.safe_load((ROOT / "params.yaml").read_text()))
+    overrides = ["federated.algorithms=[bayes_admm]", "federated.rounds=50", "merge.methods=[average]"]
+    done = run_cli(["run", *(arg for o in overrides for arg in ("-S", o))], workspace, cli_env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mergeflow: warning: federated" not in done.stderr
+    rounds = json.loads((workspace / "metrics/federated.json").read_text())["bayes_admm"]
+    assert len(rounds) == 51
+    assert rounds[50]["drift"] <= 3.0 * rounds[10]["drift"]  # 1.4x a round on the old defaults
+    assert rounds[50]["accuracy"] > 0.9 and rounds[50]["diverged"] == []

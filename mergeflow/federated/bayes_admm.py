@@ -32,6 +32,17 @@ in the client state (local, never sent), as the reference keeps its optimizer ac
 message is the IVON posterior (m_k, S_k = ess·(h + S̄/ess)). With the stochastic IVON solve the
 dual step needs damping (d ≈ 0.1; d = 1 diverged in the notes' runs). Evaluation uses the mean m̄;
 :meth:`BayesADMM.posterior` gives (m̄, S̄) for a Monte-Carlo predictive.
+
+Stability. The outer loop can run away in directions no data touches
+(:mod:`~mergeflow.federated.flat_direction` has the mechanism and its exact recursion): round 0's
+``hess_init`` puts precision into V_k that decays by only about d(1 − β2^T) a round (T local
+steps), the clients' local problems stay nearly flat there for hundreds of rounds, and the dual
+and server steps amplify a client's offset when Kρ is small. On the default pipeline's clients
+τ = 1, lr 0.2, ``hess_init`` 1, β2 0.99 need Kρ ≳ 2.9 at 2 local epochs and 3.9 at 10 (they ran
+away at Kρ = 1.5); lr 0.05 or ``hess_init`` 0.01 bring that to Kρ ≈ 0.6–0.7, and the defaults
+(τ 1e-3, lr 0.01, ``hess_init`` 0.01, β2 0.999) to Kρ ≤ 0.1 (0.6 at 10 epochs).
+:meth:`BayesADMM.stability_warning` checks a run's own clients against the recursion, and
+:func:`~mergeflow.federated.divergence.guard_runaway` stops a client whose drift grows anyway.
 """
 
 from __future__ import annotations

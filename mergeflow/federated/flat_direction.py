@@ -19,8 +19,9 @@ covers only 1 − β2^T of the way to its target −V_k/(N_k/τ) in a round, so 
 d(1 − β2^T) a round: hundreds of rounds. Meanwhile the client's local objective in that
 coordinate has curvature (ρS̄ − V_k)/(N_k/τ), close to zero or negative, so the client's mean
 moves far while the precision it reports stays near S̄: its message overstates its pull. The
-dual and server steps amplify that offset by more than 1 a round when Kρ is small (the server
-keeps weight α = 1/(1 + Kρ) on the dual sums); the amplification ends only when V_k has decayed.
+dual and server steps amplify that offset by more than 1 a round when Kρ is small (Kρ sets the
+server's weight α = 1/(1 + Kρ) on the prior and the dual sums); the amplification ends only when
+V_k has decayed.
 :func:`flat_offsets` runs the recursion; :func:`max_flat_growth` is its largest growth of
 |m̄ − m0| over the first-round offset, which the tests and ``bench/flat_direction.py`` use to map
 the stable region (docs/results.md).
