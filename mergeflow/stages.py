@@ -9,27 +9,38 @@ params into the stage's cached steps; it is a string so this module imports noth
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from mergeflow.import_graph import import_closure
+
+_ROOT = Path(__file__).resolve().parent.parent  # the repository: mergeflow/, tasks/, flows/
 
 
 @dataclass(frozen=True)
 class Stage:
     """One pipeline stage.
 
-    ``deps`` are artifact inputs, ``code`` the source paths whose content is part of the
-    cache key (and a DVC dependency), ``params`` the params keys it reads, ``outs`` the
-    cached outputs, ``metrics``/``plots`` small outputs kept in git rather than the cache.
-    ``phases`` run one after another; the steps inside one phase may run in parallel.
+    ``deps`` are artifact inputs, ``params`` the params keys it reads, ``outs`` the cached
+    outputs, ``metrics``/``plots`` small outputs kept in git rather than the cache. ``phases``
+    run one after another; the steps inside one phase may run in parallel. Its code (a DVC
+    dependency, and part of every step's cache key) is derived, never listed: :attr:`code`.
     """
 
     name: str
     summary: str
     phases: tuple[str, ...]
     deps: tuple[str, ...] = ()
-    code: tuple[str, ...] = ()
     params: tuple[str, ...] = ()
     outs: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ()
     plots: tuple[str, ...] = ()
+
+    @property
+    def code(self) -> tuple[str, ...]:
+        """Every source file of this repository that the stage's phase modules import, transitively
+        (the union of its steps' :attr:`tasks.steps.Step.code`)."""
+        modules = dict.fromkeys(phase.partition(":")[0] for phase in self.phases)
+        return tuple(sorted({path for module in modules for path in import_closure(module, _ROOT)}))
 
     @property
     def produced(self) -> tuple[str, ...]:
@@ -37,7 +48,6 @@ class Stage:
         return self.outs + self.metrics + self.plots
 
 
-_TRAINING_CODE = ("mergeflow/models", "mergeflow/training.py", "mergeflow/checkpoints.py", "tasks/training.py")
 _CENTRALIZED_PARAMS = tuple(
     f"finetune.{key}" for key in ("epochs", "lr", "optimizer", "momentum", "weight_decay", "batch_size", "lora")
 )
@@ -47,7 +57,6 @@ STAGES: tuple[Stage, ...] = (
         name="prepare",
         summary="Load the data source, split train/test/server (tokenize text), save as parquet datasets.",
         phases=("tasks.data:plan_prepare", "tasks.data:plan_tokenize"),
-        code=("mergeflow/data", "tasks/data.py"),
         params=("seed", "data", "model.hf.pretrained"),
         outs=("data/prepared",),
         metrics=("metrics/data.json",),
@@ -57,7 +66,6 @@ STAGES: tuple[Stage, ...] = (
         summary="Split the training set across clients with flwr-datasets partitioners.",
         phases=("tasks.data:plan_partition",),
         deps=("data/prepared",),
-        code=("mergeflow/data", "tasks/data.py"),
         params=("seed", "partition"),
         outs=("data/partitions",),
         metrics=("metrics/partition.json",),
@@ -68,7 +76,6 @@ STAGES: tuple[Stage, ...] = (
         summary="Train the shared base model on the server split (or initialise it).",
         phases=("tasks.training:plan_pretrain",),
         deps=("data/prepared",),
-        code=_TRAINING_CODE,
         params=("seed", "model", "pretrain"),
         outs=("models/base",),
     ),
@@ -77,7 +84,6 @@ STAGES: tuple[Stage, ...] = (
         summary="Fine-tune one model per client from the base model (one cached task per client).",
         phases=("tasks.training:plan_finetune",),
         deps=("models/base", "data/partitions"),
-        code=_TRAINING_CODE,
         params=("seed", "finetune"),
         outs=("models/clients",),
     ),
@@ -86,7 +92,6 @@ STAGES: tuple[Stage, ...] = (
         summary="Train the oracle on the pooled client data with the fine-tuning defaults (or its best epoch).",
         phases=("tasks.training:plan_centralized",),
         deps=("models/base", "data/partitions", "data/prepared"),
-        code=(*_TRAINING_CODE, "tasks/scoring.py", "mergeflow/evaluation.py", "mergeflow/schema/search.py"),
         params=("seed", *_CENTRALIZED_PARAMS, "centralized", "merge.select_by", "evaluate.noise_std"),
         outs=("models/centralized",),
     ),
@@ -95,13 +100,6 @@ STAGES: tuple[Stage, ...] = (
         summary="Per-client diagonal Fisher (and optional per-example factors), one cached task per client.",
         phases=("tasks.fisher:plan_fisher",),
         deps=("models/clients", "data/partitions"),
-        code=(
-            "mergeflow/fisher.py",
-            "mergeflow/sketch.py",
-            "mergeflow/grams.py",
-            "mergeflow/checkpoints.py",
-            "tasks/fisher.py",
-        ),
         params=("seed", "fisher", "evaluate.noise_std"),
         outs=("models/fishers",),
     ),
@@ -110,7 +108,6 @@ STAGES: tuple[Stage, ...] = (
         summary="Permute every client (and its Fisher) to a reference model; loss barriers before and after.",
         phases=("tasks.align:plan_align",),
         deps=("data/prepared", "data/partitions", "models/clients", "models/fishers"),
-        code=("mergeflow/align", "mergeflow/checkpoints.py", "mergeflow/plots.py", "tasks/align.py"),
         params=("seed", "align", "fisher.low_rank"),
         outs=("models/aligned",),
         metrics=("metrics/align.json",),
@@ -122,17 +119,6 @@ STAGES: tuple[Stage, ...] = (
         "candidate; searches chosen on the validation split).",
         phases=("tasks.merging:plan_merge",),
         deps=("models/base", "models/aligned", "data/prepared"),
-        code=(
-            "mergeflow/merge",
-            "mergeflow/schema/merge.py",
-            "mergeflow/schema/search.py",
-            "mergeflow/checkpoints.py",
-            "mergeflow/safetensors_io.py",
-            "mergeflow/hf_checkpoints.py",
-            "mergeflow/evaluation.py",
-            "tasks/merging.py",
-            "tasks/scoring.py",
-        ),
         params=("merge", "evaluate.noise_std"),
         outs=("models/merged",),
     ),
@@ -141,14 +127,6 @@ STAGES: tuple[Stage, ...] = (
         summary="Federated rounds from the base model: cached client updates, then a server update, per round.",
         phases=("tasks.federated:plan_federated",),
         deps=("data/prepared", "data/partitions", "models/base"),
-        code=(
-            "mergeflow/federated",
-            "mergeflow/schema/federated.py",
-            "mergeflow/models",
-            "mergeflow/checkpoints.py",
-            "mergeflow/evaluation.py",
-            "tasks/federated.py",
-        ),
         params=("seed", "federated", "finetune.lora", "partition.num_clients", "evaluate.noise_std"),
         outs=("models/federated",),
         metrics=("metrics/federated.json",),
@@ -168,13 +146,6 @@ STAGES: tuple[Stage, ...] = (
             "metrics/align.json",
             "plots/barrier.png",
             "metrics/federated.json",
-        ),
-        code=(
-            "mergeflow/evaluation.py",
-            "mergeflow/plots.py",
-            "mergeflow/checkpoints.py",
-            "tasks/evaluation.py",
-            "tasks/tracking.py",
         ),
         params=("evaluate", "tracking"),
         metrics=("metrics/evaluate.json", "metrics/selection.json"),

@@ -39,7 +39,6 @@ from tasks.training import client_checkpoint
 ALIGNED = "models/aligned"
 ALIGN_METRICS = "metrics/align.json"
 BARRIER_PLOT = "plots/barrier.png"
-_CODE = ("mergeflow/align", "mergeflow/checkpoints.py", "mergeflow/plots.py", "tasks/align.py")
 
 
 def aligned_checkpoint(client: int) -> str:
@@ -78,7 +77,7 @@ def plan_align(params: Params) -> list[Step]:
         "factors": params.fisher.low_rank,
         "seed": params.seed,
     }
-    return [Step("align", "tasks.align:align_clients", step_params, inputs=tuple(inputs), code=_CODE)]
+    return [Step("align", "tasks.align:align_clients", step_params, inputs=tuple(inputs))]
 
 
 def _reference(choice: int | str, sizes: list[int], diverged: list[int]) -> int:

@@ -42,7 +42,6 @@ TOKENIZER = f"{PREPARED}/tokenizer"
 PARTITIONS = "data/partitions"
 DATA_METRICS = "metrics/data.json"
 CHECKED = f"{STATE_DIR}/checked"  # markers of tables that passed the pre-flight check
-_CODE = ("mergeflow/data", "tasks/data.py")
 
 
 def client_file(client: int) -> str:
@@ -102,7 +101,6 @@ def plan_prepare(params: Params) -> list[Step]:
             "tasks.data:prepare",
             {"seed": params.seed, "data": params.section("data")},
             inputs=local_data_files(params),
-            code=_CODE,
         )
     ]
 
@@ -223,7 +221,7 @@ def plan_tokenize(params: Params) -> list[Step]:
     }
     if params.task == "causal_lm":  # the texts' labels stay, for partitions and groups
         step_params["task"] = params.task
-    return [Step("tokenize", "tasks.data:tokenize", step_params, inputs=(TEXT,), code=_CODE)]
+    return [Step("tokenize", "tasks.data:tokenize", step_params, inputs=(TEXT,))]
 
 
 def tokenize(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
@@ -266,7 +264,6 @@ def plan_partition(params: Params) -> list[Step]:
             "tasks.data:partition",
             {"seed": params.seed, "partition": params.section("partition")},
             inputs=(f"{PREPARED}/train.parquet", f"{PREPARED}/info.json"),
-            code=_CODE,
         )
     ]
 

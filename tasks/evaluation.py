@@ -26,13 +26,6 @@ SELECTION = "metrics/selection.json"
 SELECTION_PLOT = "plots/selection.png"
 SANITY = "sanity"  # the key of the input-blind baseline and its warning in METRICS
 PLOT = "plots/comparison.png"
-_CODE = (
-    "mergeflow/evaluation.py",
-    "mergeflow/plots.py",
-    "mergeflow/checkpoints.py",
-    "tasks/evaluation.py",
-    "tasks/scoring.py",
-)
 
 
 def plan_evaluate(params: Params) -> list[Step]:
@@ -61,7 +54,6 @@ def plan_evaluate(params: Params) -> list[Step]:
                 *merged,
                 *federated.values(),
             ),
-            code=_CODE,
         )
     ]
 

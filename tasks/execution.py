@@ -23,6 +23,7 @@ from prefect.serializers import JSONSerializer
 from prefect.settings import get_current_settings
 
 from mergeflow.checkpoints import atomic_path, private_directory
+from mergeflow.import_graph import third_party_versions
 from tasks.steps import Step, StepOutcome, read_record, record_name, resolve, results_dir, step_key, typical_seconds
 from tasks.store import ArtifactStore
 
@@ -144,6 +145,7 @@ def _run_step(step: Step, root: str, torch_threads: int, scratch: Path) -> dict[
         "stamps": store.stamps(files),
         "summary": summary,
         "seconds": time.perf_counter() - started,
+        "versions": third_party_versions(),  # not in the key (as in DVC): the record says what made it
     }
 
 

@@ -55,14 +55,6 @@ FEDERATED_INDEX = f"{FEDERATED}/index.json"
 FEDERATED_METRICS = "metrics/federated.json"
 FEDERATED_PLOT = "plots/federated.png"
 PARTITION_METRICS = "metrics/partition.json"
-_CODE = (
-    "mergeflow/federated",
-    "mergeflow/schema/federated.py",
-    "mergeflow/models",
-    "mergeflow/checkpoints.py",
-    "mergeflow/evaluation.py",
-    "tasks/federated.py",
-)
 
 
 def _round_dir(name: str, round_index: int) -> str:
@@ -185,7 +177,6 @@ def plan_federated(params: Params) -> list[list[Step]]:
                 "tasks.federated:init_rounds",
                 {**_settings(params, name), **_evaluation_settings(params)},
                 evaluation,
-                _CODE,
             )
             for name in names
         ]
@@ -211,7 +202,6 @@ def plan_federated(params: Params) -> list[list[Step]]:
                         "tasks.federated:client_round",
                         step_params,
                         inputs,
-                        _CODE,
                     )
                 )
                 last_round[name][k] = r
@@ -222,7 +212,6 @@ def plan_federated(params: Params) -> list[list[Step]]:
                     "tasks.federated:server_round",
                     {**settings, **_evaluation_settings(params), "round": r, "participants": participants},
                     (*evaluation, server_file(name, r - 1), PARTITION_METRICS, *messages),
-                    _CODE,
                 )
             )
         waves += [clients, servers]
@@ -232,7 +221,7 @@ def plan_federated(params: Params) -> list[list[Step]]:
     }
     summary = {"algorithms": list(names), "rounds": params.federated.rounds, "settings": settings}
     inputs = (*metrics, PARTITION_METRICS)
-    waves.append([Step("federated/summary", "tasks.federated:summarise_rounds", summary, inputs, _CODE)])
+    waves.append([Step("federated/summary", "tasks.federated:summarise_rounds", summary, inputs)])
     return waves
 
 

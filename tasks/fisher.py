@@ -18,13 +18,6 @@ from tasks.steps import Step
 from tasks.training import client_checkpoint
 
 FISHERS = "models/fishers"
-_CODE = (
-    "mergeflow/fisher.py",
-    "mergeflow/sketch.py",
-    "mergeflow/grams.py",
-    "mergeflow/checkpoints.py",
-    "tasks/fisher.py",
-)
 
 
 def fisher_file(client: int) -> str:
@@ -51,7 +44,6 @@ def plan_fisher(params: Params) -> list[Step]:
             "tasks.fisher:client_fisher",
             {**settings, "client": client},
             inputs=(client_checkpoint(client), client_file(client), f"{PARTITIONS}/info.json"),
-            code=_CODE,
         )
         for client in range(params.partition.num_clients)
     ]

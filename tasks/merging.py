@@ -27,16 +27,6 @@ from tasks.steps import Step
 from tasks.training import BASE
 
 MERGED = "models/merged"
-_CODE = (
-    "mergeflow/merge",
-    "mergeflow/schema/merge.py",
-    "mergeflow/schema/search.py",
-    "mergeflow/checkpoints.py",
-    "mergeflow/safetensors_io.py",
-    "mergeflow/hf_checkpoints.py",
-    "mergeflow/models/hf.py",
-    "tasks/merging.py",
-)
 
 
 def merged_checkpoint(name: str) -> str:
@@ -81,7 +71,6 @@ def _merge_step(params: Params, name: str, method: str, options: dict[str, Any],
     if "base" in spec.uses and "base" not in spec.needs:  # an optional base is the clients' only if they share it
         step_params["shared_base"] = params.finetune.init == "shared"
     inputs = _inputs(method, clients, factors) + ((TOKENIZER,) if params.model.arch == "hf" else ())
-    code = (*_CODE, "tasks/scoring.py")
     if candidate or "scorer" in METHODS[method].uses:  # scored on the validation split, never on test
         step_params |= {
             "noise_std": params.evaluate.noise_std,
@@ -90,10 +79,10 @@ def _merge_step(params: Params, name: str, method: str, options: dict[str, Any],
         inputs += _VALIDATION
     settings = {"stream_above_mb": params.merge.stream_above_mb}
     if not candidate:
-        return Step(f"merge/{name}", "tasks.merging:merge_clients", step_params, inputs, code, settings)
+        return Step(f"merge/{name}", "tasks.merging:merge_clients", step_params, inputs, settings=settings)
     step_params["path"] = candidate_checkpoint(name, options)
     step_name = f"merge/{name}/{candidate_id(options)}"
-    return Step(step_name, "tasks.merging:merge_candidate", step_params, inputs, code, settings)
+    return Step(step_name, "tasks.merging:merge_candidate", step_params, inputs, settings=settings)
 
 
 def plan_merge(params: Params) -> list[list[Step]]:
@@ -111,7 +100,7 @@ def plan_merge(params: Params) -> list[list[Step]]:
         select = {"name": name, "candidates": paths, "searched": searched_keys(options)}
         select["select_by"] = params.merge.selection_metric(params.task)
         inputs = (*paths, BASE) + ((TOKENIZER,) if params.model.arch == "hf" else ())
-        selections.append(Step(f"merge/{name}", "tasks.merging:select_candidate", select, inputs, _CODE))
+        selections.append(Step(f"merge/{name}", "tasks.merging:select_candidate", select, inputs))
     return [merges, selections] if selections else [merges]
 
 

@@ -4,10 +4,12 @@ A step is a plain function ``fn(params, root, out) -> summary`` that reads its i
 the project root and writes its outputs under ``out`` with their final relative paths.
 ``out`` holds no file when the step starts, but may hold folders an earlier step of its task
 run made (create folders with ``exist_ok=True``).
-The cache key hashes the step's name, its code files, its params (canonical JSON) and the
-sha256 of every input file, so it is stable across processes and machines; torch objects
-never enter it. The task's persisted result is the output manifest, so a hit in a new
-process re-materialises the files from the artifact store without running the step.
+The cache key hashes the step's name, its code (every file of this repository that its module
+imports, transitively: :attr:`Step.code`), its params (canonical JSON) and the sha256 of every
+input file, so it is stable across processes and machines; torch objects never enter it, and
+neither do third-party versions (as in DVC; each record notes them instead). The task's
+persisted result is the output manifest, so a hit in a new process re-materialises the files
+from the artifact store without running the step.
 Executing steps as Prefect task runs is :mod:`tasks.execution`'s; this module imports no
 Prefect, so a fully cached run (:func:`cached_outcomes`) starts none of it.
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mergeflow.import_graph import import_closure
 from tasks.store import STATE_DIR, ArtifactStore, hash_paths
 
 StepFunction = Callable[[dict[str, Any], Path, Path], dict[str, Any]]
@@ -42,8 +45,13 @@ class Step:
     fn: str
     params: dict[str, Any]
     inputs: tuple[str, ...] = ()
-    code: tuple[str, ...] = ()
     settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def code(self) -> tuple[str, ...]:
+        """The source files that key this step: the import closure, inside this repository, of the
+        module that defines ``fn`` (:func:`mergeflow.import_graph.import_closure`)."""
+        return import_closure(self.fn.partition(":")[0], project_root_of_code())
 
 
 @dataclass

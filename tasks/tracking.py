@@ -21,6 +21,7 @@ from typing import Any
 from mergeflow.checkpoints import load_checkpoint
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
+from mergeflow.import_graph import third_party_versions
 from tasks.align import ALIGN_METRICS, BARRIER_PLOT
 from tasks.data import DATA_METRICS, PARTITIONS, PREPARED, client_file
 from tasks.evaluation import METRICS, PLOT, SANITY, SELECTION, SELECTION_PLOT
@@ -75,7 +76,7 @@ def plan_track(params: Params) -> list[Step]:
     }
     federated = tuple(final_checkpoint(params, name) for name in params.federated.algorithms)
     inputs = (*_ARTIFACTS, *clients, *merged, *federated)
-    return [Step("track", "tasks.tracking:track", step_params, inputs=inputs, code=("tasks/tracking.py",))]
+    return [Step("track", "tasks.tracking:track", step_params, inputs=inputs)]
 
 
 def _git_commit(root: Path) -> str:
@@ -387,6 +388,8 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
         "mergeflow.git_commit": _git_commit(root),
         "mergeflow.data_hash": _digest(hash_paths(root, [PREPARED, PARTITIONS])),
         "mergeflow.params_hash": _digest({"params": json.dumps(config, sort_keys=True)}),
+        # Cache keys leave third-party versions out (as DVC does): the run says which made its models.
+        **{f"mergeflow.version.{name}": version for name, version in third_party_versions().items()},
     }
     with mlflow.start_run(experiment_id=experiment_id, run_name="pipeline", tags=tags) as parent:
         _log_params(mlflow, flatten(config))

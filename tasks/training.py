@@ -20,7 +20,6 @@ from tasks.steps import Step
 BASE = "models/base/base.safetensors"
 CLIENTS = "models/clients"
 CENTRALIZED = "models/centralized/centralized.safetensors"
-_CODE = ("mergeflow/models", "mergeflow/training.py", "mergeflow/checkpoints.py", "tasks/training.py")
 _TRAIN_KEYS = ("epochs", "lr", "optimizer", "momentum", "weight_decay", "batch_size")
 
 
@@ -59,7 +58,7 @@ def plan_pretrain(params: Params) -> list[Step]:
     if params.model.arch == "hf":
         model["hf"]["config"] = params.model.hf.model_config_fields()
     step_params = {"seed": params.seed, "model": model, "pretrain": params.section("pretrain")}
-    return [Step("pretrain", "tasks.training:pretrain", step_params, inputs=(PREPARED,), code=_CODE)]
+    return [Step("pretrain", "tasks.training:pretrain", step_params, inputs=(PREPARED,))]
 
 
 def pretrain(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
@@ -161,7 +160,6 @@ def plan_finetune(params: Params) -> list[Step]:
                 "train": _client_settings(params, client),
             },
             inputs=(BASE, client_file(client), f"{PARTITIONS}/info.json"),
-            code=_CODE,
         )
         for client in range(params.partition.num_clients)
     ]
@@ -246,14 +244,12 @@ def plan_centralized(params: Params) -> list[Step]:
             "noise_std": params.evaluate.noise_std,
         }
     validation = (f"{PREPARED}/validation.parquet", f"{PREPARED}/info.json") if best else ()
-    scoring = ("tasks/scoring.py", "mergeflow/evaluation.py", "mergeflow/schema/search.py") if best else ()
     return [
         Step(
             "centralized",
             "tasks.training:centralized",
             step_params,
             inputs=(BASE, f"{PARTITIONS}/info.json", *files, *validation),
-            code=(*_CODE, *scoring),
         )
     ]
 

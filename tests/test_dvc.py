@@ -18,22 +18,28 @@ def test_committed_dvc_yaml_is_generated_from_the_registry():
     assert (ROOT / "dvc.yaml").read_text() == render(), "run `mergeflow dvc-yaml --write`"
 
 
-def test_every_code_path_of_every_stage_and_step_exists():
-    """A moved module must not leave a stale path: it would hash as "missing" and stop invalidating caches."""
+def test_dvc_deps_are_the_code_every_step_of_the_stage_is_keyed_on():
+    """dvc repro and the Prefect pipeline re-run on the same edits: a stage's code is its steps' code."""
     from mergeflow.config import load_params
     from tasks.runner import _waves
     from tasks.steps import resolve
 
-    # the committed params, and with the options whose steps read more code
+    # the committed params, and with the options whose steps read more
     variants = [[], ["centralized.keep=best_validation", "data.validation_fraction=0.2"]]
     for overrides in variants:
         params = load_params(ROOT / "params.yaml", overrides)
         for stage in STAGES:
-            paths = set(stage.code)
-            for phase in stage.phases:
-                paths |= {path for wave in _waves(resolve(phase)(params)) for step in wave for path in step.code}
-            missing = sorted(path for path in paths if not (ROOT / path).exists())
-            assert not missing, f"stage {stage.name} ({overrides}): code paths that do not exist: {missing}"
+            steps = {
+                path
+                for phase in stage.phases
+                for wave in _waves(resolve(phase)(params))
+                for step in wave
+                for path in step.code
+            }
+            assert steps <= set(stage.code), f"stage {stage.name} ({overrides}): {sorted(steps - set(stage.code))}"
+            assert all((ROOT / path).is_file() for path in stage.code)
+    deps = yaml.safe_load(render())["stages"]["federated"]["deps"]
+    assert {"mergeflow/training.py", "mergeflow/seeding.py", "mergeflow/federated/local.py"} <= set(deps)
 
 
 def test_dvc_yaml_lists_every_stage_with_its_params_and_paths():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from importlib.metadata import version
 
 import pytest
 from conftest import fast_params, make_workspace, ran_steps, run_cli
@@ -195,6 +196,12 @@ def test_mlflow_holds_runs_tags_metrics_and_a_reloadable_model(workspace):
     assert parent["params.partition.num_clients"] == "3"
     assert len(parent["tags.mergeflow.data_hash"]) == 16
     assert parent["tags.mergeflow.git_commit"]
+    import torch
+
+    assert parent["tags.mergeflow.version.torch"] == version("torch")  # keys leave it out, the run notes it
+    assert torch.__version__.startswith(parent["tags.mergeflow.version.torch"])
+    records = list((workspace / ".mergeflow/results").iterdir())
+    assert records and all(json.loads(json.loads(r.read_text())["result"])["versions"]["torch"] for r in records)
     children = runs[runs["tags.mlflow.parentRunId"] == parent.run_id]
     expected_kinds = ["client"] * 3 + ["federated"] * len(FEDERATED["algorithms"]) + ["merge"] * len(METHODS)
     assert sorted(children["tags.mergeflow.kind"]) == expected_kinds

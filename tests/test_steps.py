@@ -259,30 +259,32 @@ def test_steps_keyed_together_hash_their_code_once_and_get_the_same_keys(tmp_pat
     roots = []
     real = tasks.steps.hash_paths
     monkeypatch.setattr(tasks.steps, "hash_paths", lambda root, paths: roots.append(Path(root)) or real(root, paths))
-    steps = [Step(f"s{i}", f"{__name__}:record_step", {"name": f"s{i}"}, code=("tasks/steps.py",)) for i in range(3)]
+    steps = [Step(f"s{i}", "tasks.store:hash_paths", {"name": f"s{i}"}) for i in range(3)]
     code_hashes: dict = {}
     keys = [step_key(step, tmp_path, code_hashes) for step in steps]
     assert roots.count(project_root_of_code()) == 1 and len(set(keys)) == 3
     assert keys == [step_key(step, tmp_path) for step in steps]
 
 
-def test_a_steps_key_changes_when_its_code_changes_and_the_memo_is_per_code_tuple(tmp_path, monkeypatch):
+def test_a_steps_key_follows_the_code_its_module_imports_and_the_memo_is_per_step_code(tmp_path, monkeypatch):
     import tasks.steps
     from tasks.steps import step_key
 
     code_root = tmp_path / "code"
-    code_root.mkdir()
-    (code_root / "a.py").write_text("x = 1\n")
-    (code_root / "b.py").write_text("y = 1\n")
+    (code_root / "pkg").mkdir(parents=True)
+    (code_root / "pkg/__init__.py").write_text("")
+    (code_root / "a.py").write_text("def fn():\n    from pkg import helper  # a lazy import counts too\n")
+    (code_root / "pkg/helper.py").write_text("x = 1\n")
+    (code_root / "b.py").write_text("import json\n")
     monkeypatch.setattr(tasks.steps, "project_root_of_code", lambda: code_root)
-    on_a = Step("s", f"{__name__}:record_step", {"name": "s"}, code=("a.py",))
-    on_b = Step("s", f"{__name__}:record_step", {"name": "s"}, code=("b.py",))  # same name and params
+    on_a, on_b = Step("s", "a:fn", {"name": "s"}), Step("s", "b:fn", {"name": "s"})  # same name and params
+    assert on_a.code == ("a.py", "pkg/__init__.py", "pkg/helper.py") and on_b.code == ("b.py",)
     memo: dict = {}
-    before = step_key(on_a, tmp_path, memo)
-    assert step_key(on_b, tmp_path, memo) != before  # the memo did not hand b.py's step a.py's hash
-    (code_root / "a.py").write_text("x = 2\n")
-    assert step_key(on_a, tmp_path) != before  # an edited library file is a cache miss
-    assert step_key(on_a, tmp_path, memo) == before  # within one memo: the code the process imported
+    before_a, before_b = step_key(on_a, tmp_path, memo), step_key(on_b, tmp_path, memo)
+    assert before_b != before_a  # the memo did not hand b's step a's hash
+    (code_root / "pkg/helper.py").write_text("x = 2\n")  # imported by a, lazily: a's key only
+    assert step_key(on_a, tmp_path) != before_a and step_key(on_b, tmp_path) == before_b
+    assert step_key(on_a, tmp_path, memo) == before_a  # within one memo: the code the process imported
 
 
 def test_ingest_leaves_its_folder_without_files_when_the_content_is_stored_already(tmp_path):

@@ -1,0 +1,127 @@
+"""The source files a module runs: its import closure inside one source tree, found statically.
+
+A cached step's key hashes the code it runs, so that editing any module it imports, even
+transitively, re-runs it, and editing one it does not import re-runs nothing. Nobody keeps a list:
+:func:`import_closure` walks the module's syntax tree (every ``import`` and ``from … import``
+statement anywhere in it, function-level and ``if TYPE_CHECKING:`` ones included, without running
+anything), follows each import that resolves to a file under the root, and repeats. Importing
+``a.b.c`` runs ``a/__init__.py`` and ``a/b/__init__.py`` too, so those count. A name that a
+package serves lazily (PEP 562 ``__getattr__``, e.g. ``from mergeflow.data import load_source``)
+is not bound in the package's ``__init__.py``, so the walk cannot tell which submodule holds it
+and counts every module of that package: a missed file would be a stale result, an extra one only
+an extra re-run. Imports of third-party packages are not followed (as DVC does not hash them);
+:func:`third_party_versions` reports the versions that a run's records note instead.
+``importlib.import_module`` with a computed name is not seen; steps do not use it.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from importlib import metadata
+from pathlib import Path
+
+RECORDED_PACKAGES = ("torch", "numpy", "transformers", "peft", "ivon-opt", "safetensors", "scikit-learn", "datasets")
+
+
+def module_file(name: str, root: Path) -> Path | None:
+    """The file of module ``name`` under ``root`` (``a/b.py`` or ``a/b/__init__.py``), or None."""
+    base = root.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _package_of(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    if node.level == 0:
+        return node.module or ""
+    parts = package.split(".") if package else []
+    base = parts[: len(parts) - (node.level - 1)] if node.level > 1 else parts
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _bound_names(tree: ast.Module) -> set[str]:
+    """The names a module binds at its top level (definitions, assignments, imports)."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    return names
+
+
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_bytes(), filename=str(path))
+
+
+def _package_modules(package: str, root: Path) -> list[str]:
+    directory = root.joinpath(*package.split("."))
+    return [
+        ".".join([*package.split("."), *p.relative_to(directory).with_suffix("").parts]).removesuffix(".__init__")
+        for p in sorted(directory.rglob("*.py"))
+    ]
+
+
+def _imported(name: str, path: Path, root: Path) -> list[str]:
+    """The module names that module ``name`` (at ``path``) imports, resolved against ``root``."""
+    tree, package, found = _parsed(path), _package_of(name, path), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(node, package)
+            found.append(base)
+            init = module_file(base, root)
+            for alias in node.names:
+                if alias.name == "*":
+                    continue
+                if module_file(f"{base}.{alias.name}", root) is not None:
+                    found.append(f"{base}.{alias.name}")
+                elif init is not None and init.name == "__init__.py" and alias.name not in _bound_names(_parsed(init)):
+                    found += _package_modules(base, root)  # served lazily: any of its modules may hold it
+    return found
+
+
+@functools.cache
+def import_closure(module: str, root: Path) -> tuple[str, ...]:
+    """Sorted paths, relative to ``root``, of ``module``'s file and every file under ``root`` it imports,
+    transitively (with the ``__init__.py`` of every package on the way); cached per process."""
+    seen: set[str] = set()
+    files: set[Path] = set()
+    pending = [module]
+    while pending:
+        name = pending.pop()
+        if name in seen or not name:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        pending += [".".join(parts[:i]) for i in range(1, len(parts))]  # the parent packages run first
+        path = module_file(name, root)
+        if path is None:
+            continue
+        files.add(path)
+        pending += _imported(name, path, root)
+    return tuple(sorted(str(path.relative_to(root)) for path in files))
+
+
+@functools.cache
+def third_party_versions(packages: tuple[str, ...] = RECORDED_PACKAGES) -> dict[str, str]:
+    """The installed versions of the third-party packages whose changes keys ignore (absent ones left
+    out), read once per process: the same dict every call, not to be changed."""
+    versions = {}
+    for package in packages:
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions

@@ -1,0 +1,113 @@
+"""Cache keys from the import graph: an edited module re-keys every step that imports it, even
+transitively, and no other; the stage registry's DVC deps are the same files."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from mergeflow.import_graph import import_closure, third_party_versions
+from mergeflow.stages import STAGES
+
+
+def _copy_code(target: Path) -> Path:
+    names = subprocess.run(["git", "ls-files", "mergeflow", "tasks"], cwd=ROOT, capture_output=True, text=True)
+    for name in names.stdout.split():
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, target / name)
+    return target
+
+
+@pytest.fixture(scope="module")
+def planned():
+    from mergeflow.config import load_params
+    from tasks.runner import _waves
+    from tasks.steps import resolve
+
+    params = load_params(ROOT / "params.yaml")
+    return [
+        step for stage in STAGES for phase in stage.phases for wave in _waves(resolve(phase)(params)) for step in wave
+    ]
+
+
+def _keys(steps, code_root: Path, workspace: Path, monkeypatch) -> dict[str, str]:
+    import tasks.steps
+
+    monkeypatch.setattr(tasks.steps, "project_root_of_code", lambda: code_root)
+    return {step.name: tasks.steps.step_key(step, workspace) for step in steps}
+
+
+def _edit(path: Path) -> None:
+    path.write_text(path.read_text() + "\n# an edit\n")
+
+
+@pytest.mark.parametrize(
+    "module, stages",
+    [
+        # the holes of the hand-kept lists: federated training, Fisher's training and models, seeds, track
+        ("mergeflow/training.py", None),
+        ("mergeflow/federated/local.py", {"federated", "evaluate", "track"}),
+        (
+            "mergeflow/seeding.py",
+            {"pretrain", "finetune", "centralized", "fisher", "align", "merge", "federated", "evaluate", "track"},
+        ),
+        ("tasks/tracking.py", {"track"}),
+        ("mergeflow/merge/sparsify.py", {"merge", "evaluate", "track"}),
+    ],
+)
+def test_an_edit_re_keys_exactly_the_steps_that_import_it(module, stages, planned, tmp_path, monkeypatch):
+    code_root = _copy_code(tmp_path / "code")
+    before = _keys(planned, code_root, tmp_path, monkeypatch)
+    _edit(code_root / module)
+    after = _keys(planned, code_root, tmp_path, monkeypatch)
+    changed = {name for name in before if before[name] != after[name]}
+    importers = {step.name for step in planned if module in step.code}
+    assert changed == importers and changed  # every importer, transitively, and nothing else
+    if stages is not None:
+        assert {name.split("/")[0] for name in changed} == stages
+    if module == "mergeflow/training.py":  # every federated client update and every Fisher
+        assert {s.name for s in planned if s.name.startswith(("federated/", "fisher/"))} <= changed
+
+
+def test_steps_that_an_edit_of_seeding_leaves_alone_never_derive_a_seed(planned):
+    for step in planned:
+        if "mergeflow/seeding.py" not in step.code:
+            assert not any("derive_seed" in (ROOT / path).read_text() for path in step.code), step.name
+
+
+def test_the_closure_follows_lazy_imports_parent_packages_and_lazily_served_names(tmp_path):
+    (tmp_path / "pkg/sub").mkdir(parents=True)
+    (tmp_path / "pkg/__init__.py").write_text("")
+    (tmp_path / "pkg/sub/__init__.py").write_text("def __getattr__(name):\n    ...\n")  # PEP 562, like mergeflow.data
+    (tmp_path / "pkg/sub/one.py").write_text("from . import two\n")
+    (tmp_path / "pkg/sub/two.py").write_text("from ..leaf import x\n")
+    (tmp_path / "pkg/sub/three.py").write_text("")
+    (tmp_path / "pkg/leaf.py").write_text("import numpy\nx = 1\n")
+    (tmp_path / "main.py").write_text("def run():\n    from pkg.sub import served_lazily\n")
+    (tmp_path / "other.py").write_text("import pkg.sub.one\n")
+    assert import_closure("other", tmp_path) == (
+        "other.py",
+        "pkg/__init__.py",
+        "pkg/leaf.py",
+        "pkg/sub/__init__.py",
+        "pkg/sub/one.py",
+        "pkg/sub/two.py",
+    )
+    # a name the package serves lazily could be in any of its modules: all of them count
+    assert set(import_closure("main", tmp_path)) == {"main.py", "pkg/__init__.py", "pkg/leaf.py"} | {
+        f"pkg/sub/{name}.py" for name in ("__init__", "one", "two", "three")
+    }
+
+
+def test_records_and_runs_note_third_party_versions():
+    import torch
+
+    assert (
+        third_party_versions()["torch"] == torch.__version__.split("+")[0]
+        or third_party_versions()["torch"] == torch.__version__
+    )
+    assert "numpy" in third_party_versions()
