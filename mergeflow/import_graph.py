@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import ast
 import functools
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
 RECORDED_PACKAGES = ("torch", "numpy", "transformers", "peft", "ivon-opt", "safetensors", "scikit-learn", "datasets")
 
 
+@functools.cache
 def module_file(name: str, root: Path) -> Path | None:
     """The file of module ``name`` under ``root`` (``a/b.py`` or ``a/b/__init__.py``), or None."""
     base = root.joinpath(*name.split("."))
@@ -72,10 +74,24 @@ def _package_modules(package: str, root: Path) -> list[str]:
     ]
 
 
-def _imported(name: str, path: Path, root: Path) -> list[str]:
+def _import_statements(statements: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement among ``statements`` and the statements nested in them (function and
+    class bodies, branches, ``try`` and ``with`` blocks); expressions hold none, so they are skipped."""
+    for node in statements:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+            continue
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            block = getattr(node, field, None)
+            if isinstance(block, list):
+                yield from _import_statements(block)
+
+
+@functools.cache
+def _imported(name: str, path: Path, root: Path) -> tuple[str, ...]:
     """The module names that module ``name`` (at ``path``) imports, resolved against ``root``."""
     tree, package, found = _parsed(path), _package_of(name, path), []
-    for node in ast.walk(tree):
+    for node in _import_statements(tree.body):
         if isinstance(node, ast.Import):
             found += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -89,7 +105,7 @@ def _imported(name: str, path: Path, root: Path) -> list[str]:
                     found.append(f"{base}.{alias.name}")
                 elif init is not None and init.name == "__init__.py" and alias.name not in _bound_names(_parsed(init)):
                     found += _package_modules(base, root)  # served lazily: any of its modules may hold it
-    return found
+    return tuple(found)
 
 
 @functools.cache
