@@ -99,6 +99,7 @@ def smoke(tmp_path_factory, cli_env):
     return root, preset, time.perf_counter() - started
 
 
+@pytest.mark.slow
 def test_the_smoke_sweep_tables_gain_gap_and_seen_unseen_under_a_minute(smoke):
     from mergeflow.federated import sample_participants
     from tasks.data import client_file, read_groups
@@ -133,6 +134,7 @@ def test_the_smoke_sweep_tables_gain_gap_and_seen_unseen_under_a_minute(smoke):
     assert facts["small"]["compute"] == pytest.approx(6 * facts["small"]["parameters"] * facts["small"]["tokens"])
 
 
+@pytest.mark.slow
 def test_a_second_sweep_reads_its_records_and_the_bulky_blobs_are_gone(smoke, cli_env):
     from tasks.store import ArtifactStore, sha256_file
 
@@ -152,6 +154,7 @@ def test_a_second_sweep_reads_its_records_and_the_bulky_blobs_are_gone(smoke, cl
     assert time.perf_counter() - started < seconds / 2
 
 
+@pytest.mark.slow
 def test_the_centralized_model_is_its_best_validation_epoch(smoke):
     from mergeflow.checkpoints import load_checkpoint_meta
 

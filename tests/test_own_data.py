@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
+from conftest import fast_params, make_workspace, run_cli
 
 from mergeflow.cli import main
 from mergeflow.data import DataError
@@ -18,7 +19,6 @@ from mergeflow.data.encode import encode_splits
 from mergeflow.data.features import FeatureEncoder, fit_encoder
 from mergeflow.data.sources import load_hf_raw, load_raw
 from mergeflow.evaluation import sanity_check
-from tests.conftest import fast_params, make_workspace, run_cli
 
 # Very different scales: an unscaled SGD run sees only the 1e4 column.
 SCALES = np.array([1e-3, 1.0, 1e4, 50.0, 1e-2, 300.0])
@@ -193,6 +193,7 @@ def table_run(tmp_path_factory, cli_env):
     return path, frame, done
 
 
+@pytest.mark.slow
 def test_mixed_scales_train_on_the_defaults_and_the_choice_is_recorded(table_run):
     path, _, done = table_run
     metrics = json.loads((path / "metrics/evaluate.json").read_text())
@@ -205,6 +206,7 @@ def test_mixed_scales_train_on_the_defaults_and_the_choice_is_recorded(table_run
     assert info["class_names"] == ["kind_0", "kind_1", "kind_2"] and info["input_shape"] == [len(SCALES) + 3]
 
 
+@pytest.mark.slow
 def test_the_registered_model_predicts_from_raw_rows_as_the_checkpoint_does(table_run):
     import mlflow
 
@@ -227,6 +229,7 @@ def test_the_registered_model_predicts_from_raw_rows_as_the_checkpoint_does(tabl
     assert (predicted["label"] == frame["kind"].iloc[np.asarray(test["row"])].to_numpy()).mean() > 0.9
 
 
+@pytest.mark.slow
 def test_mlflow_marks_training_and_logs_the_datasets(table_run):
     import mlflow
 
@@ -244,6 +247,7 @@ def test_mlflow_marks_training_and_logs_the_datasets(table_run):
     assert [d.dataset.name for d in client.inputs.dataset_inputs] == ["hf:csv:client_000"]
 
 
+@pytest.mark.slow
 def test_unscaled_features_give_the_chance_level_warning(table_run, cli_env):
     path, _, _ = table_run
     done = run_cli(["run", "-S", "data.standardize=false"], path, cli_env)
@@ -255,6 +259,7 @@ def test_unscaled_features_give_the_chance_level_warning(table_run, cli_env):
     assert json.loads((path / "metrics/data.json").read_text())["standardized"] is False
 
 
+@pytest.mark.slow
 def test_editing_the_table_re_runs_prepare(table_run, cli_env):
     from mergeflow.config import load_params
     from tasks.data import plan_prepare

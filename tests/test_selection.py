@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
+from conftest import fast_params, make_workspace, ran_steps, run_cli
 
 from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import load_params
 from mergeflow.errors import ConfigError
 from mergeflow.schema.search import choose, search_grid
 from tasks import merging, scoring
-from tests.conftest import fast_params, make_workspace, ran_steps, run_cli
 
 SCALINGS = [0.1, 0.3, 0.6, 1.0]
 
@@ -47,6 +47,7 @@ def searched(tmp_path_factory, cli_env):
     return path
 
 
+@pytest.mark.slow
 def test_each_candidate_is_scored_on_validation_and_the_best_is_kept(searched):
     selection = json.loads((searched / "metrics/selection.json").read_text())
     assert set(selection) == {"task_arithmetic", "ties"}
@@ -68,6 +69,7 @@ def test_each_candidate_is_scored_on_validation_and_the_best_is_kept(searched):
     assert 1 <= soup["summary"]["soup_size"] <= 3 and len(soup["curves"]["soup_score_tried"]) == 3
 
 
+@pytest.mark.slow
 def test_mlflow_shows_the_validation_curve_and_the_choice(searched):
     import mlflow
 
@@ -81,6 +83,7 @@ def test_mlflow_shows_the_validation_curve_and_the_choice(searched):
     assert float(run.data.params["selected.scaling"]) == float(run.data.params["option.scaling"])
 
 
+@pytest.mark.slow
 def test_adding_a_value_runs_only_that_candidate(searched, cli_env):
     done = run_cli(["run", "-S", f"merge.options.task_arithmetic.scaling={[*SCALINGS, 0.45]}"], searched, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -89,6 +92,7 @@ def test_adding_a_value_runs_only_that_candidate(searched, cli_env):
     assert merges == {f"merge/task_arithmetic/{new}", "merge/task_arithmetic"}
 
 
+@pytest.mark.slow
 def test_selection_never_reads_test_data_and_keeps_the_planted_best(searched, tmp_path, monkeypatch):
     read = []
     real = scoring.read_arrays
@@ -122,6 +126,7 @@ def test_selection_never_reads_test_data_and_keeps_the_planted_best(searched, tm
     assert load_checkpoint(out / merging.merged_checkpoint("task_arithmetic"))[1]["selection"]["chosen"] == 1
 
 
+@pytest.mark.slow
 def test_merges_above_the_size_threshold_stream_to_the_same_checkpoints_under_the_same_keys(
     searched, tmp_path, monkeypatch
 ):
@@ -157,6 +162,7 @@ def test_a_search_needs_a_validation_split(tmp_path, capsys, monkeypatch):
     assert "merge.options.ties.density" in line and "data.validation_fraction" in line
 
 
+@pytest.mark.slow
 def test_the_merges_reproduction_tables_every_method_and_the_choices(tmp_path, cli_env):
     import yaml
 
