@@ -1,5 +1,5 @@
-"""The pipeline flow: the registry's stages in order, or a chosen subset (what ``dvc.yaml`` calls),
-and the scheduled flow that ``mergeflow serve`` deploys."""
+"""The pipeline flow: the registry's stages in order, or a chosen subset (what ``dvc.yaml`` calls).
+The scheduled flow that ``mergeflow serve`` deploys is :mod:`flows.schedule`'s."""
 
 from __future__ import annotations
 
@@ -15,9 +15,7 @@ from prefect.context import SettingsContext, get_settings_context
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from flows.runs import run_and_record
-from mergeflow.config import OrchestrationConfig, Params, load_params, validate_params
-from mergeflow.errors import MergeflowError
+from mergeflow.config import OrchestrationConfig, Params, validate_params
 from mergeflow.stages import STAGES, get_stage
 from tasks.runner import run_stage
 from tasks.steps import StepOutcome
@@ -80,33 +78,3 @@ def _configured_pipeline(orchestration: str, name: str) -> Flow:
     about 10 ms; each flow run starts from a duplicate of the task runner, so one can serve every run)."""
     runner = task_runner(OrchestrationConfig.model_validate_json(orchestration))
     return pipeline.with_options(task_runner=runner, flow_run_name=name)
-
-
-@flow(name="mergeflow-scheduled")
-def scheduled_pipeline(params_file: str, root: str, overrides: list[str] | None = None) -> dict[str, int]:
-    """Read the params file when the run starts (so edits apply to the next run) and run the pipeline."""
-    params = load_params(params_file, overrides or [])
-    outcomes, _ = run_and_record(params, Path(root))
-    return {"steps": len(outcomes), "ran": sum(not o["cached"] for o in outcomes)}
-
-
-def serve(
-    params_file: Path, overrides: list[str], root: Path, *, cron: str | None, interval: float | None, name: str
-) -> None:
-    """Create a deployment of the scheduled pipeline and serve it until interrupted.
-
-    Prefect's ephemeral API cannot schedule runs, so this needs a Prefect server
-    (``PREFECT_API_URL``).
-    """
-    from prefect.settings import PREFECT_API_URL
-
-    if not PREFECT_API_URL.value():
-        raise MergeflowError(
-            "serve: schedules need a Prefect server; run `prefect server start` and "
-            "export PREFECT_API_URL=http://127.0.0.1:4200/api"
-        )
-    load_params(params_file, overrides)  # fail now, not at the first scheduled run
-    parameters = {"params_file": str(params_file.resolve()), "root": str(root.resolve()), "overrides": overrides}
-    # One run at a time: a run that outlasts the interval delays the next instead of racing it
-    # for the same workspace.
-    scheduled_pipeline.serve(name=name, cron=cron, interval=interval, parameters=parameters, limit=1)

@@ -118,7 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
     from flows.environment import configure
 
     configure()
-    from flows.pipeline import serve
+    from flows.schedule import serve
 
     serve(Path(args.params), args.overrides, Path.cwd(), cron=args.cron, interval=args.interval, name=args.name)
     return 0

@@ -679,7 +679,7 @@ class Params(_Section):
         if self.finetune.lora is not None:
             if self.model.arch != "hf":
                 raise ValueError("finetune.lora: LoRA needs a transformers model (model.arch: hf)")
-            from mergeflow.models.hf import missing_modules
+            from mergeflow.models.lora import missing_modules
 
             hf = self.model.hf
             missing = missing_modules(

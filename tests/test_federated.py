@@ -31,7 +31,7 @@ from mergeflow.federated import (
     scalar_problem,
 )
 from mergeflow.federated.local import local_train
-from mergeflow.federated.quadratic import QuadraticProblem
+from mergeflow.federated.quadratic_loss import QuadraticProblem
 from mergeflow.models import build_model
 from mergeflow.schema.federated import DECLARED
 from mergeflow.seeding import derive_seed

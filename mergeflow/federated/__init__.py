@@ -26,13 +26,8 @@ from mergeflow.federated.base import (
 )
 from mergeflow.federated.ivon_prior import IVONWithPrior
 from mergeflow.federated.loop import FederatedRun, run_rounds
-from mergeflow.federated.quadratic import (
-    QuadraticProblem,
-    exact_posterior,
-    linear_gaussian_problem,
-    run_quadratic_rounds,
-    scalar_problem,
-)
+from mergeflow.federated.quadratic import exact_posterior, run_quadratic_rounds
+from mergeflow.federated.quadratic_loss import QuadraticProblem, linear_gaussian_problem, scalar_problem
 
 __all__ = [
     "ALGORITHMS",

@@ -32,7 +32,7 @@ from mergeflow.seeding import derive_seed
 from mergeflow.training import OPTIMIZERS, TASKS
 
 if TYPE_CHECKING:
-    from mergeflow.federated.quadratic import QuadraticProblem
+    from mergeflow.federated.quadratic_loss import QuadraticProblem
 
 State = dict[str, torch.Tensor]
 ServerState = State

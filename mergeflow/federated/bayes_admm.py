@@ -71,7 +71,7 @@ from mergeflow.federated.divergence import guard_runaway
 from mergeflow.federated.flat_direction import local_steps, min_stable_rho
 from mergeflow.federated.ivon_prior import IVONWithPrior
 from mergeflow.federated.local import check_finite, minibatches, prepared
-from mergeflow.federated.quadratic import THETA, QuadraticProblem, eye_like, pmul, psolve
+from mergeflow.federated.quadratic_loss import THETA, QuadraticProblem, eye_like, pmul, psolve
 from mergeflow.schema.federated import BayesADMMOptions
 from mergeflow.training import DivergenceError, token_lengths
 

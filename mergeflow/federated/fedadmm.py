@@ -39,7 +39,7 @@ from mergeflow.federated.base import (
     take_prefix,
 )
 from mergeflow.federated.local import local_train
-from mergeflow.federated.quadratic import THETA, QuadraticProblem, eye_like, psolve
+from mergeflow.federated.quadratic_loss import THETA, QuadraticProblem, eye_like, psolve
 from mergeflow.schema.federated import FedADMMOptions
 
 DUAL = "dual."

@@ -23,7 +23,7 @@ from mergeflow.federated.base import (
     take_prefix,
 )
 from mergeflow.federated.local import local_train
-from mergeflow.federated.quadratic import THETA, QuadraticProblem, psolve
+from mergeflow.federated.quadratic_loss import THETA, QuadraticProblem, psolve
 from mergeflow.schema.federated import FedAvgOptions
 
 

@@ -20,7 +20,7 @@ from mergeflow.federated.base import (
     take_prefix,
 )
 from mergeflow.federated.fedavg import FedAvg
-from mergeflow.federated.quadratic import THETA, QuadraticProblem, eye_like, psolve
+from mergeflow.federated.quadratic_loss import THETA, QuadraticProblem, eye_like, psolve
 from mergeflow.schema.federated import FedProxOptions
 
 

@@ -212,11 +212,11 @@ def build_base(
         hf_config.label2id = {name: i for i, name in enumerate(class_names)}
     hf_config._attn_implementation = "eager"
     _set_dropout(hf_config, dropout)
-    auto_class = _auto_class(task)
+    model_class = auto_class(task)
     with seeded(seed):
         if pretrained:
             # A new head (another number of classes) replaces the checkpoint's; the body must load as it is.
-            model, report = auto_class.from_pretrained(
+            model, report = model_class.from_pretrained(
                 pretrained, config=hf_config, ignore_mismatched_sizes=True, output_loading_info=True
             )
             prefix = f"{model.base_model_prefix}."
@@ -224,7 +224,7 @@ def build_base(
             if body:
                 raise ValueError(f"{pretrained}: the config overrides change the pretrained body ({body[0]}, …)")
         else:
-            model = auto_class.from_config(hf_config)
+            model = model_class.from_config(hf_config)
     spec = {
         "arch": "hf",
         "input_shape": [int(max_length)],
@@ -238,7 +238,7 @@ def build_base(
     return _wrapper(task)(model.float(), pad_token_id, sep_token_id, spec["causal"]), spec
 
 
-def _auto_class(task: str):
+def auto_class(task: str):
     """transformers' auto class of a task of :data:`HF_TASKS`."""
     import transformers
 
@@ -258,7 +258,7 @@ def build_from_hf_spec(spec: dict[str, Any]) -> SequenceClassifier:
     config = _config_from_dict(spec["hf_config"])
     config._attn_implementation = "eager"
     with seeded(spec["seed"]):
-        model = _auto_class(task).from_config(config)
+        model = auto_class(task).from_config(config)
     return _wrapper(task)(model.float(), spec["pad_token_id"], spec["sep_token_id"], spec["causal"])
 
 
@@ -289,25 +289,3 @@ def save_pretrained(
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(directory)
-
-
-def missing_modules(
-    pretrained: str | None, config: dict[str, Any], target_modules: list[str], task: str = "sequence_classification"
-) -> list[str]:
-    """The LoRA targets that name no module of the model ``pretrained``/``config`` describe.
-
-    The architecture is built on the meta device (no weights, no memory), so this is cheap enough
-    to run while the params are validated, before any work.
-    """
-    from transformers import AutoConfig
-
-    from mergeflow.models.lora import unmatched_targets
-
-    overrides = {k: v for k, v in config.items() if k != "model_type"}
-    if pretrained:
-        hf_config = AutoConfig.from_pretrained(pretrained, **overrides)
-    else:
-        hf_config = AutoConfig.for_model(config["model_type"], **overrides)
-    with torch.device("meta"):
-        model = _auto_class(task).from_config(hf_config)
-    return unmatched_targets(model, target_modules)

@@ -15,9 +15,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
-from mergeflow.models.hf import SequenceClassifier, seeded
+from mergeflow.models.hf import SequenceClassifier, auto_class, seeded
 
 
 def head_names(model: nn.Module) -> list[str]:
@@ -30,6 +31,26 @@ def unmatched_targets(model: nn.Module, target_modules: list[str]) -> list[str]:
     """The entries of ``target_modules`` that name no module of ``model`` (peft matches name suffixes)."""
     names = [name for name, _ in model.named_modules()]
     return [t for t in target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]
+
+
+def missing_modules(
+    pretrained: str | None, config: dict[str, Any], target_modules: list[str], task: str = "sequence_classification"
+) -> list[str]:
+    """The LoRA targets that name no module of the model ``pretrained``/``config`` describe.
+
+    The architecture is built on the meta device (no weights, no memory), so this is cheap enough
+    to run while the params are validated, before any work.
+    """
+    from transformers import AutoConfig
+
+    overrides = {k: v for k, v in config.items() if k != "model_type"}
+    if pretrained:
+        hf_config = AutoConfig.from_pretrained(pretrained, **overrides)
+    else:
+        hf_config = AutoConfig.for_model(config["model_type"], **overrides)
+    with torch.device("meta"):
+        model = auto_class(task).from_config(hf_config)
+    return unmatched_targets(model, target_modules)
 
 
 def attach_adapters(model: SequenceClassifier, settings: dict[str, Any], seed: int) -> SequenceClassifier:
