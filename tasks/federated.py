@@ -32,15 +32,12 @@ from mergeflow.evaluation import in_target_units
 from mergeflow.federated import (
     ClientData,
     LocalTraining,
-    client_drift,
-    client_generator,
     get_algorithm,
     load_parameters,
     model_parameters,
-    sample_participants,
 )
-from mergeflow.federated.divergence import guarded_client_update, surviving_messages
-from mergeflow.federated.loop import global_scores, weighted_loss
+from mergeflow.federated.loop import global_scores
+from mergeflow.federated.rounds import client_step, round_schedule, server_step
 from mergeflow.models import build_from_spec
 from mergeflow.plots import plot_rounds
 from mergeflow.seeding import derive_seed
@@ -159,11 +156,6 @@ def _evaluation_settings(params: Params) -> dict[str, Any]:
     }
 
 
-def _participants(params: Params, round_index: int) -> list[int]:
-    federated = params.federated
-    return sample_participants(params.partition.num_clients, federated.fraction, params.seed, round_index - 1)
-
-
 def plan_federated(params: Params) -> list[list[Step]]:
     """Waves: init, then (clients, server) per round, then the summary."""
     names = params.federated.algorithms
@@ -181,36 +173,31 @@ def plan_federated(params: Params) -> list[list[Step]]:
             for name in names
         ]
     ]
-    last_round = {name: dict.fromkeys(range(params.partition.num_clients), 0) for name in names}
-    for r in range(1, params.federated.rounds + 1):
-        participants = _participants(params, r)
-        clients, servers = [], []
+    federated = params.federated
+    for step in round_schedule(params.partition.num_clients, federated.rounds, federated.fraction, params.seed):
+        r, clients, servers = step.number, [], []
         for name in names:
             settings = _settings(params, name)
-            for k in participants:
+            for k in step.participants:
                 inputs = (
                     BASE,
                     server_file(name, r - 1),
-                    client_state_file(name, last_round[name][k], k),
+                    client_state_file(name, step.state_rounds[k], k),
                     client_file(k),
                     f"{PARTITIONS}/info.json",
                 )
-                step_params = {**settings, "round": r, "client": k, "state_round": last_round[name][k]}
+                step_params = {**settings, "round": r, "client": k, "state_round": step.state_rounds[k]}
                 clients.append(
                     Step(
-                        f"federated/{name}/r{r:03d}/client_{k:03d}",
-                        "tasks.federated:client_round",
-                        step_params,
-                        inputs,
+                        f"federated/{name}/r{r:03d}/client_{k:03d}", "tasks.federated:client_round", step_params, inputs
                     )
                 )
-                last_round[name][k] = r
-            messages = tuple(message_file(name, r, k) for k in participants)
+            messages = tuple(message_file(name, r, k) for k in step.participants)
             servers.append(
                 Step(
                     f"federated/{name}/r{r:03d}/server",
                     "tasks.federated:server_round",
-                    {**settings, **_evaluation_settings(params), "round": r, "participants": participants},
+                    {**settings, **_evaluation_settings(params), "round": r, "participants": step.participants},
                     (*evaluation, server_file(name, r - 1), PARTITION_METRICS, *messages),
                 )
             )
@@ -314,7 +301,7 @@ def client_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     algorithm = get_algorithm(params["algorithm"])
     info = read_info(root, PARTITIONS)
     X, y = read_arrays(root / client_file(k), info)
-    message, state, metrics = guarded_client_update(
+    message, state, metrics = client_step(
         algorithm,
         federated_model(root, params),
         load_file(root / server_file(name, r - 1)),
@@ -322,7 +309,9 @@ def client_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
         ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"]),
         LocalTraining(**params["local"]),
         algorithm.parse_options(params["options"]),
-        client_generator(params["seed"], r - 1, k),
+        params["seed"],
+        r,
+        k,
     )
     # A diverged client (message None) sends an empty message and keeps its state: the server
     # step applies federated.on_divergence, so changing the policy re-runs no client update.
@@ -337,26 +326,15 @@ def server_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     algorithm = get_algorithm(params["algorithm"])
     options = algorithm.parse_options(params["options"])
     server = load_file(root / server_file(name, r - 1))
-    received = {k: read_message(root / message_file(name, r, k)) for k in participants}
-    client_metrics = {k: metrics for k, (_, metrics) in received.items()}
-    reasons = {k: m["divergence"] for k, m in client_metrics.items() if "divergence" in m}
-    outcomes = {k: None if k in reasons else received[k][0] for k in participants}
+    sent = {k: read_message(root / message_file(name, r, k)) for k in participants}
     sizes = dict(enumerate(json.loads((root / PARTITION_METRICS).read_text())["sizes"]))
     try:
-        messages = surviving_messages(outcomes, reasons, params["on_divergence"], r)
-        updated = (
-            algorithm.server_update(server, messages, {}, sizes, params["num_clients"], options) if messages else server
+        updated, row = server_step(
+            algorithm, server, sent, sizes, params["num_clients"], options, params["on_divergence"], r
         )
     except DivergenceError as error:
         raise MergeflowError(f"federated.algorithms: {name}: {error}") from None
     _save(out / server_file(name, r), updated)
-    losses = {k: m.get("train_loss", float("nan")) for k, m in client_metrics.items()}
-    row = {
-        "participants": float(len(participants)),
-        "train_loss": weighted_loss(losses, sizes, messages),
-        "drift": client_drift(algorithm.global_state(server), messages),
-        "diverged": sorted(reasons),
-    }
     _write_global(root, out, params, updated, r, row)
     return {"round": r}
 

@@ -52,7 +52,7 @@ def _server_means(options: dict, rounds: int) -> list[torch.Tensor]:
             messages[k], clients[k], _ = algo.client_update(
                 _Untouched(), server, clients[k], data[k], TRAIN, opts, generator
             )
-        server = algo.server_update(server, messages, clients, dict(enumerate(SIZES)), len(SIZES), opts)
+        server = algo.server_update(server, messages, dict(enumerate(SIZES)), len(SIZES), opts)
         means.append(server["mean.weight"].reshape(-1))
     return means
 

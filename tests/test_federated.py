@@ -164,10 +164,10 @@ def test_fedavg_server_weights_by_size_over_participants() -> None:
     server = algo.init_server({"w": torch.zeros(2, 3)}, 4, options)
     messages = {k: {"mean.w": torch.full((2, 3), float(k + 1))} for k in (0, 2, 3)}  # client 1 sits out
     sizes = {0: 10, 1: 1000, 2: 30, 3: 60}
-    new = algo.server_update(server, messages, {}, sizes, 4, options)
+    new = algo.server_update(server, messages, sizes, 4, options)
     expected = (10 * 1 + 30 * 3 + 60 * 4) / 100
     assert torch.equal(new["mean.w"], torch.full((2, 3), expected, dtype=torch.float64))
-    uniform = algo.server_update(server, messages, {}, sizes, 4, algo.parse_options({"weighting": "uniform"}))
+    uniform = algo.server_update(server, messages, sizes, 4, algo.parse_options({"weighting": "uniform"}))
     assert torch.allclose(uniform["mean.w"], torch.full((2, 3), 8 / 3, dtype=torch.float64))
 
 
@@ -432,7 +432,7 @@ def test_states_and_messages_are_safetensors_dicts(digits) -> None:
         message, client, metrics = algo.client_update(
             _builder(), server, client, clients[0], LOCAL, opts, client_generator(0, 0, 0)
         )
-        server = algo.server_update(server, {0: message}, {0: client}, {0: len(clients[0])}, 3, opts)
+        server = algo.server_update(server, {0: message}, {0: len(clients[0])}, 3, opts)
         for state in (server, client, message):
             restored = load(save(state))
             assert restored.keys() == state.keys() and all(torch.equal(restored[k], state[k]) for k in state)
@@ -558,7 +558,7 @@ def test_ivon_admm_restarts_each_round_at_the_server_posterior() -> None:
         _NoSignal(), server, client, data, LocalTraining(epochs=2, batch_size=8), opts, gen
     )
     assert torch.allclose(first["precision.weight"], torch.full((1, 4), 2.0 + ess * 1.0, dtype=torch.float64))
-    server = algo.server_update(server, {0: first, 1: first}, {}, {0: 20, 1: 20}, 2, opts)
+    server = algo.server_update(server, {0: first, 1: first}, {0: 20, 1: 20}, 2, opts)
     later, client, _ = algo.client_update(
         _NoSignal(), server, client, data, LocalTraining(epochs=2, batch_size=8), opts, client_generator(0, 1, 0)
     )
@@ -601,10 +601,10 @@ def test_bayes_admm_server_raises_divergence_on_a_non_positive_posterior() -> No
     server = algo.init_server(initial, 2, opts)
     message = {"mean.w": torch.zeros(3, dtype=torch.float64), "precision.w": torch.tensor([1.0, -50.0, 1.0])}
     with pytest.raises(DivergenceError, match="posterior of 'w' is not finite and positive"):
-        algo.server_update(server, {0: message}, {}, {0: 10}, 2, opts)
+        algo.server_update(server, {0: message}, {0: 10}, 2, opts)
     message["precision.w"] = torch.tensor([1.0, float("nan"), 1.0], dtype=torch.float64)
     with pytest.raises(DivergenceError):
-        algo.server_update(server, {0: message}, {}, {0: 10}, 2, opts)
+        algo.server_update(server, {0: message}, {0: 10}, 2, opts)
 
 
 def test_the_monte_carlo_predictive_averages_sampled_models(digits) -> None:

@@ -147,7 +147,6 @@ class FederatedAlgorithm:
         self,
         server: ServerState,
         messages: Mapping[int, Message],
-        client_states: Mapping[int, ClientState],
         sizes: Mapping[int, int],
         num_clients: int,
         options: BaseModel,

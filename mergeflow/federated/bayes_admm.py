@@ -217,7 +217,6 @@ class BayesADMM(FederatedAlgorithm):
         self,
         server: ServerState,
         messages: Mapping[int, Message],
-        client_states: Mapping[int, ClientState],
         sizes: Mapping[int, int],
         num_clients: int,
         options: BayesADMMOptions,

@@ -100,7 +100,6 @@ class FedADMM(FederatedAlgorithm):
         self,
         server: ServerState,
         messages: Mapping[int, Message],
-        client_states: Mapping[int, ClientState],
         sizes: Mapping[int, int],
         num_clients: int,
         options: FedADMMOptions,

@@ -72,7 +72,6 @@ class FedAvg(FederatedAlgorithm):
         self,
         server: ServerState,
         messages: Mapping[int, Message],
-        client_states: Mapping[int, ClientState],
         sizes: Mapping[int, int],
         num_clients: int,
         options: FedAvgOptions,

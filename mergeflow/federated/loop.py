@@ -1,8 +1,8 @@
 """A plain sequential round loop, without orchestration: the notebook API and the benchmark baseline.
 
-It calls exactly what an orchestrated flow calls (one ``client_update`` per participant with the
-generator of :func:`~mergeflow.federated.base.client_generator`, then one ``server_update``), so a
-flow with the same seed reproduces it bit for bit.
+It drives its rounds with :mod:`mergeflow.federated.rounds` (the schedule, the client step and
+the server step) as the pipeline's ``federated`` stage does, states and messages kept in memory
+instead of files, so a flow with the same seed reproduces it bit for bit.
 """
 
 from __future__ import annotations
@@ -23,14 +23,11 @@ from mergeflow.federated.base import (
     FederatedAlgorithm,
     LocalTraining,
     ServerState,
-    client_drift,
-    client_generator,
     get_algorithm,
     load_parameters,
     model_parameters,
-    sample_participants,
 )
-from mergeflow.federated.divergence import guarded_client_update, surviving_messages
+from mergeflow.federated.rounds import client_step, round_schedule, server_step
 from mergeflow.seeding import derive_seed
 from mergeflow.training import predict
 
@@ -201,36 +198,17 @@ def run_rounds(
     run.metrics.append(first)
     if callback is not None:
         callback(first)
-    for r in range(rounds):
-        participants = sample_participants(num_clients, fraction, seed, r)
-        outcomes, losses, reasons = {}, {}, {}
-        for k in participants:
-            outcomes[k], clients[k], client_metrics = guarded_client_update(
-                algo, model_builder(), server, clients[k], clients_data[k], train, opts, client_generator(seed, r, k)
+    for step in round_schedule(num_clients, rounds, fraction, seed):
+        sent = {}
+        for k in step.participants:
+            message, clients[k], metrics = client_step(
+                algo, model_builder(), server, clients[k], clients_data[k], train, opts, seed, step.number, k
             )
-            losses[k] = client_metrics.get("train_loss", float("nan"))
-            if "divergence" in client_metrics:
-                reasons[k] = client_metrics["divergence"]
-        messages = surviving_messages(outcomes, reasons, on_divergence, r + 1)
-        started_from = algo.global_state(server)
-        if messages:
-            server = algo.server_update(server, messages, dict(clients), sizes, num_clients, opts)
-        row = {
-            "round": float(r + 1),
-            "participants": float(len(participants)),
-            "train_loss": weighted_loss(losses, sizes, messages),
-            "drift": client_drift(started_from, messages),
-            "diverged": sorted(reasons),
-            **scores(r + 1),
-        }
+            sent[k] = (message, metrics)
+        server, row = server_step(algo, server, sent, sizes, num_clients, opts, on_divergence, step.number)
+        row = {"round": float(step.number), **row, **scores(step.number)}
         run.metrics.append(row)
         if callback is not None:
             callback(row)
     run.server, run.client_states, run.global_state = server, clients, algo.global_state(server)
     return run
-
-
-def weighted_loss(losses: Mapping[int, float], sizes: Mapping[int, int], kept: Mapping[int, Any]) -> float:
-    """The clients' last-epoch losses weighted by n_k, over the clients in ``kept`` (nan if none)."""
-    total = sum(sizes[k] for k in kept)
-    return sum(sizes[k] * losses[k] for k in kept) / total if total else float("nan")

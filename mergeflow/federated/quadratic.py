@@ -26,7 +26,6 @@ from mergeflow.federated.base import (
     FederatedAlgorithm,
     ServerState,
     get_algorithm,
-    sample_participants,
 )
 from mergeflow.federated.quadratic_loss import (
     THETA,
@@ -34,6 +33,7 @@ from mergeflow.federated.quadratic_loss import (
     as_full,
     psolve,
 )
+from mergeflow.federated.rounds import round_schedule
 
 # Keys whose tensors are precisions (diagonal vectors or full matrices).
 PRECISION_PREFIXES = ("precision.", "dual_prec.", "dual_prec_sum.")
@@ -103,7 +103,7 @@ def run_quadratic_rounds(
         rounds: number of rounds.
         options: the algorithm's options.
         theta0: the initial global parameters (zeros by default).
-        fraction: fraction of clients per round (:func:`sample_participants`).
+        fraction: fraction of clients per round (:func:`~mergeflow.federated.rounds.round_schedule`).
         seed: seed of the participant sampling.
         full: keep full precision matrices (default: when any H_k is a matrix).
     """
@@ -119,14 +119,14 @@ def run_quadratic_rounds(
         clients = {k: full_covariance(c) for k, c in clients.items()}
     run = QuadraticRun(servers=[server], clients=clients)
     sizes = {k: p.n for k, p in enumerate(problems)}
-    for r in range(rounds):
+    for step in round_schedule(len(problems), rounds, fraction, seed):
         messages = {}
-        for k in sample_participants(len(problems), fraction, seed, r):
+        for k in step.participants:
             problem = problems[k]
             if full and problem.H.dim() == 1:
                 problem = QuadraticProblem(as_full(problem.H), problem.b, problem.n)
             messages[k], clients[k], _ = algo.exact_client_update(server, clients[k], problem, opts)
-        server = algo.server_update(server, messages, dict(clients), sizes, len(problems), opts)
+        server = algo.server_update(server, messages, sizes, len(problems), opts)
         run.servers.append(server)
     run.clients = clients
     return run

@@ -1,0 +1,113 @@
+"""One federated round, whatever carries states and messages between its steps.
+
+A round is every participant's :func:`client_step`, then one :func:`server_step`, in the order
+:func:`round_schedule` gives. The plain loop (:func:`mergeflow.federated.loop.run_rounds`) keeps
+states and messages in memory; the pipeline's ``federated`` stage (``tasks/federated.py``) stores
+them in files between cached steps. Both drive their rounds with these three functions, so they
+compute the same thing by construction and only the transport differs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+from torch import nn
+
+from mergeflow.federated.base import (
+    ClientData,
+    ClientState,
+    FederatedAlgorithm,
+    LocalTraining,
+    Message,
+    ServerState,
+    client_drift,
+    client_generator,
+    sample_participants,
+)
+from mergeflow.federated.divergence import guarded_client_update, surviving_messages
+
+
+@dataclass(frozen=True)
+class Round:
+    """Round ``number`` (from 1): its participants, and the round each one's state was last written in
+    (0: its initial state), which a transport that stores states by round reads it from."""
+
+    number: int
+    participants: list[int]
+    state_rounds: dict[int, int]
+
+
+def round_schedule(num_clients: int, rounds: int, fraction: float, seed: int) -> list[Round]:
+    """Rounds 1..``rounds`` with their participants (:func:`~mergeflow.federated.base.sample_participants`)."""
+    last = dict.fromkeys(range(num_clients), 0)
+    schedule = []
+    for number in range(1, rounds + 1):
+        participants = sample_participants(num_clients, fraction, seed, number - 1)
+        schedule.append(Round(number, participants, {k: last[k] for k in participants}))
+        last |= dict.fromkeys(participants, number)
+    return schedule
+
+
+def client_step(
+    algorithm: FederatedAlgorithm,
+    model: nn.Module,
+    server: ServerState,
+    state: ClientState,
+    data: ClientData,
+    train: LocalTraining,
+    options: BaseModel,
+    seed: int,
+    round_number: int,
+    client: int,
+) -> tuple[Message | None, ClientState, dict[str, Any]]:
+    """Client ``client``'s update in round ``round_number``, with its generator from (seed, round, client).
+
+    Returns (message, new state, metrics); a diverged client gives (None, ``state`` unchanged,
+    metrics with ``divergence``) (:func:`~mergeflow.federated.divergence.guarded_client_update`).
+    """
+    generator = client_generator(seed, round_number - 1, client)
+    return guarded_client_update(algorithm, model, server, state, data, train, options, generator)
+
+
+def server_step(
+    algorithm: FederatedAlgorithm,
+    server: ServerState,
+    sent: Mapping[int, tuple[Message | None, Mapping[str, Any]]],
+    sizes: Mapping[int, int],
+    num_clients: int,
+    options: BaseModel,
+    on_divergence: str,
+    round_number: int,
+) -> tuple[ServerState, dict[str, Any]]:
+    """The server update from what each participant sent (message or None, and its metrics).
+
+    Applies ``on_divergence`` to the diverged participants, then ``server_update`` on the rest (the
+    server unchanged when none is left). Returns the new server and the round's row:
+    ``participants``, ``train_loss`` (the kept participants' last-epoch losses weighted by n_k),
+    ``drift`` (mean ‖θ_k − θ̄‖ from the global model they started at) and ``diverged`` (ids).
+
+    Raises:
+        DivergenceError: under ``on_divergence: fail`` when a participant diverged.
+    """
+    reasons = {k: metrics["divergence"] for k, (_, metrics) in sent.items() if "divergence" in metrics}
+    outcomes = {k: None if k in reasons else message for k, (message, _) in sent.items()}
+    messages = surviving_messages(outcomes, reasons, on_divergence, round_number)
+    updated = algorithm.server_update(server, messages, sizes, num_clients, options) if messages else server
+    losses = {k: metrics.get("train_loss", math.nan) for k, (_, metrics) in sent.items()}
+    row = {
+        "participants": float(len(sent)),
+        "train_loss": weighted_loss(losses, sizes, messages),
+        "drift": client_drift(algorithm.global_state(server), messages),
+        "diverged": sorted(reasons),
+    }
+    return updated, row
+
+
+def weighted_loss(losses: Mapping[int, float], sizes: Mapping[int, int], kept: Mapping[int, Any]) -> float:
+    """The clients' last-epoch losses weighted by n_k, over the clients in ``kept`` (nan if none)."""
+    total = sum(sizes[k] for k in kept)
+    return sum(sizes[k] * losses[k] for k in kept) / total if total else float("nan")
