@@ -139,7 +139,7 @@ def test_a_run_away_stops_the_run_or_its_messages_are_dropped() -> None:
     run = run_rounds("bayes_admm", _Untouched, _clients(), 40, options=options, train=TRAIN, on_divergence="exclude")
     dropped = [row["diverged"] for row in run.metrics[1:]]
     first = next(r for r, ids in enumerate(dropped) if ids)
-    assert 11 <= first + 1 <= 30  # not before the window is full
+    assert 4 <= first + 1 <= 30  # not before two distances after the first round
     weight = run.global_state["weight"]
     assert bool(torch.isfinite(weight).all()) and float(weight.abs().max()) < 1e3
 

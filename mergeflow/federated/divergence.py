@@ -30,11 +30,14 @@ def guard_runaway(
 ) -> dict[str, torch.Tensor]:
     """The client's distance record with ``distance`` added, unless the client has run away.
 
-    A client that sent ``distance`` = ‖θ_k − θ̄‖ from the model it started at has run away when it
-    holds ``window`` earlier distances and ``distance`` is more than ``growth`` × the largest of:
-    the smallest of those distances, its first round's distance, and ``scale``. A healthy client's
+    A client that sent ``distance`` = ‖θ_k − θ̄‖ from the model it started at has run away when
+    ``distance`` is more than ``growth`` × the largest of: the smallest of its last ``window``
+    distances after its first round (it needs two of them: a single one may be an outlier), its
+    first round's distance, and ``scale``. A healthy client's
     distance shrinks or levels off as the duals settle; one in a run-away loop grows geometrically
-    (IVON-ADMM at small Kρ: about 1.4× a round, :mod:`.flat_direction`). Against the window alone a
+    (IVON-ADMM at small Kρ: 1.4× a round or faster, :mod:`.flat_direction`), so the check starts
+    early rather than when the window is full: by then the old IVON-ADMM defaults had sent a
+    distance of 4e13 on one run. Against the window alone a
     converged client whose tiny distances vary by orders of magnitude would count as run away, and
     so would a client whose first steps were damped (IVON starts at ``hess_init``) and whose later
     ones are not; the first round's distance is the scale of one round of local training, and
@@ -54,12 +57,12 @@ def guard_runaway(
         first = torch.tensor(distance, dtype=torch.float64)
         return {FIRST_DISTANCE: first, DISTANCES: torch.zeros(0, dtype=torch.float64)}
     history = client[DISTANCES]
-    if len(history) >= window:
+    if len(history) >= min(2, window):
         reference = max(float(history.min()), float(client[FIRST_DISTANCE]), scale)
         if distance > growth * reference:
             raise DivergenceError(
                 f"client drift ran away: its distance from the global model, {distance:.3g}, is more than "
-                f"{growth:g}x its smallest over its last {window} rounds, its first round's and its scale's "
+                f"{growth:g}x its smallest over its last {len(history)} rounds, its first round's and its scale's "
                 f"(the largest: {reference:.3g}); raise the algorithm's rho or lower its lr "
                 "(docs/results.md: IVON-ADMM's stable region)"
             )

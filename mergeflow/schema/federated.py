@@ -45,9 +45,9 @@ class RunawayGuardOptions(StrictOptions):
     """The run-away check of an algorithm with duals (:func:`mergeflow.federated.divergence.guard_runaway`).
 
     ``runaway_window`` W, ``runaway_growth`` G: a client whose distance ‖θ_k − θ̄‖ from the model it
-    started at is more than G× its smallest distance over its last W rounds, G× its first round's
-    and G× the algorithm's own scale has run away; its update is then treated as diverged, under
-    ``federated.on_divergence``. W = 0 turns the check off.
+    started at is more than G× its smallest distance over its last W rounds (from its third round
+    on), G× its first round's and G× the algorithm's own scale has run away; its update is then
+    treated as diverged, under ``federated.on_divergence``. W = 0 turns the check off.
     """
 
     runaway_window: int = Field(10, ge=0)
