@@ -70,6 +70,10 @@ def _run(args: argparse.Namespace, stages: list[str] | None) -> int:
     from mergeflow.config import load_params
 
     params = load_params(args.params, args.overrides)
+    from mergeflow.preflight import check_model, check_paths
+
+    check_paths(params, args.params)
+    check_model(params, args.params)
     if stages is None or "prepare" in stages:
         from tasks.data import check_data
 
@@ -141,8 +145,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "validate":
         from mergeflow.config import load_params
         from mergeflow.data.check import check_inputs
+        from mergeflow.preflight import check_paths
 
         params = load_params(args.params, args.overrides)
+        check_paths(params, args.params)
         check_inputs(params)
         print(f"{args.params}: ok")
         return 0

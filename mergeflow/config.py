@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mergeflow.errors import ConfigError, MergeflowError, first_problem
+from mergeflow.errors import ConfigError, first_problem
 
 
 class _Section(BaseModel):
@@ -152,31 +152,9 @@ class DataConfig(_Section):
             raise ValueError("source 'hf' needs data.hf.path (e.g. 'csv' with data.hf.data_files)")
         if self.source == "text" and not self.text.path:
             raise ValueError("source 'text' needs data.text.path (e.g. 'csv' with data.text.data_files)")
-        if self.source in ("hf", "text"):
-            options = self.hf if self.source == "hf" else self.text
-            for file in _local_files(options.data_files):
-                if not Path(file).is_file():
-                    raise ValueError(f"{self.source}.data_files: file not found: {file}")
-        if self.source == "wordnet":
-            from mergeflow.data.text import find_wordnet
-
-            try:
-                find_wordnet(self.wordnet.root)
-            except MergeflowError as error:
-                raise ValueError(f"wordnet.root: {error}") from None
         if self.is_text and self.standardize is True:
             raise ValueError("standardize: text is tokenized, not standardized; set it to auto or false")
         return self
-
-
-def _local_files(data_files: str | list[str] | dict[str, str | list[str]] | None) -> list[str]:
-    """The plain local paths among ``data_files`` (URLs and glob patterns are left to ``datasets``)."""
-    if data_files is None:
-        return []
-    if isinstance(data_files, dict):
-        return [f for value in data_files.values() for f in _local_files(value)]
-    files = [data_files] if isinstance(data_files, str) else data_files
-    return [f for f in files if "://" not in f and not any(c in f for c in "*?[")]
 
 
 class PartitionConfig(_Section):
@@ -224,50 +202,7 @@ class HFModelConfig(_Section):
     def _model_source(self) -> HFModelConfig:
         if not self.pretrained and "model_type" not in self.model_config_fields():
             raise ValueError("config.model_type: needed without a pretrained model (e.g. bert or gpt2)")
-        if self.pretrained:
-            check_pretrained(self.pretrained)
         return self
-
-
-def check_pretrained(name: str) -> None:
-    """A local directory must hold a transformers model; a hub name must be cached, or the Hub reachable."""
-    import os
-
-    path = Path(name).expanduser()
-    if path.exists() or name.startswith((".", "/", "~")):
-        if not (path / "config.json").is_file():
-            raise ValueError(f"pretrained: {name} is not a transformers model directory (no config.json)")
-        return
-    from huggingface_hub import try_to_load_from_cache
-
-    if isinstance(try_to_load_from_cache(name, "config.json"), str):
-        return
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
-        reason = "HF_HUB_OFFLINE is set"
-    else:
-        reason = _hub_unreachable(name)
-    if reason:
-        raise ValueError(
-            f"pretrained: {name!r} is not a local directory, and it cannot be downloaded ({reason}); "
-            "give the path of a local model directory"
-        )
-
-
-def _hub_unreachable(name: str) -> str | None:
-    """Why ``name`` cannot be downloaded from the Hub now, or None when it can (asked once, before any work)."""
-    import httpx
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
-
-    try:
-        HfApi().model_info(name, timeout=10)
-    except RepositoryNotFoundError:
-        return "no such model on the Hugging Face Hub, or it is private"
-    except HfHubHTTPError as error:
-        return f"the Hugging Face Hub answered {str(error).splitlines()[0][:120]}"
-    except (httpx.HTTPError, OSError) as error:
-        return f"no connection to the Hugging Face Hub: {str(error).splitlines()[0][:120]}"
-    return None
 
 
 class ModelConfig(_Section):
@@ -676,17 +611,8 @@ class Params(_Section):
             raise ValueError("align.method: permutation alignment of transformers is not implemented; set it to none")
         if self.pretrain.language_model is not None and self.model.arch != "hf":
             raise ValueError("pretrain.language_model: language-model pre-training needs model.arch: hf")
-        if self.finetune.lora is not None:
-            if self.model.arch != "hf":
-                raise ValueError("finetune.lora: LoRA needs a transformers model (model.arch: hf)")
-            from mergeflow.models.lora import missing_modules
-
-            hf = self.model.hf
-            missing = missing_modules(
-                hf.pretrained, hf.model_config_fields(), self.finetune.lora.target_modules, hf.task
-            )
-            if missing:
-                raise ValueError(f"finetune.lora.target_modules: {missing} match no module of the model")
+        if self.finetune.lora is not None and self.model.arch != "hf":
+            raise ValueError("finetune.lora: LoRA needs a transformers model (model.arch: hf)")
         if self.model.arch == "hf" and not self.model.hf.pretrained:
             embeddings = self.model.hf.model_config_fields().get("vocab_size")
             if embeddings is not None and embeddings < self.data.tokenizer.vocab_size:

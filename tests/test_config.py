@@ -21,14 +21,45 @@ def test_committed_params_are_valid():
     assert params.merge.methods
 
 
-def test_validate_imports_no_torch(tmp_path):
-    """Params validate from the torch-free schema (``mergeflow.schema``): well under a second."""
+@pytest.mark.parametrize("lora", [False, True])
+def test_validate_imports_no_torch(tmp_path, lora):
+    """Params validate from the torch-free schema (``mergeflow.schema``), LoRA included (its target modules
+    are checked when a run starts): well under a second."""
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    overrides = []
+    if lora:  # a text table (read here, with datasets) for a transformer with LoRA adapters
+        (tmp_path / "t.csv").write_text("text,label\n" + "".join(f"word{i} text,{i % 2}\n" for i in range(40)))
+        overrides = ["data.source=text", "data.text.path=csv", "data.text.data_files=t.csv", "model.arch=hf"]
+        overrides.append("finetune.lora={r: 4, alpha: 8, target_modules: [query, value]}")
     env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
-    done = run_cli(["validate"], tmp_path, env)
+    done = run_cli(["validate", *(arg for o in overrides for arg in ("-S", o))], tmp_path, env)
     assert done.returncode == 0, done.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
-    assert "mergeflow.config" in imported and not {"torch", "prefect", "mlflow", "datasets"} & imported
+    assert "mergeflow.config" in imported and not {"torch", "prefect", "mlflow", "transformers"} & imported
+    assert lora or "datasets" not in imported
+
+
+def test_the_schema_reads_no_file_and_the_preflight_names_each_missing_one(tmp_path):
+    from mergeflow.errors import ConfigError
+    from mergeflow.preflight import check_paths
+
+    raw = apply_overrides({}, ["data.source=hf", "data.hf.path=csv", "data.hf.data_files=[a.csv, b.csv]"])
+    params = validate_params(raw)  # no disk access here: the flow and every sweep point validate again
+    (tmp_path / "b.csv").write_text("x,label\n1,0\n")
+    params = params.model_copy(
+        update={
+            "data": params.data.model_copy(
+                update={
+                    "hf": params.data.hf.model_copy(
+                        update={"data_files": [str(tmp_path / "a.csv"), str(tmp_path / "b.csv")]}
+                    )
+                }
+            )
+        }
+    )
+    with pytest.raises(ConfigError) as error:
+        check_paths(params, "p.yaml")
+    assert error.value.lines == [f"p.yaml: data.hf.data_files: file not found: {tmp_path / 'a.csv'}"]
 
 
 def test_overrides_parse_yaml_values():

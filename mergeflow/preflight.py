@@ -1,0 +1,122 @@
+"""Checks of what the params point at on disk and on the network, once per command, before any work.
+
+The params schema (:mod:`mergeflow.config`) does no I/O: it validates values and the rules that
+span sections, so it can run inside the flow and at every sweep point for free. What the params
+name outside themselves is checked here, each problem one line that names its key:
+
+- :func:`check_paths`: the table's local files, the WordNet database, a pretrained model's
+  directory (or, for a hub name, its cache or the Hub); no torch, so ``mergeflow validate`` stays
+  fast;
+- :func:`check_model`: LoRA target modules against the model's architecture, built on the meta
+  device (it imports torch and transformers, so ``mergeflow run`` does it and ``validate`` does not).
+
+The reading of the user's table itself (columns, labels, missing values) is
+:func:`mergeflow.data.check.check_inputs`'s.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mergeflow.config import Params
+from mergeflow.errors import ConfigError, MergeflowError
+
+
+def check_paths(params: Params, source: str = "params") -> None:
+    """The local files, WordNet and pretrained model the params name exist (or can be downloaded).
+
+    Raises:
+        ConfigError: one line per problem, ``source: key: problem``.
+    """
+    lines = []
+    data = params.data
+    if data.source in ("hf", "text"):
+        options = data.hf if data.source == "hf" else data.text
+        lines += [
+            f"{source}: data.{data.source}.data_files: file not found: {file}"
+            for file in local_files(options.data_files)
+            if not Path(file).is_file()
+        ]
+    if data.source == "wordnet":
+        from mergeflow.data.text import find_wordnet
+
+        try:
+            find_wordnet(data.wordnet.root)
+        except MergeflowError as error:
+            lines.append(f"{source}: data.wordnet.root: {error}")
+    if params.model.arch == "hf" and params.model.hf.pretrained:
+        problem = pretrained_problem(params.model.hf.pretrained)
+        if problem:
+            lines.append(f"{source}: model.hf.pretrained: {problem}")
+    if lines:
+        raise ConfigError(lines)
+
+
+def check_model(params: Params, source: str = "params") -> None:
+    """LoRA's target modules name modules of the model (built on the meta device: no weights, no memory).
+
+    Raises:
+        ConfigError: naming ``finetune.lora.target_modules``.
+    """
+    if params.finetune.lora is None or params.model.arch != "hf":
+        return
+    from mergeflow.models.lora import missing_modules
+
+    hf = params.model.hf
+    missing = missing_modules(hf.pretrained, hf.model_config_fields(), params.finetune.lora.target_modules, hf.task)
+    if missing:
+        raise ConfigError([f"{source}: finetune.lora.target_modules: {missing} match no module of the model"])
+
+
+def local_files(data_files: str | list[str] | dict[str, str | list[str]] | None) -> list[str]:
+    """The plain local paths among ``data_files`` (URLs and glob patterns are left to ``datasets``)."""
+    if data_files is None:
+        return []
+    if isinstance(data_files, dict):
+        return [f for value in data_files.values() for f in local_files(value)]
+    files = [data_files] if isinstance(data_files, str) else data_files
+    return [f for f in files if "://" not in f and not any(c in f for c in "*?[")]
+
+
+def pretrained_problem(name: str) -> str | None:
+    """Why ``name`` is not a usable transformers model: a local directory must hold one; a hub name must
+    be cached, or the Hub reachable (asked once, with a 10 s timeout). None when it is usable."""
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")):
+        return (
+            None
+            if (path / "config.json").is_file()
+            else f"{name} is not a transformers model directory (no config.json)"
+        )
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return None
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        reason = "HF_HUB_OFFLINE is set"
+    else:
+        reason = _hub_unreachable(name)
+    if reason is None:
+        return None
+    return (
+        f"{name!r} is not a local directory, and it cannot be downloaded ({reason}); "
+        "give the path of a local model directory"
+    )
+
+
+def _hub_unreachable(name: str) -> str | None:
+    """Why ``name`` cannot be downloaded from the Hub now, or None when it can."""
+    import httpx
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(name, timeout=10)
+    except RepositoryNotFoundError:
+        return "no such model on the Hugging Face Hub, or it is private"
+    except HfHubHTTPError as error:
+        return f"the Hugging Face Hub answered {str(error).splitlines()[0][:120]}"
+    except (httpx.HTTPError, OSError) as error:
+        return f"no connection to the Hugging Face Hub: {str(error).splitlines()[0][:120]}"
+    return None
