@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-TASKS = ("classification", "regression", "causal_lm")
+OBJECTIVES = ("classification", "regression", "causal_lm")  # what a model is trained for
 IGNORE_INDEX = -100  # positions a token loss skips (padding, and the last position of a causal LM)
 
 
@@ -137,7 +137,7 @@ def task_targets(task: str, y: np.ndarray | torch.Tensor, inputs: torch.Tensor, 
         return torch.as_tensor(y).to(torch.float32).reshape(-1)
     if task == "causal_lm":
         return next_token_labels(inputs, model.pad_token_id)
-    raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+    raise ValueError(f"unknown task {task!r}; expected one of {OBJECTIVES}")
 
 
 def _half_mse(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -177,7 +177,7 @@ def train(
         model: the model to train (modified in place).
         X: inputs, shape ``(N, *input_shape)``.
         y: class indices (classification) or targets (regression), shape ``(N,)``.
-        task: one of :data:`TASKS`.
+        task: one of :data:`OBJECTIVES`.
         epochs: number of passes over the data.
         lr: learning rate.
         optimizer: a key of :data:`OPTIMIZERS` (``"sgd"`` or ``"adam"``).

@@ -33,7 +33,7 @@ from mergeflow.data.features import (
 )
 
 BUILTIN_SOURCES: tuple[str, ...] = ("digits", "wine", "pinwheel", "linreg")
-TASKS = ("classification", "regression")
+LABEL_TASKS = ("classification", "regression")  # what a table's label column is; the objectives are training.OBJECTIVES
 
 _DIGITS_ROWS = 1797
 _WINE_ROWS = 178
@@ -307,8 +307,8 @@ def load_hf_raw(
     feature columns are a ``DataError`` unless ``categorical="onehot"``. ``info["input_shape"]``
     is the shape given, or None until the features are encoded.
     """
-    if task not in TASKS:
-        raise DataError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    if task not in LABEL_TASKS:
+        raise DataError(f"task must be one of {', '.join(LABEL_TASKS)}, got {task!r}")
     raw = load_table(path, name=name, data_files=data_files, split=split)
     present = list(raw.column_names)
     if label_column not in present:

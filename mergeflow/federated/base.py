@@ -29,7 +29,7 @@ from torch import nn
 from mergeflow.errors import ConfigError
 from mergeflow.schema.federated import DECLARED, validate_options
 from mergeflow.seeding import derive_seed
-from mergeflow.training import OPTIMIZERS, TASKS
+from mergeflow.training import OBJECTIVES, OPTIMIZERS
 
 if TYPE_CHECKING:
     from mergeflow.federated.quadratic_loss import QuadraticProblem
@@ -52,7 +52,7 @@ class ClientData:
         X: float features, shape ``(N, *input_shape)``.
         y: class indices (classification) or float targets (regression), shape ``(N,)``; a causal
             LM's targets are its inputs shifted, ``y`` then only labels rows (partitions, groups).
-        task: one of :data:`mergeflow.training.TASKS`.
+        task: one of :data:`mergeflow.training.OBJECTIVES`.
     """
 
     X: torch.Tensor
@@ -60,8 +60,8 @@ class ClientData:
     task: str = "classification"
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"unknown task {self.task!r}; expected one of {TASKS}")
+        if self.task not in OBJECTIVES:
+            raise ValueError(f"unknown task {self.task!r}; expected one of {OBJECTIVES}")
         if len(self.X) != len(self.y):
             raise ValueError(f"X has {len(self.X)} rows but y has {len(self.y)}")
 

@@ -4,8 +4,9 @@
 ``(N, L)`` tensor of right-padded token ids and returns ``(N, C)`` logits, like the MLPs. Every
 trainer, Fisher, merge and federated algorithm of mergeflow then runs on it unchanged.
 :class:`CausalLM` wraps an ``AutoModelForCausalLM`` the same way and returns ``(N, L, V)`` next-token
-logits. The wrapper builds the 4-D additive float attention mask itself: transformers' own 2-D mask
-path has data-dependent control flow that ``torch.func.vmap`` cannot trace, so per-example Fishers work.
+logits; both are a :class:`TokenModel` (neither is the other). The wrapper builds the 4-D additive
+float attention mask itself: transformers' own 2-D mask path has data-dependent control flow that
+``torch.func.vmap`` cannot trace, so per-example Fishers work.
 
 Tied weights (GPT-2's ``lm_head`` is its token embedding ``wte``) appear once in a wrapper's
 ``state_dict``, under the parameter's own name: every merge then combines one tensor, and loading
@@ -44,12 +45,12 @@ _INIT_LOCK = threading.Lock()
 _LM_ROWS = 64  # rows per forward when scoring a causal LM: its logits are rows × length × vocabulary
 
 
-class SequenceClassifier(nn.Module):
-    """A transformers sequence-classification model over right-padded token ids.
+class TokenModel(nn.Module):
+    """A transformers model over right-padded token ids: padding masked out, its logits returned.
 
     Attributes:
-        model: the wrapped ``…ForSequenceClassification`` (its ``state_dict`` keys carry the
-            prefix ``model.``; :func:`transformers_state` strips it).
+        model: the wrapped transformers model (its ``state_dict`` keys carry the prefix
+            ``model.``; :func:`transformers_state` strips it).
         pad_token_id: the id that marks padding; padded positions are masked out.
         sep_token_id: for sentence pairs with segment embeddings, the separator id after which
             tokens get segment 1 (None: every token is segment 0).
@@ -95,7 +96,11 @@ class SequenceClassifier(nn.Module):
         return names[0], module
 
 
-class CausalLM(SequenceClassifier):
+class SequenceClassifier(TokenModel):
+    """A ``…ForSequenceClassification`` over right-padded token ids: ``(N, classes)`` logits."""
+
+
+class CausalLM(TokenModel):
     """A transformers causal LM over right-padded token ids: ``(N, L, V)`` next-token logits."""
 
     def prediction_outputs(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -177,7 +182,7 @@ def build_base(
     seed: int,
     class_names: list[str] | None = None,
     task: str = "sequence_classification",
-) -> tuple[SequenceClassifier, dict[str, Any]]:
+) -> tuple[TokenModel, dict[str, Any]]:
     """The base model and its spec: pretrained weights with a new, seeded head, or a seeded random init.
 
     Args:
@@ -187,7 +192,7 @@ def build_base(
         num_labels: classes of the head.
         vocab_size: the tokenizer's vocabulary (sizes the embeddings of a from-scratch model).
         max_length: the longest input, in tokens (sizes position embeddings of a from-scratch model).
-        pad_token_id, sep_token_id: as in :class:`SequenceClassifier`; the config's other special
+        pad_token_id, sep_token_id: as in :class:`TokenModel`; the config's other special
             ids (beginning and end of text) become ``sep_token_id`` or the padding id.
         dropout: every dropout probability of the config (0 keeps training reproducible in threads:
             dropout draws from the global RNG).
@@ -248,11 +253,11 @@ def auto_class(task: str):
     return getattr(transformers, name)
 
 
-def _wrapper(task: str) -> type[SequenceClassifier]:
+def _wrapper(task: str) -> type[TokenModel]:
     return CausalLM if task == "causal_lm" else SequenceClassifier
 
 
-def build_from_hf_spec(spec: dict[str, Any]) -> SequenceClassifier:
+def build_from_hf_spec(spec: dict[str, Any]) -> TokenModel:
     """The architecture of an ``arch: hf`` spec (seeded init; a checkpoint's weights then load over it)."""
     task = spec.get("hf_task", "sequence_classification")
     config = _config_from_dict(spec["hf_config"])
@@ -270,7 +275,7 @@ def is_causal(model_type: str) -> bool:
 
 
 def transformers_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A :class:`SequenceClassifier` state dict with transformers' own key names."""
+    """A :class:`TokenModel` state dict with transformers' own key names."""
     return {key.removeprefix("model."): value for key, value in state.items()}
 
 

@@ -1,4 +1,4 @@
-"""Language-model pre-training of a :class:`~mergeflow.models.hf.SequenceClassifier`'s body on unlabelled text.
+"""Language-model pre-training of a :class:`~mergeflow.models.hf.TokenModel`'s body on unlabelled text.
 
 A from-config transformer knows no language. Before it learns the task, :func:`pretrain_language_model`
 trains a masked-LM (BERT-style: 15% of the tokens chosen, 80% of them masked, 10% replaced by a random
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mergeflow.models.hf import SequenceClassifier, seeded
+from mergeflow.models.hf import TokenModel, seeded
 from mergeflow.training import IGNORE_INDEX, DivergenceError, minibatches, next_token_labels, token_cross_entropy
 
 LM_OBJECTIVES = ("mlm", "clm")
@@ -47,7 +47,7 @@ def mask_tokens(
 
 
 def pretrain_language_model(
-    classifier: SequenceClassifier,
+    classifier: TokenModel,
     ids: torch.Tensor,
     special: SpecialIds,
     *,
@@ -77,7 +77,7 @@ def pretrain_language_model(
     _copy_body(getattr(classifier.model, body_name), getattr(lm, body_name))
     head = _MaskedPositionsHead.install(lm) if objective == "mlm" else None
     # The classifier's wrapper builds the masks (padding, and causal for decoders) and returns the LM's logits.
-    wrapper = SequenceClassifier(lm, classifier.pad_token_id, classifier.sep_token_id, classifier.causal)
+    wrapper = TokenModel(lm, classifier.pad_token_id, classifier.sep_token_id, classifier.causal)
     generator = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(lm.parameters(), lr=lr)
     lengths = (ids != special.pad).sum(1)

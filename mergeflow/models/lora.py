@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of a :class:`~mergeflow.models.hf.SequenceClassifier` through ``peft``, folded back.
+"""LoRA fine-tuning of a :class:`~mergeflow.models.hf.TokenModel` through ``peft``, folded back.
 
 A client trains low-rank adapters (W + B·A on the target modules) and the classification head; its
 update is then folded into full weights (``merge_and_unload``), so the checkpoint has exactly the
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mergeflow.models.hf import SequenceClassifier, auto_class, seeded
+from mergeflow.models.hf import TokenModel, auto_class, seeded
 
 
 def head_names(model: nn.Module) -> list[str]:
@@ -53,7 +53,7 @@ def missing_modules(
     return unmatched_targets(model, target_modules)
 
 
-def attach_adapters(model: SequenceClassifier, settings: dict[str, Any], seed: int) -> SequenceClassifier:
+def attach_adapters(model: TokenModel, settings: dict[str, Any], seed: int) -> TokenModel:
     """Give ``model`` LoRA adapters (in place) and freeze everything but them and the head.
 
     Args:
@@ -80,7 +80,7 @@ def attach_adapters(model: SequenceClassifier, settings: dict[str, Any], seed: i
     return model
 
 
-def fold_adapters(model: SequenceClassifier) -> SequenceClassifier:
+def fold_adapters(model: TokenModel) -> TokenModel:
     """Fold the adapters into the weights (W + B·A), drop them and make every parameter trainable again."""
     model.model = model.model.merge_and_unload()
     for parameter in model.model.parameters():
@@ -89,7 +89,7 @@ def fold_adapters(model: SequenceClassifier) -> SequenceClassifier:
 
 
 @contextmanager
-def lora(model: SequenceClassifier, settings: dict[str, Any], seed: int) -> Iterator[SequenceClassifier]:
+def lora(model: TokenModel, settings: dict[str, Any], seed: int) -> Iterator[TokenModel]:
     """Within the block, ``model`` trains LoRA adapters and its head only; on exit they are folded in
     (see :func:`attach_adapters`; ``model`` is changed in place: its weights become W + B·A)."""
     attach_adapters(model, settings, seed)
