@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mergeflow.cli import main
+from flows.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -111,3 +111,16 @@ def test_records_and_runs_note_third_party_versions():
         or third_party_versions()["torch"] == torch.__version__
     )
     assert "numpy" in third_party_versions()
+
+
+def test_the_library_imports_neither_the_orchestration_layers_nor_prefect_or_mlflow():
+    import ast
+
+    for path in sorted((ROOT / "mergeflow").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        closure = import_closure(module, ROOT)
+        assert not [p for p in closure if p.startswith(("tasks/", "flows/"))], module
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not [n for n in names if n.split(".")[0] in ("prefect", "mlflow", "prefect_dask")], path

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 from conftest import fast_params, make_workspace, run_cli
 
-from mergeflow.cli import main
+from flows.cli import main
 from mergeflow.data import DataError
 from mergeflow.data.encode import encode_splits
 from mergeflow.data.features import FeatureEncoder, fit_encoder

@@ -112,7 +112,7 @@ def test_a_no_op_run_starts_no_prefect_and_restores_deleted_outputs(workspace, m
     import prefect.client.orchestration
 
     import flows.pipeline
-    from mergeflow.cli import main
+    from flows.cli import main
 
     def no_prefect(*args, **kwargs):
         raise AssertionError("a run with nothing to do must not start Prefect")

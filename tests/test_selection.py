@@ -153,7 +153,7 @@ def test_merges_above_the_size_threshold_stream_to_the_same_checkpoints_under_th
 
 
 def test_a_search_needs_a_validation_split(tmp_path, capsys, monkeypatch):
-    from mergeflow.cli import main
+    from flows.cli import main
 
     monkeypatch.chdir(tmp_path)
     make_workspace(tmp_path, fast_params(merge={"methods": ["ties"], "options": {"ties": {"density": [0.1, 0.5]}}}))
