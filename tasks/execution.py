@@ -1,6 +1,6 @@
 """Executing steps as Prefect task runs: one task type whose cache key is the step's content key.
 
-Cache hits are read from the persisted records first (no task run); the misses run one per task
+Cache hits are read from mergeflow's own step records first (no task run); the misses run one per task
 run, or several to a task run, each still recorded on its own as soon as it finishes; short steps
 in waves (federated rounds) can run wave after wave in one task run (``execute_waves``).
 """
@@ -16,46 +16,41 @@ from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.context import TaskRunContext
 from prefect.futures import PrefectFuture
-from prefect.results import ResultRecord, ResultRecordMetadata
-from prefect.serializers import JSONSerializer
 from prefect.settings import get_current_settings
 
-from mergeflow.checkpoints import atomic_path, private_directory
+from mergeflow.checkpoints import private_directory
 from mergeflow.import_graph import third_party_versions
-from tasks.steps import Step, StepOutcome, read_record, record_name, resolve, results_dir, step_key, typical_seconds
+from tasks.steps import Step, StepOutcome, read_record, resolve, step_key, typical_seconds, write_record
 from tasks.store import ArtifactStore
 
 
-def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    return record_name(parameters["step"], parameters["key"])
-
-
-@task(cache_key_fn=_cache_key, persist_result=True, result_serializer="json", task_run_name="{step.name}")
+@task(persist_result=False, cache_policy=NO_CACHE, task_run_name="{step.name}")
 def execute_step(step: Step, key: str, root: str, torch_threads: int = 1) -> dict[str, Any]:
-    """Run one step as its own task run; Prefect persists its result (the manifest) under the step's key.
+    """Run one step as its own task run and write its record under the step's key.
 
     ``key`` is computed by the caller (``step_key``) so that it is hashed once and reported.
-    ``torch_threads`` is not part of the cache key: it changes no result.
+    ``torch_threads`` is not part of the cache key: it changes no result. The cache is mergeflow's
+    (``run_steps`` looks each step up before submitting it), not Prefect's.
     """
     with _scratch(root) as scratch:
-        return _run_step(step, root, torch_threads, scratch)
+        outcome = _run_step(step, root, torch_threads, scratch)
+    write_record(Path(root), step, key, outcome)
+    return outcome
 
 
 @task(persist_result=False, cache_policy=NO_CACHE, task_run_name="{label}")
 def execute_steps(label: str, steps: list[Step], keys: list[str], root: str, torch_threads: int = 1) -> list[dict]:
     """Run several steps in one task run (``orchestration.steps_per_task``).
 
-    Each step's result is written to the result store as soon as the step finishes, in the same
-    record ``execute_step`` would write, so steps stay cached one by one and a kill mid-batch
-    loses only the step that was running.
+    Each step's record is written as soon as the step finishes, as ``execute_step`` writes it, so
+    steps stay cached one by one and a kill mid-batch loses only the step that was running.
     """
     outcomes = []
     with _scratch(root) as scratch:
         for step, key in zip(steps, keys, strict=True):
             outcome = _run_step(step, root, torch_threads, scratch)
-            _write_record(Path(root), step, key, outcome)
+            write_record(Path(root), step, key, outcome)
             outcomes.append(outcome)
     return outcomes
 
@@ -89,7 +84,7 @@ def execute_waves(
                     outcome = {**hit, "cached": True}
                 else:
                     outcome = _run_step(step, root, torch_threads, scratch)
-                    _write_record(Path(root), step, key, outcome)
+                    write_record(Path(root), step, key, outcome)
                     outcome = {**outcome, "cached": False}
                     ran.append(outcome["seconds"])
                     folders.update(Path(name).parent for name in outcome["files"])
@@ -159,16 +154,6 @@ def _scratch(root: str) -> Iterator[Path]:
         yield Path(scratch)
 
 
-def _write_record(root: Path, step: Step, key: str, outcome: dict[str, Any]) -> None:
-    """Persist a step's outcome as the record ``execute_step``'s Prefect result is (``read_record`` reads both)."""
-    path = results_dir(root) / record_name(step, key)
-    metadata = ResultRecordMetadata(
-        serializer=JSONSerializer(), expiration=None, storage_key=str(path), storage_block_id=None
-    )
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(ResultRecord(result=outcome, metadata=metadata).serialize())
-
-
 def _looks_up() -> bool:
     """Whether cache hits count; not under PREFECT_TASKS_REFRESH_CACHE, which forces every step to run,
     as it does for Prefect's own lookup."""
@@ -223,12 +208,8 @@ def _submit(
     """Submit the uncached steps; return, per step index, a call that waits for its result."""
     pending: dict[int, Callable[[], dict[str, Any]]] = {}
     if steps_per_task == 1:
-        # The lookup in run_steps is the cache check, so the task skips Prefect's own (a
-        # result-store read per step) and only writes its record; one variant for all steps
-        # (``with_options`` is slow).
-        runner = execute_step.with_options(result_storage=results_dir(root), refresh_cache=True)
         for index, step, key in missing:
-            pending[index] = runner.submit(step, key, str(root), torch_threads).result
+            pending[index] = execute_step.submit(step, key, str(root), torch_threads).result
         return pending
     for start in range(0, len(missing), steps_per_task):
         batch = missing[start : start + steps_per_task]

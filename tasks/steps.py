@@ -7,9 +7,9 @@ run made (create folders with ``exist_ok=True``).
 The cache key hashes the step's name, its code (every file of this repository that its module
 imports, transitively: :attr:`Step.code`), its params (canonical JSON) and the sha256 of every
 input file, so it is stable across processes and machines; torch objects never enter it, and
-neither do third-party versions (as in DVC; each record notes them instead). The task's
-persisted result is the output manifest, so a hit in a new process re-materialises the files
-from the artifact store without running the step.
+neither do third-party versions (as in DVC; each record notes them instead). A step's
+record (:func:`write_record`) holds its output manifest, so a hit in a new process re-materialises
+the files from the artifact store without running the step.
 Executing steps as Prefect task runs is :mod:`tasks.execution`'s; this module imports no
 Prefect, so a fully cached run (:func:`cached_outcomes`) starts none of it.
 """
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mergeflow.checkpoints import atomic_path
 from mergeflow.import_graph import import_closure
 from tasks.store import STATE_DIR, ArtifactStore, hash_paths
 
@@ -114,21 +115,33 @@ def resolve(reference: str) -> StepFunction:
 
 
 def results_dir(root: Path) -> Path:
-    """Where the steps' persisted records live (Prefect's result storage for ``execute_step``)."""
+    """Where the steps' records live (one JSON file per step and key)."""
     return root / STATE_DIR / "results"
 
 
+RECORD_FORMAT = "mergeflow-step-record/1"
+
+
+def write_record(root: Path, step: Step, key: str, outcome: dict[str, Any]) -> None:
+    """Persist a step's outcome (its files, their stamps, its summary, seconds and package versions).
+
+    The record is mergeflow's own JSON, not Prefect's result record: Prefect orchestrates and shows
+    the runs, and an upgrade of its result format cannot turn every cache hit into a miss.
+    """
+    path = results_dir(root) / record_name(step, key)
+    record = {"format": RECORD_FORMAT, "step": step.name, "key": key, **outcome}
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(record, sort_keys=True))
+
+
 def read_record(root: Path, step: Step, key: str) -> dict[str, Any] | None:
-    """A step's persisted result read straight from its JSON record, without Prefect; None when it is
-    missing, expires, or is not the JSON record ``execute_step`` writes (the flow then decides)."""
+    """A step's record as :func:`write_record` wrote it; None when it is missing or not such a record."""
     try:
         record = json.loads((results_dir(root) / record_name(step, key)).read_text())
-        if record["metadata"].get("expiration") is not None or record["metadata"]["serializer"]["type"] != "json":
-            return None
-        result = json.loads(record["result"])
-        return result if isinstance(result, dict) and isinstance(result.get("files"), dict) else None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return None
+    valid = isinstance(record, dict) and record.get("format") == RECORD_FORMAT and record.get("key") == key
+    return record if valid and isinstance(record.get("files"), dict) else None
 
 
 def cached_outcomes(steps: list[Step], root: Path, code_hashes: CodeHashes | None = None) -> list[StepOutcome] | None:

@@ -201,7 +201,7 @@ def test_mlflow_holds_runs_tags_metrics_and_a_reloadable_model(workspace):
     assert parent["tags.mergeflow.version.torch"] == version("torch")  # keys leave it out, the run notes it
     assert torch.__version__.startswith(parent["tags.mergeflow.version.torch"])
     records = list((workspace / ".mergeflow/results").iterdir())
-    assert records and all(json.loads(json.loads(r.read_text())["result"])["versions"]["torch"] for r in records)
+    assert records and all(json.loads(r.read_text())["versions"]["torch"] for r in records)
     children = runs[runs["tags.mlflow.parentRunId"] == parent.run_id]
     expected_kinds = ["client"] * 3 + ["federated"] * len(FEDERATED["algorithms"]) + ["merge"] * len(METHODS)
     assert sorted(children["tags.mergeflow.kind"]) == expected_kinds

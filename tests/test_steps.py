@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -355,3 +356,18 @@ def test_an_output_written_into_in_place_is_caught_and_its_blob_made_again(tmp_p
     again = store.ingest(work)
     store.materialise(again)
     assert again == files and target.read_text() == "made" and store.has(again, store.stamps(again))
+
+
+def test_records_are_mergeflows_own_json_and_a_foreign_record_is_a_miss(tmp_path):
+    from tasks.steps import RECORD_FORMAT, read_record, record_name, results_dir, write_record
+
+    step = Step("fisher/client_000", "tasks.fisher:client_fisher", {"client": 0})
+    outcome = {"files": {"models/x.safetensors": "ab" * 32}, "stamps": {}, "summary": {"n": 1}, "seconds": 0.5}
+    write_record(tmp_path, step, "k1", outcome)
+    path = results_dir(tmp_path) / record_name(step, "k1")
+    saved = json.loads(path.read_text())
+    assert saved["format"] == RECORD_FORMAT and "metadata" not in saved  # no Prefect result record
+    assert read_record(tmp_path, step, "k1") == saved and saved["files"] == outcome["files"]
+    assert read_record(tmp_path, step, "k2") is None  # another key: a miss
+    path.write_text(json.dumps({"metadata": {}, "result": json.dumps(outcome)}))  # Prefect's old format
+    assert read_record(tmp_path, step, "k1") is None
