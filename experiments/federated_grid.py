@@ -126,8 +126,10 @@ def point_inputs(params: Any, point: list[str], name: str) -> tuple[Any, list[An
     """The plain loop's inputs at one sweep point (model builder, clients, test, validation or None),
     from the pipeline's prepare, partition and pretrain stages in ``results/<name>-workspace/<point>``."""
     from flows.pipeline import run_pipeline
+    from mergeflow.preflight import check_paths
     from tasks.federated import loop_inputs, validation_data
 
+    check_paths(params, " ".join(point))
     workspace = ROOT / f"results/{name}-workspace" / ("_".join(p.replace("=", "") for p in point) or "all")
     workspace.mkdir(parents=True, exist_ok=True)
     run_pipeline(params, workspace, ["prepare", "partition", "pretrain"])

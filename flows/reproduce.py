@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from mergeflow.checkpoints import write_json
 from mergeflow.config import apply_overrides, validate_params
 from mergeflow.errors import ConfigError
-from mergeflow.preflight import check_paths
+from mergeflow.preflight import check_model, check_paths
 from mergeflow.reproductions.tables import markdown_table, mean_std_cell
 from tasks.evaluation import SELECTION
 
@@ -113,6 +113,7 @@ def _run_sweep(preset: Path, root: Path, name: str) -> list[dict[str, Any]]:
             raw.setdefault("finetune", {})["clients"] = {k: dict(s) for k, s in enumerate(schedule[:clients])}
         params = validate_params(raw, f"{preset}: {' '.join(point)}")
         check_paths(params, f"{preset}: {' '.join(point)}")
+        check_model(params, f"{preset}: {' '.join(point)}")
         run_pipeline(params, workspace)
         values = {key: str(yaml.safe_load(value)) for key, value in (p.split("=", 1) for p in point)}
         record = {"point": values, "params": params.model_dump(mode="json")}
@@ -355,6 +356,7 @@ def _laws_run(
     point = [f"{key}={json.dumps(value)}" for key, value in changes.items()]
     params = validate_params(apply_overrides(spec.get("params", {}), point), f"{preset}: {' '.join(point)}")
     check_paths(params, f"{preset}: {' '.join(point)}")
+    check_model(params, f"{preset}: {' '.join(point)}")
     if "fedavg" not in params.federated.algorithms:
         raise ConfigError([f"{preset}: federated.algorithms: the averaging laws are FedAvg's; list fedavg"])
     identity = json.dumps({"params": params.model_dump(mode="json"), "code": _code_fingerprint()}, sort_keys=True)

@@ -10,7 +10,7 @@ from prefect import flow
 from flows.runs import run_and_record
 from mergeflow.config import load_params
 from mergeflow.errors import MergeflowError
-from mergeflow.preflight import check_paths
+from mergeflow.preflight import check_model, check_paths
 
 
 @flow(name="mergeflow-scheduled")
@@ -18,6 +18,7 @@ def scheduled_pipeline(params_file: str, root: str, overrides: list[str] | None 
     """Read the params file when the run starts (so edits apply to the next run) and run the pipeline."""
     params = load_params(params_file, overrides or [])
     check_paths(params, params_file)
+    check_model(params, params_file)
     outcomes, _ = run_and_record(params, Path(root))
     return {"steps": len(outcomes), "ran": sum(not o["cached"] for o in outcomes)}
 
@@ -37,7 +38,9 @@ def serve(
             "serve: schedules need a Prefect server; run `prefect server start` and "
             "export PREFECT_API_URL=http://127.0.0.1:4200/api"
         )
-    check_paths(load_params(params_file, overrides), str(params_file))  # fail now, not at the first scheduled run
+    params = load_params(params_file, overrides)  # fail now, not at the first scheduled run
+    check_paths(params, str(params_file))
+    check_model(params, str(params_file))
     parameters = {"params_file": str(params_file.resolve()), "root": str(root.resolve()), "overrides": overrides}
     # One run at a time: a run that outlasts the interval delays the next instead of racing it
     # for the same workspace.

@@ -8,9 +8,13 @@ anything), follows each import that resolves to a file under the root, and repea
 ``a.b.c`` runs ``a/__init__.py`` and ``a/b/__init__.py`` too, so those count. A name that a
 package serves lazily (PEP 562 ``__getattr__``, e.g. ``from mergeflow.data import load_source``)
 is not bound in the package's ``__init__.py``, so the walk cannot tell which submodule holds it
-and counts every module of that package: a missed file would be a stale result, an extra one only
-an extra re-run. Imports of third-party packages are not followed (as DVC does not hash them);
-:func:`third_party_versions` reports the versions that a run's records note instead.
+and counts every module of that package; so does any import of a package whose ``__init__.py``
+defines ``__getattr__`` (``from mergeflow import data``, ``import pkg as p``, a star import), as
+its attributes may then reach any of them. A missed file would be a stale result, an extra one
+only an extra re-run. The parsed files are kept for the life of the process: a long-running
+process follows an import added after its first keying only once restarted. Imports of
+third-party packages are not followed (as DVC does not hash them); :func:`third_party_versions`
+reports the versions that a run's records note instead.
 ``importlib.import_module`` with a computed name is not seen; steps do not use it.
 """
 
@@ -29,7 +33,7 @@ RECORDED_PACKAGES = ("torch", "numpy", "transformers", "peft", "ivon-opt", "safe
 def module_file(name: str, root: Path) -> Path | None:
     """The file of module ``name`` under ``root`` (``a/b.py`` or ``a/b/__init__.py``), or None."""
     base = root.joinpath(*name.split("."))
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+    for candidate in (base / "__init__.py", base.with_suffix(".py")):  # a package wins, as in Python
         if candidate.is_file():
             return candidate
     return None
@@ -53,7 +57,7 @@ def _bound_names(tree: ast.Module) -> set[str]:
     for node in tree.body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names.add(node.name)
-        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+        elif isinstance(node, ast.Assign | ast.AugAssign) or (isinstance(node, ast.AnnAssign) and node.value):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names |= {t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name)}
         elif isinstance(node, ast.Import | ast.ImportFrom):
@@ -127,6 +131,8 @@ def import_closure(module: str, root: Path) -> tuple[str, ...]:
             continue
         files.add(path)
         pending += _imported(name, path, root)
+        if path.name == "__init__.py" and "__getattr__" in _bound_names(_parsed(path)):
+            pending += _package_modules(name, root)  # serves names lazily, however it is reached
     return tuple(sorted(str(path.relative_to(root)) for path in files))
 
 

@@ -178,3 +178,13 @@ def test_the_default_pipeline_keeps_its_drift_over_50_rounds(tmp_path, cli_env):
     assert len(rounds) == 51
     assert rounds[50]["drift"] <= 3.0 * rounds[10]["drift"]  # 1.4x a round on the old defaults
     assert rounds[50]["accuracy"] > 0.9 and rounds[50]["diverged"] == []
+
+
+def test_the_client_reports_its_effective_sample_size():
+    algo = get_algorithm("bayes_admm")
+    opts = algo.parse_options({})
+    initial = dict(_Untouched().named_parameters())
+    server, client = algo.init_server(initial, 3, opts), algo.init_client(initial, opts)
+    data = _clients()[0]
+    _, _, metrics = algo.client_update(_Untouched(), server, client, data, TRAIN, opts, client_generator(0, 0, 0))
+    assert metrics["ess"] == pytest.approx(len(data) / (opts.temperature * opts.rho))  # N_k / (τρ)

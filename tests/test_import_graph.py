@@ -89,18 +89,33 @@ def test_the_closure_follows_lazy_imports_parent_packages_and_lazily_served_name
     (tmp_path / "pkg/leaf.py").write_text("import numpy\nx = 1\n")
     (tmp_path / "main.py").write_text("def run():\n    from pkg.sub import served_lazily\n")
     (tmp_path / "other.py").write_text("import pkg.sub.one\n")
-    assert import_closure("other", tmp_path) == (
-        "other.py",
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain/__init__.py").write_text("")
+    (tmp_path / "plain/a.py").write_text("from . import b\n")
+    (tmp_path / "plain/b.py").write_text("def f():\n    from pkg.leaf import x\n")
+    (tmp_path / "plain/c.py").write_text("")
+    (tmp_path / "uses_plain.py").write_text("import plain.a\n")
+    assert import_closure("uses_plain", tmp_path) == (
         "pkg/__init__.py",
         "pkg/leaf.py",
-        "pkg/sub/__init__.py",
-        "pkg/sub/one.py",
-        "pkg/sub/two.py",
-    )
+        "plain/__init__.py",
+        "plain/a.py",
+        "plain/b.py",
+        "uses_plain.py",
+    )  # plain/c.py is imported by nobody
     # a name the package serves lazily could be in any of its modules: all of them count
-    assert set(import_closure("main", tmp_path)) == {"main.py", "pkg/__init__.py", "pkg/leaf.py"} | {
-        f"pkg/sub/{name}.py" for name in ("__init__", "one", "two", "three")
-    }
+    lazy = {"pkg/__init__.py", "pkg/leaf.py"} | {f"pkg/sub/{name}.py" for name in ("__init__", "one", "two", "three")}
+    assert set(import_closure("main", tmp_path)) == {"main.py"} | lazy
+    # however the lazy package is reached: as a module object, under another name, by a star import
+    for index, statement in enumerate(("from pkg import sub", "import pkg.sub as s", "from pkg.sub import *")):
+        (tmp_path / f"reach{index}.py").write_text(statement + "\n")
+        assert set(import_closure(f"reach{index}", tmp_path)) == {f"reach{index}.py"} | lazy, statement
+    # a package and a module of the same name: Python imports the package, and so does the walk
+    (tmp_path / "dup").mkdir()
+    (tmp_path / "dup/__init__.py").write_text("")
+    (tmp_path / "dup.py").write_text("")
+    (tmp_path / "uses_dup.py").write_text("import dup\n")
+    assert import_closure("uses_dup", tmp_path) == ("dup/__init__.py", "uses_dup.py")
 
 
 def test_records_and_runs_note_third_party_versions():

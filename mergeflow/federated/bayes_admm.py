@@ -188,8 +188,8 @@ class BayesADMM(FederatedAlgorithm):
         if not (torch.isfinite(mean).all() and torch.isfinite(precision).all() and (precision > 0).all()):
             raise DivergenceError("IVON-ADMM client posterior is not finite and positive")
         distance = float((mean.to(torch.float64) - flat(server, MEAN)).norm())
-        scale = options.prior_precision**-0.5  # a prior standard deviation: smaller moves never run away
-        guard = guard_runaway(client, distance, options.runaway_window, options.runaway_growth, scale)
+        prior_std = options.prior_precision**-0.5  # smaller moves never count as running away
+        guard = guard_runaway(client, distance, options.runaway_window, options.runaway_growth, prior_std)
         message: Message = {}
         offset = 0
         for name, p in exchanged_parameters(model):
