@@ -23,7 +23,6 @@ from __future__ import annotations
 import ast
 import functools
 from collections.abc import Iterator
-from importlib import metadata
 from pathlib import Path
 
 RECORDED_PACKAGES = ("torch", "numpy", "transformers", "peft", "ivon-opt", "safetensors", "scikit-learn", "datasets")
@@ -140,6 +139,8 @@ def import_closure(module: str, root: Path) -> tuple[str, ...]:
 def third_party_versions(packages: tuple[str, ...] = RECORDED_PACKAGES) -> dict[str, str]:
     """The installed versions of the third-party packages whose changes keys ignore (absent ones left
     out), read once per process: the same dict every call, not to be changed."""
+    from importlib import metadata  # only where versions are recorded: not on the CLI's start-up path
+
     versions = {}
     for package in packages:
         try:

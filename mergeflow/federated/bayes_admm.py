@@ -62,6 +62,7 @@ from mergeflow.federated.base import (
     LocalTraining,
     Message,
     ServerState,
+    client_drift,
     exchanged_parameters,
     load_parameters,
     register_algorithm,
@@ -187,9 +188,6 @@ class BayesADMM(FederatedAlgorithm):
         mean, precision = opt.get_posterior()
         if not (torch.isfinite(mean).all() and torch.isfinite(precision).all() and (precision > 0).all()):
             raise DivergenceError("IVON-ADMM client posterior is not finite and positive")
-        distance = float((mean.to(torch.float64) - flat(server, MEAN)).norm())
-        prior_std = options.prior_precision**-0.5  # smaller moves never count as running away
-        guard = guard_runaway(client, distance, options.runaway_window, options.runaway_growth, prior_std)
         message: Message = {}
         offset = 0
         for name, p in exchanged_parameters(model):
@@ -197,6 +195,9 @@ class BayesADMM(FederatedAlgorithm):
             message[MEAN + name] = mean[offset : offset + size].reshape(p.shape).to(torch.float64, copy=True)
             message[PRECISION + name] = precision[offset : offset + size].reshape(p.shape).to(torch.float64, copy=True)
             offset += size
+        distance = client_drift(take_prefix(server, MEAN), [message])  # as the round's drift counts it
+        prior_std = options.prior_precision**-0.5  # smaller moves never count as running away
+        guard = guard_runaway(client, distance, options.runaway_window, options.runaway_growth, prior_std)
         metrics = {
             "train_loss": epoch_loss,
             "steps": float(steps),

@@ -33,16 +33,16 @@ def guard_runaway(
     A client that sent ``distance`` = ‖θ_k − θ̄‖ from the model it started at has run away when
     ``distance`` is more than ``growth`` × the largest of: the smallest of its last ``window``
     distances after its first round (it needs two of them: a single one may be an outlier), its
-    first round's distance, and ``scale``. A healthy client's
-    distance shrinks or levels off as the duals settle; one in a run-away loop grows geometrically
-    (IVON-ADMM at small Kρ: 1.4× a round or faster, :mod:`.flat_direction`), so the check starts
-    early rather than when the window is full: by then the old IVON-ADMM defaults had sent a
-    distance of 4e13 on one run. Against the window alone a
-    converged client whose tiny distances vary by orders of magnitude would count as run away, and
-    so would a client whose first steps were damped (IVON starts at ``hess_init``) and whose later
-    ones are not; the first round's distance is the scale of one round of local training, and
-    ``scale`` one the algorithm knows (IVON-ADMM: a prior standard deviation, 1/√δ).
-    ``window`` = 0 turns the check off.
+    first round's distance, and ``scale``. A healthy client's distance shrinks or levels off as the
+    duals settle; one in a run-away loop grows geometrically (IVON-ADMM at small Kρ: 1.4× a round
+    or faster, :mod:`.flat_direction`), so the check starts early rather than when the window is
+    full: by then the old IVON-ADMM defaults had sent a distance of 4e13 on one run.
+
+    Against the window alone, a converged client whose tiny distances vary by orders of magnitude
+    would count as run away, and so would a client whose first steps were damped (IVON starts at
+    ``hess_init``) and whose later ones are not. The first round's distance is the scale of one
+    round of local training, and ``scale`` one the algorithm knows (IVON-ADMM: a prior standard
+    deviation, 1/√δ). ``window`` = 0 turns the check off.
 
     Returns:
         The entries to store in the client's state: the first distance and the last ``window``
