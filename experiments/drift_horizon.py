@@ -2,7 +2,7 @@
 
 Usage (from the project root, after ``make install``):
     .venv/bin/python experiments/drift_horizon.py --preset experiments/bayes_admm_horizon.yaml
-        [--rounds 200] [--workers 2] [--out results/drift_horizon.jsonl]
+        [--rounds 200] [--workers 2] [--out results/drift_horizon.jsonl] [--algorithms NAME …] [--seeds N …]
 
 For each sweep point of the preset (e.g. partition × seed) the pipeline's prepare, partition and
 pretrain stages make a workspace under ``results/drift_horizon-workspace/``, then every entry of
@@ -65,7 +65,12 @@ def table(records: list[dict[str, Any]], rounds: int) -> str:
 
 def main() -> None:
     """Run every entry at every sweep point and print the drift table."""
-    args = command_line(__doc__.splitlines()[0], "experiments/bayes_admm_horizon.yaml", "results/drift_horizon.jsonl")
+    args = command_line(
+        __doc__.splitlines()[0],
+        "experiments/bayes_admm_horizon.yaml",
+        "results/drift_horizon.jsonl",
+        extra={"--algorithms": "only these entries of federated.algorithms", "--seeds": "only these seeds"},
+    )
     import yaml
 
     from mergeflow.config import apply_overrides, validate_params
@@ -73,11 +78,14 @@ def main() -> None:
     preset = yaml.safe_load(args.preset.read_text())
     records, rounds = [], 0
     with args.out.open("w") as out:
-        for _, point in sweep_points(preset.get("sweep", {})):
+        sweep = preset.get("sweep", {})
+        if args.seeds:
+            sweep = {**sweep, "seed": [int(seed) for seed in args.seeds]}
+        for _, point in sweep_points(sweep):
             params = validate_params(apply_overrides(preset.get("params", {}), point), " ".join(point))
             inputs = point_inputs(params, point, "drift_horizon")
             rounds = args.rounds or params.federated.rounds
-            entries = params.federated.algorithms
+            entries = args.algorithms or params.federated.algorithms
             results = run_in_workers([(run_one, (entry, params, inputs, rounds)) for entry in entries], args.workers)
             for entry, result in zip(entries, results, strict=True):
                 record = {"point": " ".join(point), "entry": entry, **result}

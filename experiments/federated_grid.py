@@ -156,13 +156,18 @@ def run_in_workers(jobs: list[tuple[Callable[..., dict[str, Any]], tuple[Any, ..
         return pool.map(_run_job, range(len(jobs)), chunksize=1)
 
 
-def command_line(description: str, default_preset: str, default_out: str) -> argparse.Namespace:
-    """The arguments of a script over a preset's sweep points, with the pipeline's environment set up."""
+def command_line(
+    description: str, default_preset: str, default_out: str, extra: dict[str, str] | None = None
+) -> argparse.Namespace:
+    """The arguments of a script over a preset's sweep points, with the pipeline's environment set up;
+    ``extra``: more options that take a list of values (option → help)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--preset", type=Path, default=ROOT / default_preset)
     parser.add_argument("--rounds", type=int, default=None, help="default: the preset's federated.rounds")
     parser.add_argument("--out", type=Path, default=ROOT / default_out)
     parser.add_argument("--workers", type=int, default=1, help="processes running side by side")
+    for option, text in (extra or {}).items():
+        parser.add_argument(option, nargs="+", default=None, help=text)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from flows.environment import configure
