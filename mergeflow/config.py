@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mergeflow.errors import ConfigError, first_problem
+from mergeflow.schema.families import FamilyDeclaration, family_of_arch
 
 
 class _Section(BaseModel):
@@ -202,14 +203,31 @@ class HFModelConfig(_Section):
     def _model_source(self) -> HFModelConfig:
         if not self.pretrained and "model_type" not in self.model_config_fields():
             raise ValueError("config.model_type: needed without a pretrained model (e.g. bert or gpt2)")
+        self.config = self.model_config_fields()  # what the steps build from, resolved once
         return self
 
 
 class ModelConfig(_Section):
-    arch: Literal["linear", "mlp", "cnn", "hf"] = "mlp"
+    """The model: ``arch`` names a member of a registered family (:mod:`mergeflow.schema.families`)."""
+
+    arch: str = "mlp"
     widths: list[int] = [64]
     activation: Literal["relu", "tanh"] = "relu"
     hf: HFModelConfig = HFModelConfig()
+
+    @field_validator("arch")
+    @classmethod
+    def _known_arch(cls, arch: str) -> str:
+        try:
+            family_of_arch(arch)
+        except ConfigError as error:
+            raise ValueError(str(error).removeprefix("model.arch: ")) from None
+        return arch
+
+    @property
+    def family(self) -> FamilyDeclaration:
+        """The declaration of the family that builds ``arch``."""
+        return family_of_arch(self.arch)
 
     @field_validator("widths")
     @classmethod
@@ -400,9 +418,9 @@ class MergeConfig(_Section):
 
     def selection_metric(self, task: str) -> str:
         """The validation metric searches are chosen by: ``select_by``, or accuracy (classification) / NLL."""
-        if self.select_by != "auto":
-            return self.select_by
-        return "accuracy" if task == "classification" else "nll"
+        from mergeflow.schema.objectives import declared_objective
+
+        return self.select_by if self.select_by != "auto" else declared_objective(task).select_by[0]
 
     @model_validator(mode="after")
     def _known_methods_and_options(self) -> MergeConfig:
@@ -571,11 +589,16 @@ class Params(_Section):
     tracking: TrackingConfig = TrackingConfig()
 
     @property
+    def pretrained(self) -> str | None:
+        """The pretrained model the model family starts from (a directory or hub name), if any."""
+        key = self.model.family.pretrained_key
+        return self.section(key) if key else None
+
+    @property
     def task(self) -> str:
-        """What the models learn: ``causal_lm`` with ``model.hf.task: causal_lm``, else the data's task."""
-        if self.model.arch == "hf" and self.model.hf.task == "causal_lm":
-            return "causal_lm"
-        return self.data.task
+        """The objective the models learn: the one the model family's options choose (a causal LM), else
+        the data's task."""
+        return self.model.family.objective(self.model) or self.data.task
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Params:
@@ -593,38 +616,15 @@ class Params(_Section):
             where = f"data.{self.data.source}.group_column"
             raise ValueError(f"partition.method: 'natural' needs a group column; set {where}")
         regression = self.data.task == "regression"
-        if self.task != "classification" and self.merge.select_by == "accuracy":
-            raise ValueError(f"merge.select_by: accuracy needs a classification task, and the task is {self.task}")
-        if self.task == "causal_lm":
-            self._check_causal_lm()
+        self._check_objective()
+        self._check_family()
         if regression and self.partition.method in ("dirichlet", "pathological"):
             raise ValueError(
                 f"partition.method: {self.partition.method!r} skews class labels, and the data is a regression "
                 "task; use iid or natural"
             )
-        if self.data.is_text != (self.model.arch == "hf"):
-            raise ValueError(
-                f"model.arch: text sources need model.arch 'hf', and 'hf' needs a text source "
-                f"(data.source is {self.data.source!r}, model.arch {self.model.arch!r})"
-            )
-        if self.model.arch == "hf" and self.align.method != "none":
-            raise ValueError("align.method: permutation alignment of transformers is not implemented; set it to none")
-        if self.pretrain.language_model is not None and self.model.arch != "hf":
-            raise ValueError("pretrain.language_model: language-model pre-training needs model.arch: hf")
-        if self.finetune.lora is not None and self.model.arch != "hf":
-            raise ValueError("finetune.lora: LoRA needs a transformers model (model.arch: hf)")
-        if self.model.arch == "hf" and not self.model.hf.pretrained:
-            embeddings = self.model.hf.model_config_fields().get("vocab_size")
-            if embeddings is not None and embeddings < self.data.tokenizer.vocab_size:
-                raise ValueError(
-                    f"model.hf.config.vocab_size: {embeddings} embeddings for a tokenizer of up to "
-                    f"{self.data.tokenizer.vocab_size} tokens (data.tokenizer.vocab_size); leave it out, and the "
-                    "model takes the tokenizer's size"
-                )
         if self.federated.exchange == "adapters" and self.finetune.lora is None:
             raise ValueError("federated.exchange: 'adapters' exchanges LoRA adapters; set finetune.lora (r, alpha, …)")
-        if self.model.arch == "hf" and self.fisher.backend == "backpack":
-            raise ValueError("fisher.backend: BackPACK does not cover transformers modules; use auto or functorch")
         if self.pretrain.enabled and self.data.server_fraction == 0:
             raise ValueError(
                 "pretrain.enabled: pre-training needs a server split; set data.server_fraction > 0 "
@@ -675,28 +675,46 @@ class Params(_Section):
             )
         return self
 
-    def _check_causal_lm(self) -> None:
-        """A causal LM predicts the next token with a decoder: no mse selection, no exact Fisher over V classes."""
-        if self.merge.select_by == "mse":
-            raise ValueError("merge.select_by: mse needs a regression task, and the task is causal_lm; use nll")
-        if self.fisher.kind == "exact":
+    def _check_objective(self) -> None:
+        """The objective's own rules: the metrics it selects on, its Fisher kinds, language-model pre-training."""
+        from mergeflow.schema.objectives import declared_objective
+
+        objective = declared_objective(self.task)
+        if self.merge.select_by not in ("auto", *objective.select_by):
             raise ValueError(
-                "fisher.kind: 'exact' sums over every class, here every vocabulary token at every position; "
-                "use empirical or sampled for model.hf.task: causal_lm"
+                f"merge.select_by: {self.merge.select_by} does not apply to a {self.task} task; "
+                f"use {' or '.join(objective.select_by)}"
             )
-        if self.pretrain.language_model is not None:
+        if self.fisher.kind not in objective.fisher_kinds:
             raise ValueError(
-                "pretrain.language_model: with model.hf.task: causal_lm the pretrain step already trains the "
+                f"fisher.kind: a {self.task} task has no {self.fisher.kind!r} Fisher (for a causal LM it would sum "
+                f"over every vocabulary token at every position); use {' or '.join(objective.fisher_kinds)}"
+            )
+        if objective.trains_language_model and self.pretrain.language_model is not None:
+            raise ValueError(
+                f"pretrain.language_model: with a {self.task} task the pretrain step already trains the "
                 "language model on the server split; remove it"
             )
-        model_type = self.model.hf.model_config_fields().get("model_type")
-        if model_type is not None:
-            from mergeflow.models.hf import is_causal
 
-            if not is_causal(model_type):
-                raise ValueError(
-                    f"model.hf.task: causal_lm needs a decoder (gpt2, llama, …); config.model_type is {model_type!r}"
-                )
+    def _check_family(self) -> None:
+        """What the model family supports: its inputs, alignment, BackPACK, language models, its own rules."""
+        family = self.model.family
+        if (family.inputs == "tokens") != self.data.is_text:
+            raise ValueError(
+                f"model.arch: {self.model.arch!r} takes {family.inputs}, and data.source {self.data.source!r} "
+                f"{'is' if self.data.is_text else 'is not'} text; text sources need a transformers model (hf)"
+            )
+        if not family.aligns and self.align.method != "none":
+            raise ValueError(
+                f"align.method: permutation alignment of {family.name} models is not implemented; set it to none"
+            )
+        if not family.backpack and self.fisher.backend == "backpack":
+            raise ValueError(f"fisher.backend: BackPACK does not cover {family.name} modules; use auto or functorch")
+        if not family.language_models and self.pretrain.language_model is not None:
+            raise ValueError("pretrain.language_model: language-model pre-training needs a transformers model (hf)")
+        if not family.language_models and self.finetune.lora is not None:
+            raise ValueError("finetune.lora: LoRA needs a transformers model (model.arch: hf)")
+        family.check(self)
 
     def section(self, dotted: str) -> Any:
         """A section or key as plain JSON data, e.g. ``section("finetune")``."""

@@ -29,26 +29,30 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from mergeflow.models.token_model import TokenModel, trim_padding
+from mergeflow.objectives import Objective, get_objective
+from mergeflow.training import as_inputs, token_lengths
+
 FISHER_KINDS = ("empirical", "sampled", "exact")
 BACKENDS = ("auto", "backpack", "functorch")
 _BACKPACK_LOCK = threading.Lock()
 
 
-def _as_tensors(model: nn.Module, X, y, task: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _as_tensors(model: nn.Module, X, y, objective: Objective) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs in the model's dtype (float64 models give float64 Fishers)."""
-    from mergeflow.training import as_inputs
-
     dtype = next(model.parameters()).dtype
-    X = as_inputs(X, dtype)
-    y = torch.as_tensor(y).to(dtype if task == "regression" else torch.long)
-    return X, y
+    return as_inputs(X, dtype), objective.fisher_labels(y, dtype)
 
 
-def _check_kind(kind: str, task: str) -> None:
+def _objective(kind: str, task: str | Objective) -> Objective:
+    """The objective, once ``kind`` is known to be one of its Fisher kinds."""
     if kind not in FISHER_KINDS:
         raise ValueError(f"fisher kind must be one of {FISHER_KINDS}, got {kind!r}")
-    if kind == "exact" and task == "causal_lm":
-        raise ValueError("the exact Fisher of a causal LM sums over the vocabulary at every position; use empirical")
+    objective = get_objective(task)
+    kinds = objective.declaration.fisher_kinds
+    if kind not in kinds:
+        raise ValueError(f"a {objective.name} objective has no {kind} Fisher; use one of {', '.join(kinds)}")
+    return objective
 
 
 def _batches(n: int, batch_size: int) -> Iterator[slice]:
@@ -59,8 +63,6 @@ def _batches(n: int, batch_size: int) -> Iterator[slice]:
 def _by_length(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-id inputs sorted by length, so that each chunk can run at its own longest text (sums over
     examples do not depend on their order); other inputs unchanged."""
-    from mergeflow.training import token_lengths
-
     lengths = token_lengths(model, X)
     if lengths is None:
         return X, y
@@ -70,77 +72,9 @@ def _by_length(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> tuple[torc
 
 def _chunk(model: nn.Module, X: torch.Tensor) -> torch.Tensor:
     """A chunk of token ids without the columns that are padding in every row (vmap cannot trim)."""
-    pad = getattr(model, "pad_token_id", None)
-    if pad is None or X.is_floating_point():
+    if not isinstance(model, TokenModel) or X.is_floating_point():
         return X
-    from mergeflow.models.hf import trim_padding
-
-    return trim_padding(X, pad)
-
-
-class _TokenNLL(nn.Module):
-    """Summed next-token cross-entropy of ``(N, L, V)`` logits, ignoring :data:`~mergeflow.training.IGNORE_INDEX`."""
-
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        from mergeflow.training import token_cross_entropy
-
-        return token_cross_entropy(logits, labels, reduction="sum")
-
-
-def _loss_module(task: str) -> nn.Module:
-    if task == "causal_lm":
-        return _TokenNLL()
-    return nn.CrossEntropyLoss(reduction="sum") if task == "classification" else nn.MSELoss(reduction="sum")
-
-
-def _targets(
-    model: nn.Module,
-    X: torch.Tensor,
-    y: torch.Tensor,
-    kind: str,
-    task: str,
-    noise_std: float,
-    generator: torch.Generator,
-) -> torch.Tensor:
-    """Labels for the empirical (data) and sampled (model) kinds; shaped for the loss module."""
-    if task == "causal_lm":
-        return _next_tokens(model, X, kind, generator)
-    if kind == "sampled":
-        with torch.no_grad():
-            out = model(X)
-        if task == "classification":
-            y = torch.multinomial(torch.softmax(out, dim=1), 1, generator=generator)[:, 0]
-        else:
-            y = out[:, 0] + noise_std * torch.randn(out.shape[0], generator=generator, dtype=out.dtype)
-    return y if task == "classification" else y[:, None]
-
-
-def _next_tokens(model: nn.Module, X: torch.Tensor, kind: str, generator: torch.Generator) -> torch.Tensor:
-    """A causal LM's targets: the data's next tokens, or (sampled) one token drawn from the model at every
-    position the data predicts."""
-    from mergeflow.training import IGNORE_INDEX, next_token_labels
-
-    labels = next_token_labels(X, model.pad_token_id)
-    if kind != "sampled":
-        return labels
-    with torch.no_grad():
-        probs = torch.softmax(model(X), dim=-1)
-    drawn = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).reshape(labels.shape)
-    return torch.where(labels != IGNORE_INDEX, drawn, IGNORE_INDEX)
-
-
-def _score_scale(task: str, noise_std: float) -> float:
-    """Factor turning a per-example loss gradient into the score ∇ log p (up to sign).
-
-    Classification: CE = −log p. Regression: MSE-sum (f−y)² has gradient 2(f−y)∇f, the
-    score is (y−f)∇f/σ², so divide by 2σ².
-    """
-    return 1.0 if task != "regression" else 1.0 / (2 * noise_std**2)
-
-
-def _ggn_scale(task: str, noise_std: float) -> float:
-    """Factor turning BackPACK's GGN of the summed loss into the Fisher: MSE-sum has Hessian 2, Fisher 1/σ²."""
-    return 1.0 if task != "regression" else 1.0 / (2 * noise_std**2)
+    return trim_padding(X, model.pad_token_id)
 
 
 # Modules every BackPACK extension used here supports (first- and second-order).
@@ -174,25 +108,27 @@ def _use_backpack(model: nn.Module, backend: str) -> bool:
 
 
 def _backpack_quantity(
-    model: nn.Module, X: torch.Tensor, target: torch.Tensor, task: str, extension, field: str
+    model: nn.Module, X: torch.Tensor, target: torch.Tensor, objective: Objective, extension, field: str
 ) -> dict[str, torch.Tensor]:
     from backpack import backpack, extend
 
     extended = extend(copy.deepcopy(model).eval())
     # BackPACK keeps its active extensions in global state: one pass at a time per process.
     with _BACKPACK_LOCK, backpack(extension), warnings.catch_warnings():
-        loss = extend(_loss_module(task))(extended(X), target)
+        loss = extend(objective.summed_loss())(extended(X), target)
         # Inputs never require grad here, which makes torch warn about BackPACK's module hooks.
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         loss.backward()
     return {name: getattr(p, field).detach() for name, p in extended.named_parameters()}
 
 
-def _functorch_grads(model: nn.Module, X: torch.Tensor, target: torch.Tensor, task: str) -> dict[str, torch.Tensor]:
+def _functorch_grads(
+    model: nn.Module, X: torch.Tensor, target: torch.Tensor, objective: Objective
+) -> dict[str, torch.Tensor]:
     """Per-example gradients of the summed loss, {name: (N, *shape)}."""
     params = {name: p.detach() for name, p in model.named_parameters()}
     buffers = dict(model.named_buffers())
-    loss_fn = _loss_module(task)
+    loss_fn = objective.summed_loss()
 
     def single(p, x, t):
         out = functional_call(model, (p, buffers), (x[None],))
@@ -201,32 +137,25 @@ def _functorch_grads(model: nn.Module, X: torch.Tensor, target: torch.Tensor, ta
     return vmap(grad(single), in_dims=(None, 0, 0))(params, X, target)
 
 
-def _exact_targets(model: nn.Module, X: torch.Tensor, task: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(target, weight per example) pairs whose weighted squared scores sum to the exact Fisher."""
-    with torch.no_grad():
-        out = model(X)
-    if task == "classification":
-        probs = torch.softmax(out, dim=1)
-        return [(torch.full((len(X),), c, dtype=torch.long), probs[:, c]) for c in range(out.shape[1])]
-    # Gaussian: E[(y−f)²] = σ²; a target one σ away from f gives the same squared score.
-    return [(out.detach(), torch.ones(len(X), dtype=out.dtype))]
-
-
 def diagonal_fisher(
     model: nn.Module,
     X,
     y,
     *,
     kind: str = "exact",
-    task: str = "classification",
+    task: str | Objective = "classification",
     batch_size: int = 256,
     noise_std: float = 1.0,
     seed: int = 0,
     backend: str = "auto",
 ) -> dict[str, torch.Tensor]:
-    """The diagonal Fisher, averaged over examples, as {parameter name: tensor}."""
-    _check_kind(kind, task)
-    X, y = _by_length(model, *_as_tensors(model, X, y, task))
+    """The diagonal Fisher, averaged over examples, as {parameter name: tensor}.
+
+    ``task`` is the objective (or its name) that says what the labels and the likelihood are.
+    """
+    objective = _objective(kind, task)
+    scale = objective.score_scale(noise_std)
+    X, y = _by_length(model, *_as_tensors(model, X, y, objective))
     generator = torch.Generator().manual_seed(seed)
     use_backpack = _use_backpack(model, backend)
     totals = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
@@ -235,38 +164,38 @@ def diagonal_fisher(
         if kind == "exact" and use_backpack:
             from backpack.extensions import DiagGGNExact
 
-            target = yb if task == "classification" else yb[:, None]
-            batch = _backpack_quantity(model, xb, target, task, DiagGGNExact(), "diag_ggn_exact")
-            batch = {k: v * _ggn_scale(task, noise_std) for k, v in batch.items()}
+            target = objective.loss_target(yb)
+            batch = _backpack_quantity(model, xb, target, objective, DiagGGNExact(), "diag_ggn_exact")
+            batch = {k: v * scale for k, v in batch.items()}
         elif kind == "exact":
-            batch = _functorch_exact_diag(model, xb, task, noise_std)
+            batch = _functorch_exact_diag(model, xb, objective, noise_std)
         else:
-            target = _targets(model, xb, yb, kind, task, noise_std, generator)
+            target = objective.fisher_targets(model, xb, yb, kind, noise_std, generator)
             if use_backpack:
                 from backpack.extensions import SumGradSquared
 
-                batch = _backpack_quantity(model, xb, target, task, SumGradSquared(), "sum_grad_squared")
+                batch = _backpack_quantity(model, xb, target, objective, SumGradSquared(), "sum_grad_squared")
             else:
-                batch = _functorch_squared_grads(model, xb, target, task)
-            batch = {k: v * _score_scale(task, noise_std) ** 2 for k, v in batch.items()}
+                batch = _functorch_squared_grads(model, xb, target, objective)
+            batch = {k: v * scale**2 for k, v in batch.items()}
         for name, value in batch.items():
             totals[name] += value
     return {name: total / len(X) for name, total in totals.items()}
 
 
-def _functorch_exact_diag(model: nn.Module, X: torch.Tensor, task: str, noise_std: float) -> dict[str, torch.Tensor]:
+def _functorch_exact_diag(
+    model: nn.Module, X: torch.Tensor, objective: Objective, noise_std: float
+) -> dict[str, torch.Tensor]:
     totals: dict[str, torch.Tensor] = {}
-    for target, weight in _exact_targets(model, X, task):
-        if task == "regression":
-            target = target + noise_std  # one σ from the mean: squared score (∇f)²/σ²
-        squares = _functorch_squared_grads(model, X, target, task, weight)
+    for target, weight in objective.exact_targets(model, X, noise_std):
+        squares = _functorch_squared_grads(model, X, target, objective, weight)
         for name, value in squares.items():
-            totals[name] = totals.get(name, 0) + value * _score_scale(task, noise_std) ** 2
+            totals[name] = totals.get(name, 0) + value * objective.score_scale(noise_std) ** 2
     return totals
 
 
 def _functorch_squared_grads(
-    model: nn.Module, X: torch.Tensor, target: torch.Tensor, task: str, weight: torch.Tensor | None = None
+    model: nn.Module, X: torch.Tensor, target: torch.Tensor, objective: Objective, weight: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
     """Σ_n w_n (∇ loss_n)², per parameter, from per-example gradients (``w`` = 1 without ``weight``).
 
@@ -275,14 +204,14 @@ def _functorch_squared_grads(
     squared, instead of materialising a dense vocabulary × width gradient per example (which
     dominates the time and memory of a small transformer).
     """
-    embedding = model.token_embedding() if hasattr(model, "token_embedding") else None
+    embedding = model.token_embedding() if isinstance(model, TokenModel) else None
     if embedding is None:
-        grads = _functorch_grads(model, X, target, task)
+        grads = _functorch_grads(model, X, target, objective)
         return {k: _weighted_sum(g**2, weight) for k, g in grads.items()}
     table_name, module = embedding
     params = {name: p.detach() for name, p in model.named_parameters() if name != table_name}
     fixed = {table_name: module.weight.detach(), **dict(model.named_buffers())}
-    loss_fn = _loss_module(task)
+    loss_fn = objective.summed_loss()
     added: dict[str, torch.Tensor] = {}
     handle = module.register_forward_hook(lambda _module, _args, output: output + added["delta"])
 
@@ -323,12 +252,22 @@ def flatten_parameters(values: dict[str, torch.Tensor], model: nn.Module) -> tor
 
 
 def _score_blocks(
-    model: nn.Module, X, y, *, kind: str, task: str, batch_size: int, noise_std: float, seed: int, backend: str
+    model: nn.Module,
+    X,
+    y,
+    *,
+    kind: str,
+    task: str | Objective,
+    batch_size: int,
+    noise_std: float,
+    seed: int,
+    backend: str,
 ) -> Iterator[torch.Tensor]:
     """Per-example score rows (rows × D over the flattened parameters), a chunk of examples at a time;
     their Gram summed over all chunks is N·F."""
-    _check_kind(kind, task)
-    X, y = _by_length(model, *_as_tensors(model, X, y, task))
+    objective = _objective(kind, task)
+    scale = objective.score_scale(noise_std)
+    X, y = _by_length(model, *_as_tensors(model, X, y, objective))
     generator = torch.Generator().manual_seed(seed)
     use_backpack = _use_backpack(model, backend)
     for rows in _batches(len(X), batch_size):
@@ -336,25 +275,23 @@ def _score_blocks(
         if kind == "exact" and use_backpack:
             from backpack.extensions import SqrtGGNExact
 
-            target = yb if task == "classification" else yb[:, None]
-            sqrt = _backpack_quantity(model, xb, target, task, SqrtGGNExact(), "sqrt_ggn_exact")
+            target = objective.loss_target(yb)
+            sqrt = _backpack_quantity(model, xb, target, objective, SqrtGGNExact(), "sqrt_ggn_exact")
             flat = flatten_parameters(sqrt, model)  # (C, N, D)
-            yield flat.reshape(-1, flat.shape[-1]) * _ggn_scale(task, noise_std) ** 0.5
+            yield flat.reshape(-1, flat.shape[-1]) * scale**0.5
         elif kind == "exact":
-            for target, weight in _exact_targets(model, xb, task):
-                if task == "regression":
-                    target = target + noise_std
-                grads = flatten_parameters(_functorch_grads(model, xb, target, task), model)
-                yield grads * weight.sqrt()[:, None] * _score_scale(task, noise_std)
+            for target, weight in objective.exact_targets(model, xb, noise_std):
+                grads = flatten_parameters(_functorch_grads(model, xb, target, objective), model)
+                yield grads * weight.sqrt()[:, None] * scale
         else:
-            target = _targets(model, xb, yb, kind, task, noise_std, generator)
+            target = objective.fisher_targets(model, xb, yb, kind, noise_std, generator)
             if use_backpack:
                 from backpack.extensions import BatchGrad
 
-                grads = _backpack_quantity(model, xb, target, task, BatchGrad(), "grad_batch")
+                grads = _backpack_quantity(model, xb, target, objective, BatchGrad(), "grad_batch")
             else:
-                grads = _functorch_grads(model, xb, target, task)
-            yield flatten_parameters(grads, model) * _score_scale(task, noise_std)
+                grads = _functorch_grads(model, xb, target, objective)
+            yield flatten_parameters(grads, model) * scale
 
 
 def fisher_factors(
@@ -363,7 +300,7 @@ def fisher_factors(
     y,
     *,
     kind: str = "exact",
-    task: str = "classification",
+    task: str | Objective = "classification",
     batch_size: int = 256,
     noise_std: float = 1.0,
     seed: int = 0,
@@ -392,7 +329,7 @@ def fisher_sketch(
     *,
     rows: int,
     kind: str = "exact",
-    task: str = "classification",
+    task: str | Objective = "classification",
     batch_size: int = 256,
     noise_std: float = 1.0,
     seed: int = 0,

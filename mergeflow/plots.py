@@ -26,9 +26,9 @@ def plot_comparison(
 
     The file is written atomically, so readers never see a partial PNG.
     """
-    primary = {"classification": "accuracy", "regression": "mse", "causal_lm": "perplexity"}.get(task)
-    if primary is None:
-        raise ValueError(f"unknown task {task!r}")
+    from mergeflow.schema.objectives import declared_objective
+
+    primary = declared_objective(task).headline
     names = list(metrics)
     positions = range(len(names))
     from matplotlib.figure import Figure

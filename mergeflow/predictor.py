@@ -12,11 +12,10 @@ import pyarrow as pa
 import torch
 
 from mergeflow.checkpoints import load_model
-from mergeflow.data.encode import target_scale
 from mergeflow.data.features import FeatureEncoder
 from mergeflow.data.sources import _list_array
 from mergeflow.errors import MergeflowError
-from mergeflow.evaluation import softmax
+from mergeflow.objectives import get_objective
 from mergeflow.training import predict
 
 
@@ -62,12 +61,6 @@ class TablePredictor:
     def predict(self, rows: pd.DataFrame | np.ndarray | pa.Table | dict, batch_size: int = 1024) -> pd.DataFrame:
         """Classification: ``label`` (the class name), ``score`` and one ``probability_<class>`` column each;
         regression: ``prediction``, in the target's own units."""
-        outputs = predict(self.model, self.features(rows), batch_size=batch_size)
-        if self.info["task"] == "regression":
-            scale = target_scale(self.info)
-            return pd.DataFrame({"prediction": outputs.reshape(len(outputs), -1)[:, 0] * scale["std"] + scale["mean"]})
-        names = self.info.get("class_names") or [str(c) for c in range(outputs.shape[1])]
-        probabilities = softmax(outputs)
-        table = {"label": [names[i] for i in probabilities.argmax(axis=1)], "score": probabilities.max(axis=1)}
-        table |= {f"probability_{name}": probabilities[:, i] for i, name in enumerate(names)}
-        return pd.DataFrame(table)
+        objective = get_objective(self.info["task"])
+        outputs = predict(self.model, self.features(rows), task=objective, batch_size=batch_size)
+        return pd.DataFrame(objective.served_columns(outputs, self.info))

@@ -45,10 +45,10 @@ def check_paths(params: Params, source: str = "params") -> None:
             find_wordnet(data.wordnet.root)
         except MergeflowError as error:
             lines.append(f"{source}: data.wordnet.root: {error}")
-    if params.model.arch == "hf" and params.model.hf.pretrained:
-        problem = pretrained_problem(params.model.hf.pretrained)
+    if params.pretrained:
+        problem = pretrained_problem(params.pretrained)
         if problem:
-            lines.append(f"{source}: model.hf.pretrained: {problem}")
+            lines.append(f"{source}: {params.model.family.pretrained_key}: {problem}")
     if lines:
         raise ConfigError(lines)
 
@@ -59,7 +59,7 @@ def check_model(params: Params, source: str = "params") -> None:
     Raises:
         ConfigError: naming ``finetune.lora.target_modules``.
     """
-    if params.finetune.lora is None or params.model.arch != "hf":
+    if params.finetune.lora is None:  # the schema allows LoRA only for a family of language models
         return
     from mergeflow.models.lora import missing_modules
 

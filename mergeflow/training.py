@@ -7,18 +7,18 @@ threads stay bit-reproducible.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-OBJECTIVES = ("classification", "regression", "causal_lm")  # what a model is trained for
-IGNORE_INDEX = -100  # positions a token loss skips (padding, and the last position of a causal LM)
+from mergeflow.models.token_model import TokenModel
+from mergeflow.objectives import Objective, get_objective
 
 
 class DivergenceError(RuntimeError):
@@ -80,11 +80,10 @@ _BUCKET_BATCHES = 50
 
 
 def token_lengths(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
-    """Non-padding tokens per row for a model over token ids (one with a ``pad_token_id``), else None."""
-    pad = getattr(model, "pad_token_id", None)
-    if pad is None or inputs.is_floating_point():
+    """Non-padding tokens per row for a :class:`TokenModel` over token ids, else None."""
+    if not isinstance(model, TokenModel) or inputs.is_floating_point():
         return None
-    return (inputs != pad).sum(1)
+    return (inputs != model.pad_token_id).sum(1)
 
 
 def minibatches(
@@ -111,52 +110,12 @@ def minibatches(
         yield batches[i]
 
 
-def next_token_labels(ids: torch.Tensor, pad: int) -> torch.Tensor:
-    """Causal-LM targets of right-padded ids: each position predicts the next token; padding and the
-    last position are :data:`IGNORE_INDEX`."""
-    labels = torch.full_like(ids, IGNORE_INDEX)
-    labels[:, :-1] = torch.where(ids[:, 1:] != pad, ids[:, 1:], IGNORE_INDEX)
-    return labels
-
-
-def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of ``(N, L', V)`` token logits against ``(N, L)`` labels, over the positions that are
-    not :data:`IGNORE_INDEX`; labels are cut to the ``L'`` columns the model kept (it drops columns that
-    are padding in every row, whose labels are all ignored)."""
-    labels = labels[:, : logits.shape[1]]
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction=reduction
-    )
-
-
-def task_targets(task: str, y: np.ndarray | torch.Tensor, inputs: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    """The training targets of a task: class ids, float targets, or (causal LM) the next tokens of ``inputs``."""
-    if task == "classification":
-        return torch.as_tensor(y).to(torch.long).reshape(-1)
-    if task == "regression":
-        return torch.as_tensor(y).to(torch.float32).reshape(-1)
-    if task == "causal_lm":
-        return next_token_labels(inputs, model.pad_token_id)
-    raise ValueError(f"unknown task {task!r}; expected one of {OBJECTIVES}")
-
-
-def _half_mse(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return 0.5 * torch.mean((out[:, 0] - t) ** 2)
-
-
-LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "classification": F.cross_entropy,
-    "regression": _half_mse,
-    "causal_lm": token_cross_entropy,
-}
-
-
 def train(
     model: nn.Module,
     X: np.ndarray | torch.Tensor,
     y: np.ndarray | torch.Tensor,
     *,
-    task: str,
+    task: str | Objective,
     epochs: int,
     lr: float,
     optimizer: str = "sgd",
@@ -169,15 +128,15 @@ def train(
 ) -> TrainResult:
     """Train ``model`` in place with mini-batches reshuffled every epoch.
 
-    Classification minimises cross-entropy on the logits; regression minimises
-    ``0.5 * mean((output[:, 0] - y) ** 2)``; a causal LM the mean next-token cross-entropy (``y``
-    is then unused: the targets are the inputs shifted by one).
+    The loss and targets are the objective's: classification minimises cross-entropy on the logits;
+    regression ``0.5 * mean((output[:, 0] - y) ** 2)``; a causal LM the mean next-token cross-entropy
+    (``y`` is then unused: the targets are the inputs shifted by one).
 
     Args:
         model: the model to train (modified in place).
         X: inputs, shape ``(N, *input_shape)``.
         y: class indices (classification) or targets (regression), shape ``(N,)``.
-        task: one of :data:`OBJECTIVES`.
+        task: a registered objective (:mod:`mergeflow.objectives`), or its name.
         epochs: number of passes over the data.
         lr: learning rate.
         optimizer: a key of :data:`OPTIMIZERS` (``"sgd"`` or ``"adam"``).
@@ -196,7 +155,8 @@ def train(
         ValueError: on an unknown task or optimizer.
     """
     inputs = as_inputs(X)
-    targets, loss_fn = task_targets(task, y, inputs, model), LOSSES[task]
+    objective = get_objective(task)
+    targets, loss_fn = objective.targets(y, inputs, model), objective.loss
     opt = make_optimizer(optimizer, model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     gen = torch.Generator().manual_seed(int(seed))
     n = inputs.shape[0]
@@ -225,15 +185,16 @@ def train(
 
 
 @torch.no_grad()
-def predict(model: nn.Module, X: np.ndarray | torch.Tensor, *, batch_size: int = 1024) -> np.ndarray:
-    """Raw model outputs (logits or regression outputs) as float64 numpy.
+def predict(
+    model: nn.Module, X: np.ndarray | torch.Tensor, *, task: str | Objective | None = None, batch_size: int = 1024
+) -> np.ndarray:
+    """What the objective keeps of the model's outputs, as float64 numpy: logits or regression outputs,
+    a causal LM's per-row summed token NLL and token count (``task`` None: the forward's outputs).
 
-    A model with a ``prediction_outputs`` method (a causal LM: per-row summed token NLL and token
-    count) gives those instead of its forward's outputs. Runs in eval mode without gradients; the
-    model's previous train/eval mode is restored afterwards.
+    Runs in eval mode without gradients; the model's previous train/eval mode is restored afterwards.
     """
     inputs = as_inputs(X)
-    forward = getattr(model, "prediction_outputs", model)
+    forward = functools.partial(get_objective(task).outputs, model) if task is not None else model
     was_training = model.training
     model.eval()
     try:

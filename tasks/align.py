@@ -20,8 +20,8 @@ from mergeflow.align import (
     align_models,
     apply_permutation,
     loss_barrier,
-    make_accuracy_fn,
     make_loss_fn,
+    make_metric_fn,
     permutation_spec,
     permute_flat_columns,
     permute_grams,
@@ -30,6 +30,7 @@ from mergeflow.checkpoints import atomic_path, load_checkpoint, save_checkpoint,
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
 from mergeflow.models import build_from_spec, parameter_names
+from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_barriers
 from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
 from tasks.fisher import factors_file, fisher_file, grams_file
@@ -110,15 +111,15 @@ def _matching_inputs(root: Path, info: dict[str, Any], reference: int, limit: in
 
 
 def _barriers(model, X, y, task: str, reference: dict, states: dict[int, dict], points: int) -> dict[str, Any]:
-    loss = make_loss_fn(model, X, y, task=task)
-    accuracy = make_accuracy_fn(model, X, y) if task == "classification" else None
+    """Each client's loss barrier to the reference, with the objective's ranking metric along the path
+    (``accuracy`` for classification)."""
+    loss, metric = make_loss_fn(model, X, y, task=task), make_metric_fn(model, X, y, task=task)
+    name = get_objective(task).declaration.rank_by
     out = {}
     for client, state in states.items():
-        result = loss_barrier(loss, reference, state, n_points=points, metric_fn=accuracy)
+        result = loss_barrier(loss, reference, state, n_points=points, metric_fn=metric)
         curve = {"barrier": result.barrier, "ts": result.ts, "losses": result.losses}
-        if result.metrics is not None:
-            curve["accuracies"] = result.metrics
-        out[f"client_{client:03d}"] = curve
+        out[f"client_{client:03d}"] = curve | {name: result.metrics}
     return out
 
 

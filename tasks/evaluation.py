@@ -11,7 +11,8 @@ import numpy as np
 from mergeflow.checkpoints import load_checkpoint_meta, load_model, write_json
 from mergeflow.config import Params
 from mergeflow.data.encode import target_scale
-from mergeflow.evaluation import best_model, ensemble_outputs, sanity_check, unigram_row_nll
+from mergeflow.evaluation import best_model, sanity_check
+from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_comparison, plot_selection
 from mergeflow.training import predict
 from tasks.data import PREPARED, read_arrays, read_groups, read_info
@@ -60,11 +61,12 @@ def plan_evaluate(params: Params) -> list[Step]:
 
 def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     """Metrics for base, clients, best client, ensemble, centralized, each merge and each federated
-    algorithm's final global model; the accuracy gain vs centralized for the last two. A causal LM has
-    no output ensemble (its outputs are per-row NLLs, not token distributions)."""
+    algorithm's final global model; the objective's comparison with centralized (the accuracy gain) for
+    the last two. An objective without an output ensemble (a causal LM's outputs are per-row NLLs, not
+    token distributions) has no ensemble row."""
     settings = params["evaluate"]
     info = read_info(root)
-    task = info["task"]
+    objective = get_objective(info["task"])
     X, y = read_arrays(root / PREPARED / "test.parquet", info)
     groups = read_groups(root / PREPARED / "test.parquet")
     scale = target_scale(info)  # a standardised regression target
@@ -83,17 +85,9 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     predictions: dict[str, np.ndarray] = {}  # for the sanity check: class ids, values in the target's units, NLLs
 
     def outputs_of(path: str, name: str) -> np.ndarray:
-        outputs = predict(load_model(root / path), X, batch_size=settings["batch_size"])
-        remember(name, outputs)
+        outputs = predict(load_model(root / path), X, task=objective, batch_size=settings["batch_size"])
+        predictions[name] = objective.predictions(outputs, scale)
         return outputs
-
-    def remember(name: str, outputs: np.ndarray) -> None:
-        if task == "classification":
-            predictions[name] = outputs.argmax(axis=1)
-        elif task == "causal_lm":
-            predictions[name] = outputs
-        else:
-            predictions[name] = outputs.reshape(len(outputs), -1)[:, 0] * scale["std"] + scale["mean"]
 
     metrics: dict[str, dict[str, Any]] = {"base": score(outputs_of(BASE, "base"))}
     client_outputs = {}
@@ -105,28 +99,22 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
             metrics[name]["diverged"] = True  # its start weights; left out of best client and ensemble
         else:
             client_outputs[name] = outputs
-    best = best_model({name: metrics[name] for name in client_outputs}, task=task)
+    best = best_model({name: metrics[name] for name in client_outputs}, task=objective)
     metrics["best_client"] = {**metrics[best], "client": int(best.removeprefix("client_"))}
-    if task != "causal_lm":
-        ensemble = ensemble_outputs(list(client_outputs.values()), task=task)
-        remember("ensemble", ensemble)
+    if objective.declaration.ensembles:
+        ensemble = objective.ensemble(list(client_outputs.values()))
+        predictions["ensemble"] = objective.predictions(ensemble, scale)
         metrics["ensemble"] = score(ensemble)
     metrics["centralized"] = score(outputs_of(CENTRALIZED, "centralized"))
     combined = {f"merged/{m}": merged_checkpoint(m) for m in params["methods"]}
     combined |= {f"federated/{name}": path for name, path in params["federated"].items()}
     for name, path in combined.items():
         result = score(outputs_of(path, name))
-        if task == "classification":
-            result["accuracy_gain"] = result["accuracy"] - metrics["centralized"]["accuracy"]
-        metrics[name] = result
-    X_train, y_train = read_arrays(root / PREPARED / "train.parquet", info)
-    if task == "regression":  # the baseline in the target's own units, as the metrics are
-        y_train, y = y_train * scale["std"] + scale["mean"], y * scale["std"] + scale["mean"]
-    if task == "causal_lm":  # the input-blind language model: training unigram frequencies
-        tokens = info["tokenizer"]
-        y = unigram_row_nll(X_train, X, tokens["pad_token_id"], tokens["vocab_size"])
-    sanity = sanity_check(predictions, y_train, y, task=task, hints=_likely_causes(info))
-    plot_comparison(metrics, out / PLOT, task=task)
+        metrics[name] = result | objective.versus(result, metrics["centralized"])
+    train = read_arrays(root / PREPARED / "train.parquet", info)
+    y_train, y_blind = objective.baseline_targets(train, (X, y), info)
+    sanity = sanity_check(predictions, y_train, y_blind, task=objective, hints=_likely_causes(info))
+    plot_comparison(metrics, out / PLOT, task=objective.name)
     splits = {"models": "test", SANITY: "test", "selection": "validation"}  # where each number comes from
     write_json(out / METRICS, {**metrics, SANITY: sanity, "splits": splits})
     selection = _selections(root, params["methods"])

@@ -28,7 +28,6 @@ from mergeflow.checkpoints import atomic_path, load_checkpoint, load_checkpoint_
 from mergeflow.config import Params
 from mergeflow.data.encode import target_scale
 from mergeflow.errors import MergeflowError
-from mergeflow.evaluation import in_target_units
 from mergeflow.federated import (
     ClientData,
     LocalTraining,
@@ -39,6 +38,7 @@ from mergeflow.federated import (
 from mergeflow.federated.loop import global_scores
 from mergeflow.federated.rounds import client_step, round_schedule, server_step
 from mergeflow.models import build_from_spec
+from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_rounds
 from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError
@@ -274,8 +274,8 @@ def _write_global(root: Path, out: Path, params: dict[str, Any], server: dict, r
     noise_std, samples, seed = noise or params["noise_std"], params["predictive_samples"], params["seed"]
     validation = validation_data(root) if params["validation"] else None
     scores = global_scores(algorithm, server, model, data, validation, noise_std, samples, seed, round_index)
-    if data.task == "regression":  # reported in the target's own units, as the evaluation's are
-        scores = in_target_units(scores, target_scale(read_info(root))["std"])
+    # In the target's own units, as the evaluation's are.
+    scores = get_objective(data.task).in_target_units(scores, target_scale(read_info(root))["std"])
     write_json(out / round_metrics_file(params["name"], round_index), {"round": round_index, **row, **scores})
 
 

@@ -17,8 +17,7 @@ from mergeflow.config import Params
 from mergeflow.merge import METHODS, run_merge
 from mergeflow.merge.registry import Scorer
 from mergeflow.merge.streaming import merge_files
-from mergeflow.models import is_transformer, parameter_names
-from mergeflow.models.hf import save_pretrained
+from mergeflow.models import family_of, parameter_names
 from mergeflow.schema.search import HIGHER_IS_BETTER, candidate_id, choose, search_grid, searched_keys
 from tasks.align import aligned_checkpoint, aligned_factors, aligned_fisher, aligned_grams
 from tasks.data import PREPARED, TOKENIZER
@@ -27,6 +26,8 @@ from tasks.steps import Step
 from tasks.training import BASE
 
 MERGED = "models/merged"
+# Where the prepared artifacts a model family may need (its declared extra inputs) live.
+EXTRA_INPUTS = {"tokenizer": TOKENIZER}
 
 
 def merged_checkpoint(name: str) -> str:
@@ -35,8 +36,8 @@ def merged_checkpoint(name: str) -> str:
 
 
 def merged_pretrained_dir(name: str) -> str:
-    """For transformers: the directory beside the checkpoint that ``from_pretrained`` reloads (weights,
-    config and tokenizer)."""
+    """The directory beside the checkpoint that the model family's ecosystem loads, for a family that
+    exports one (transformers: ``from_pretrained``'s weights, config and tokenizer)."""
     return f"{MERGED}/{name}"
 
 
@@ -70,7 +71,7 @@ def _merge_step(params: Params, name: str, method: str, options: dict[str, Any],
     spec = METHODS[method]
     if "base" in spec.uses and "base" not in spec.needs:  # an optional base is the clients' only if they share it
         step_params["shared_base"] = params.finetune.init == "shared"
-    inputs = _inputs(method, clients, factors) + ((TOKENIZER,) if params.model.arch == "hf" else ())
+    inputs = _inputs(method, clients, factors) + _extra_inputs(params)
     if candidate or "scorer" in METHODS[method].uses:  # scored on the validation split, never on test
         step_params |= {
             "noise_std": params.evaluate.noise_std,
@@ -99,7 +100,7 @@ def plan_merge(params: Params) -> list[list[Step]]:
         paths = [candidate_checkpoint(name, candidate) for candidate in grid]
         select = {"name": name, "candidates": paths, "searched": searched_keys(options)}
         select["select_by"] = params.merge.selection_metric(params.task)
-        inputs = (*paths, BASE) + ((TOKENIZER,) if params.model.arch == "hf" else ())
+        inputs = (*paths, BASE) + _extra_inputs(params)
         selections.append(Step(f"merge/{name}", "tasks.merging:select_candidate", select, inputs))
     return [merges, selections] if selections else [merges]
 
@@ -191,12 +192,20 @@ def _validation_scorer(params: dict[str, Any], root: Path, spec: dict[str, Any])
     return score
 
 
+def _extra_inputs(params: Params) -> tuple[str, ...]:
+    """The prepared artifacts the model family exports with a merged model (the tokenizer)."""
+    return tuple(EXTRA_INPUTS[name] for name in params.model.family.extra_inputs)
+
+
 def _save_pretrained(name: str, state: dict[str, Any] | None, meta: dict[str, Any], root: Path, out: Path) -> None:
-    """For transformers, the ``from_pretrained`` directory beside the merged checkpoint (``state`` None: read it)."""
-    if is_transformer(meta["spec"]):
-        if state is None:
-            state = load_file(out / merged_checkpoint(name))
-        save_pretrained(meta["spec"], state, out / merged_pretrained_dir(name), root / TOKENIZER)
+    """The family's own directory beside the merged checkpoint, if it exports one (``state`` None: read it)."""
+    family = family_of(meta["spec"]["arch"])
+    if not family.declaration.exports:
+        return
+    if state is None:
+        state = load_file(out / merged_checkpoint(name))
+    inputs = {key: root / EXTRA_INPUTS[key] for key in family.declaration.extra_inputs}
+    family.export(meta["spec"], state, out / merged_pretrained_dir(name), inputs)
 
 
 def merge_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:

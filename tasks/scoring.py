@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from mergeflow.data.encode import target_scale
-from mergeflow.evaluation import evaluate_outputs, in_target_units
 from mergeflow.models import build_from_spec
+from mergeflow.objectives import get_objective
 from mergeflow.training import predict
 from tasks.data import PREPARED, read_arrays, read_info
 
@@ -20,8 +20,9 @@ def score_outputs(outputs: np.ndarray, y: np.ndarray, info: dict[str, Any], nois
     NLL in the target's own units (its training target may have been standardised), with the data's
     own noise when it knows it."""
     noise = info.get("noise_std") or noise_std
-    metrics = evaluate_outputs(outputs, y, task=info["task"], n_bins=n_bins, noise_std=noise)
-    return in_target_units(metrics, target_scale(info)["std"]) if info["task"] == "regression" else metrics
+    objective = get_objective(info["task"])
+    metrics = objective.metrics(outputs, y, n_bins=n_bins, noise_std=noise)
+    return objective.in_target_units(metrics, target_scale(info)["std"])
 
 
 def split_metrics(
@@ -32,4 +33,4 @@ def split_metrics(
     X, y = read_arrays(root / PREPARED / f"{split}.parquet", info)
     model = build_from_spec(spec)
     model.load_state_dict(state)
-    return score_outputs(predict(model.eval(), X), y, info, noise_std)
+    return score_outputs(predict(model.eval(), X, task=info["task"]), y, info, noise_std)

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mergeflow.checkpoints import load_checkpoint
+from mergeflow.checkpoints import load_checkpoint, load_checkpoint_meta
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
 from mergeflow.import_graph import third_party_versions
@@ -235,17 +235,23 @@ def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, 
 
 
 def _log_model(mlflow, root: Path, name: str, path: Path, example):
-    """Log a merged model: a transformer as a text-classification or text-generation pipeline (text in,
-    labels or text out; the transformers flavour), any other model as a pyfunc over raw rows."""
+    """Log a merged model in its family's flavour (:data:`FLAVOURS`)."""
     import torch
 
+    from mergeflow.models import family_of  # torch: only when a model is logged
+
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
-    directory = root / merged_pretrained_dir(name)
-    if not (directory / "config.json").is_file():
-        return _log_raw_rows_model(mlflow, root, path, example, requirements)
+    flavour = family_of(load_checkpoint_meta(path)["spec"]["arch"]).declaration.flavour
+    return FLAVOURS[flavour](mlflow, root, name, path, example, requirements)
+
+
+def _log_pipeline(mlflow, root: Path, name: str, path: Path, example, requirements: list[str]):
+    """A transformer as a text-classification or text-generation pipeline (text in, labels or text out),
+    from the directory its family exported beside the checkpoint."""
     import mlflow.transformers
     import transformers
 
+    directory = root / merged_pretrained_dir(name)
     config = transformers.AutoConfig.from_pretrained(directory)
     generates = any(arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel") for arch in config.architectures or [])
     auto = transformers.AutoModelForCausalLM if generates else transformers.AutoModelForSequenceClassification
@@ -258,7 +264,7 @@ def _log_model(mlflow, root: Path, name: str, path: Path, example):
     return mlflow.transformers.log_model(transformers_model=pipe, name="model", pip_requirements=requirements)
 
 
-def _log_raw_rows_model(mlflow, root: Path, path: Path, example, requirements: list[str]):
+def _log_raw_rows_model(mlflow, root: Path, name: str, path: Path, example, requirements: list[str]):
     """A pyfunc model that takes the user's raw rows: the feature encoding fitted on the training split
     (standardisation, one-hot categories, filled gaps) travels with the checkpoint, and mergeflow's code
     with the model, so ``mlflow.pyfunc.load_model(uri).predict(rows)`` works wherever torch is installed."""
@@ -279,6 +285,9 @@ def _log_raw_rows_model(mlflow, root: Path, path: Path, example, requirements: l
         input_example=example,
         pip_requirements=requirements,
     )
+
+
+FLAVOURS = {"transformers": _log_pipeline, "pyfunc": _log_raw_rows_model}  # by a family's declared flavour
 
 
 def _log_federated(mlflow, root: Path, name: str, config: dict[str, Any], rounds: list[dict], final: dict) -> None:

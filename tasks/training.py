@@ -11,7 +11,8 @@ import torch
 
 from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import Params
-from mergeflow.models import build_from_spec, model_spec
+from mergeflow.models import build_from_spec, family_of
+from mergeflow.objectives import get_objective
 from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError, TrainResult, predict, train
 from tasks.data import CORPUS, PARTITIONS, PREPARED, client_file, read_arrays, read_info
@@ -26,10 +27,6 @@ _TRAIN_KEYS = ("epochs", "lr", "optimizer", "momentum", "weight_decay", "batch_s
 def client_checkpoint(client: int) -> str:
     """Relative path of one client's fine-tuned model."""
     return f"{CLIENTS}/client_{client:03d}.safetensors"
-
-
-def _output_dim(info: dict[str, Any]) -> int:
-    return info["num_classes"] if info["task"] == "classification" else 1
 
 
 def _fit(
@@ -54,10 +51,7 @@ def _fit(
 
 def plan_pretrain(params: Params) -> list[Step]:
     """One step: the shared base model."""
-    model = params.section("model")
-    if params.model.arch == "hf":
-        model["hf"]["config"] = params.model.hf.model_config_fields()
-    step_params = {"seed": params.seed, "model": model, "pretrain": params.section("pretrain")}
+    step_params = {"seed": params.seed, "model": params.section("model"), "pretrain": params.section("pretrain")}
     return [Step("pretrain", "tasks.training:pretrain", step_params, inputs=(PREPARED,))]
 
 
@@ -111,33 +105,8 @@ def _pretrain_language_model(
 
 def _base_model(model_cfg: dict[str, Any], info: dict[str, Any], seed: int) -> tuple[torch.nn.Module, dict]:
     """The untrained base model of ``model_cfg`` for the data ``info`` describes, and its spec."""
-    if model_cfg["arch"] == "hf":
-        from mergeflow.models.hf import build_base
-
-        tokens = info["tokenizer"]
-        hf = model_cfg["hf"]
-        return build_base(
-            pretrained=hf["pretrained"],
-            config=hf["config"],
-            num_labels=info["num_classes"],
-            vocab_size=tokens["vocab_size"],
-            max_length=tokens["max_length"],
-            pad_token_id=tokens["pad_token_id"],
-            sep_token_id=tokens["sep_token_id"] if info.get("pair") else None,
-            dropout=hf["dropout"],
-            seed=seed,
-            class_names=info["class_names"],
-            task="causal_lm" if info["task"] == "causal_lm" else "sequence_classification",
-        )
-    spec = model_spec(
-        model_cfg["arch"],
-        info["input_shape"],
-        _output_dim(info),
-        widths=model_cfg["widths"],
-        activation=model_cfg["activation"],
-        seed=seed,
-    )
-    return build_from_spec(spec), spec
+    output_dim = get_objective(info["task"]).output_dim(info)
+    return family_of(model_cfg["arch"]).build_base(model_cfg, info, output_dim, seed)
 
 
 def _client_settings(params: Params, client: int) -> dict[str, Any]:
@@ -283,7 +252,7 @@ class _BestEpoch:
 
         info = read_info(root)
         X, y = read_arrays(root / PREPARED / "validation.parquet", info)
-        self.score = lambda: score_outputs(predict(model, X), y, info, noise_std)
+        self.score = lambda: score_outputs(predict(model, X, task=info["task"]), y, info, noise_std)
         self.model, self.select_by = model, select_by
         self.curve: list[dict[str, float]] = []
         self.best_epoch: int | None = None

@@ -22,8 +22,8 @@ from mergeflow.align import (
     interpolate,
     invert_permutation,
     loss_barrier,
-    make_accuracy_fn,
     make_loss_fn,
+    make_metric_fn,
     permutation_spec,
     permute_flat_columns,
     random_permutation,
@@ -308,7 +308,7 @@ def test_weight_matching_lowers_the_barrier_between_independent_mlps():
     ref, other = models[0].state_dict(), models[1].state_dict()
     result = weight_matching(spec, ref, other, seed=0)
     aligned = apply_permutation(spec, other, result.perms)
-    loss_fn, acc_fn = make_loss_fn(models[0], X, y), make_accuracy_fn(models[0], X, y)
+    loss_fn, acc_fn = make_loss_fn(models[0], X, y), make_metric_fn(models[0], X, y)
     naive = loss_barrier(loss_fn, ref, other, n_points=5, metric_fn=acc_fn)
     rebased = loss_barrier(loss_fn, ref, aligned, n_points=5, metric_fn=acc_fn)
     assert rebased.losses[-1] == pytest.approx(naive.losses[-1], rel=1e-5)  # same function at t = 1

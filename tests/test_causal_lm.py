@@ -10,13 +10,15 @@ import pytest
 import torch
 from text_fixtures import tiny_transformer, tokenized_topics
 
-from mergeflow.evaluation import evaluate_outputs, sanity_check, unigram_row_nll
+from mergeflow.evaluation import evaluate_outputs, sanity_check
 from mergeflow.fisher import diagonal_fisher, fisher_factors
 from mergeflow.grams import CONV1D, linear_input_grams
 from mergeflow.merge import merge
+from mergeflow.metrics import unigram_row_nll
 from mergeflow.models import build_from_spec
 from mergeflow.models.hf import CausalLM, save_pretrained
-from mergeflow.training import next_token_labels, predict, train
+from mergeflow.objectives.causal_lm import next_token_labels
+from mergeflow.training import predict, train
 
 
 @pytest.fixture(scope="module")
@@ -54,18 +56,22 @@ def test_training_a_causal_lm_lowers_its_token_nll_below_the_unigram_baseline(te
     X = texts[2]
     train_ids, test_ids = X[:150], X[150:]
     model, _ = _lm()
-    before = evaluate_outputs(predict(model, test_ids), None, task="causal_lm")
+    before = evaluate_outputs(predict(model, test_ids, task="causal_lm"), None, task="causal_lm")
     train(model, train_ids, torch.zeros(150), task="causal_lm", epochs=8, lr=3e-3, optimizer="adam", seed=0)
-    after = evaluate_outputs(predict(model, test_ids), None, task="causal_lm")
+    after = evaluate_outputs(predict(model, test_ids, task="causal_lm"), None, task="causal_lm")
     tokens = int((next_token_labels(test_ids, 0) >= 0).sum())
     assert before["tokens"] == after["tokens"] == tokens
     assert after["perplexity"] == pytest.approx(math.exp(after["nll"]))
     unigram = unigram_row_nll(train_ids.numpy(), test_ids.numpy(), pad=0, vocab_size=300)
     assert after["nll"] < unigram.sum() / tokens < before["nll"]
-    report = sanity_check({"centralized": predict(model, test_ids)}, None, unigram, task="causal_lm", hints="")
+    report = sanity_check(
+        {"centralized": predict(model, test_ids, task="causal_lm")}, None, unigram, task="causal_lm", hints=""
+    )
     assert report["warning"] is None and report["models_at_baseline"] == []
     untrained = _lm(seed=1)[0]
-    blind = sanity_check({"centralized": predict(untrained, test_ids)}, None, unigram, task="causal_lm", hints="h")
+    blind = sanity_check(
+        {"centralized": predict(untrained, test_ids, task="causal_lm")}, None, unigram, task="causal_lm", hints="h"
+    )
     assert "the training unigram distribution" in blind["warning"]
 
 
@@ -96,7 +102,7 @@ def test_causal_lm_fisher_by_vmap_equals_a_per_example_loop_with_the_tied_head(t
         torch.testing.assert_close(fisher[name], expected, rtol=1e-5, atol=1e-10 * float(expected.abs().max()) + 1e-12)
     factors = fisher_factors(model, X, torch.zeros(12), kind="sampled", task="causal_lm", batch_size=5, seed=3)
     assert factors.shape == (12, sum(p.numel() for p in model.parameters()))
-    with pytest.raises(ValueError, match="exact Fisher of a causal LM"):
+    with pytest.raises(ValueError, match="a causal_lm objective has no exact Fisher"):
         diagonal_fisher(model, X, torch.zeros(12), kind="exact", task="causal_lm")
 
 

@@ -6,14 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mergeflow.evaluation import (
-    best_model,
-    classification_metrics,
-    ensemble_outputs,
-    evaluate_outputs,
-    regression_metrics,
-    softmax,
-)
+from mergeflow.errors import MergeflowError
+from mergeflow.evaluation import best_model, ensemble_outputs, evaluate_outputs
+from mergeflow.metrics import classification_metrics, regression_metrics, softmax
 from mergeflow.plots import plot_comparison
 
 
@@ -74,7 +69,7 @@ def test_evaluate_outputs_dispatches_on_task() -> None:
     )
     reg = evaluate_outputs(np.array([[1.0], [3.0]]), np.array([1.0, 1.0]), task="regression", noise_std=0.5)
     assert reg == regression_metrics(np.array([1.0, 3.0]), np.array([1.0, 1.0]), noise_std=0.5)
-    with pytest.raises(ValueError, match="task"):
+    with pytest.raises(MergeflowError, match="objective 'ranking' is unknown"):
         evaluate_outputs(logits, y, task="ranking")
 
 

@@ -12,7 +12,6 @@ from safetensors.torch import load, save
 from sklearn.datasets import load_digits
 
 from mergeflow.errors import ConfigError
-from mergeflow.evaluation import softmax
 from mergeflow.federated import (
     ALGORITHMS,
     ClientData,
@@ -32,6 +31,7 @@ from mergeflow.federated import (
 )
 from mergeflow.federated.local import local_train
 from mergeflow.federated.quadratic_loss import QuadraticProblem
+from mergeflow.metrics import softmax
 from mergeflow.models import build_model
 from mergeflow.schema.federated import DECLARED
 from mergeflow.seeding import derive_seed

@@ -120,7 +120,10 @@ def test_a_float_label_with_many_values_suggests_regression(tmp_path):
 def test_a_large_regression_target_is_standardised_and_every_number_is_reported_in_its_units(tmp_path):
     import torch
 
-    from mergeflow.evaluation import in_target_units, regression_metrics
+    from mergeflow.metrics import regression_metrics
+    from mergeflow.objectives import get_objective
+
+    in_target_units = get_objective("regression").in_target_units
     from mergeflow.predictor import TablePredictor
 
     rng = np.random.default_rng(0)
@@ -212,7 +215,7 @@ def test_the_registered_model_predicts_from_raw_rows_as_the_checkpoint_does(tabl
 
     from mergeflow.checkpoints import load_model
     from mergeflow.data import load_dataset_file, to_arrays
-    from mergeflow.evaluation import softmax
+    from mergeflow.metrics import softmax
     from mergeflow.training import predict
 
     path, frame, _ = table_run

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from mergeflow.errors import MergeflowError
 from mergeflow.models import build_model
 from mergeflow.training import (
     DivergenceError,
@@ -117,7 +118,7 @@ def test_unknown_optimizer_raises() -> None:
 
 def test_unknown_task_raises() -> None:
     X, y = _blobs(n=8)
-    with pytest.raises(ValueError, match="task"):
+    with pytest.raises(MergeflowError, match="objective .ranking. is unknown"):
         train(build_model("linear", [2], 2), X, y, task="ranking", epochs=1, lr=0.1)
 
 

@@ -12,8 +12,8 @@ from mergeflow.align.barrier import (
     BarrierResult,
     interpolate,
     loss_barrier,
-    make_accuracy_fn,
     make_loss_fn,
+    make_metric_fn,
 )
 from mergeflow.align.matching import (
     MatchResult,
@@ -50,7 +50,7 @@ __all__ = [
     "interpolate",
     "invert_permutation",
     "loss_barrier",
-    "make_accuracy_fn",
+    "make_metric_fn",
     "make_loss_fn",
     "permutation_spec",
     "permute_flat_columns",

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from mergeflow.objectives import Objective, get_objective
+from mergeflow.training import as_inputs
 
 State = Mapping[str, torch.Tensor]
 StateFn = Callable[[State], float]
@@ -73,7 +75,7 @@ def loss_barrier(
     """Evaluate ``loss_fn`` on ``n_points`` evenly spaced states between ``a`` and ``b``.
 
     ``loss_fn(state) -> float`` is the caller's (see :func:`make_loss_fn`), so this works for
-    any model. ``metric_fn`` (e.g. :func:`make_accuracy_fn`) is recorded alongside.
+    any model. ``metric_fn`` (e.g. :func:`make_metric_fn`) is recorded alongside.
     """
     if n_points < 2:
         raise ValueError("n_points must be at least 2 (the endpoints)")
@@ -85,49 +87,50 @@ def loss_barrier(
     return BarrierResult(ts, losses, float(barrier), metrics)
 
 
-def _outputs_fn(model: nn.Module, X, batch_size: int) -> Callable[[State], torch.Tensor]:
-    """A function from a state to the model's outputs on ``X`` (eval mode, no gradients, on a copy); a
-    causal LM's per-row summed token NLL and token count (its ``prediction_outputs``)."""
+def _outputs_fn(model: nn.Module, X, batch_size: int, objective: Objective) -> Callable[[State], torch.Tensor]:
+    """A function from a state to what the objective keeps of the model's outputs on ``X`` (eval mode, no
+    gradients, on a copy): logits, predictions, or a causal LM's per-row summed token NLL and token count."""
     probe = copy.deepcopy(model).eval()
-    forward = getattr(probe, "prediction_outputs", probe)
     param = next(probe.parameters())
-    inputs = torch.as_tensor(X).to(param.device, param.dtype)
+    inputs = as_inputs(torch.as_tensor(X), param.dtype).to(param.device)
 
     @torch.no_grad()
     def outputs(state: State) -> torch.Tensor:
         probe.load_state_dict(state)
-        return torch.cat([forward(inputs[i : i + batch_size]) for i in range(0, len(inputs), batch_size)])
+        return torch.cat(
+            [objective.outputs(probe, inputs[i : i + batch_size]) for i in range(0, len(inputs), batch_size)]
+        )
 
     return outputs
 
 
-def make_loss_fn(model: nn.Module, X, y, *, task: str = "classification", batch_size: int = 1024) -> StateFn:
-    """``loss_fn(state)``: the mean loss of ``model`` with ``state`` on ``(X, y)``, as training
-    defines it (cross-entropy on logits, ``0.5 · mean((out[:, 0] - y)²)`` for regression, the mean
+def make_loss_fn(
+    model: nn.Module, X, y, *, task: str | Objective = "classification", batch_size: int = 1024
+) -> StateFn:
+    """``loss_fn(state)``: the mean loss of ``model`` with ``state`` on ``(X, y)``, as training defines it
+    for the objective (cross-entropy on logits, ``0.5 · mean((out[:, 0] - y)²)`` for regression, the mean
     next-token cross-entropy for a causal LM)."""
-    if task not in ("classification", "regression", "causal_lm"):
-        raise ValueError(f"unknown task {task!r}")
-    outputs = _outputs_fn(model, X, batch_size)
+    objective = get_objective(task)
+    outputs = _outputs_fn(model, X, batch_size, objective)
     targets = torch.as_tensor(y)
 
     def loss_fn(state: State) -> float:
-        out = outputs(state)
-        if task == "causal_lm":
-            return float(out[:, 0].sum() / out[:, 1].sum())
-        if task == "classification":
-            return float(F.cross_entropy(out, targets.to(out.device, torch.long).reshape(-1)))
-        return float(0.5 * torch.mean((out[:, 0] - targets.to(out.device, out.dtype).reshape(-1)) ** 2))
+        return float(objective.outputs_loss(outputs(state), targets))
 
     return loss_fn
 
 
-def make_accuracy_fn(model: nn.Module, X, y, *, batch_size: int = 1024) -> StateFn:
-    """``accuracy_fn(state)``: the classification accuracy of ``model`` with ``state`` on ``(X, y)``."""
-    outputs = _outputs_fn(model, X, batch_size)
-    targets = torch.as_tensor(y).to(torch.long).reshape(-1)
+def make_metric_fn(
+    model: nn.Module, X, y, *, task: str | Objective = "classification", batch_size: int = 1024
+) -> StateFn:
+    """``metric_fn(state)``: the objective's ranking metric (accuracy, MSE, token NLL) of ``model`` with
+    ``state`` on ``(X, y)``."""
+    objective = get_objective(task)
+    outputs = _outputs_fn(model, X, batch_size, objective)
+    targets = np.asarray(y)
 
-    def accuracy_fn(state: State) -> float:
-        out = outputs(state)
-        return float((out.argmax(1).cpu() == targets).to(torch.float64).mean())
+    def metric_fn(state: State) -> float:
+        out = outputs(state).cpu().to(torch.float64).numpy()
+        return float(objective.metrics(out, targets, n_bins=15, noise_std=1.0)[objective.declaration.rank_by])
 
-    return accuracy_fn
+    return metric_fn

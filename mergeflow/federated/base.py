@@ -26,10 +26,11 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
-from mergeflow.errors import ConfigError
+from mergeflow.objectives import OBJECTIVES
+from mergeflow.registry import Registry
 from mergeflow.schema.federated import DECLARED, validate_options
 from mergeflow.seeding import derive_seed
-from mergeflow.training import OBJECTIVES, OPTIMIZERS
+from mergeflow.training import OPTIMIZERS
 
 if TYPE_CHECKING:
     from mergeflow.federated.quadratic_loss import QuadraticProblem
@@ -52,7 +53,7 @@ class ClientData:
         X: float features, shape ``(N, *input_shape)``.
         y: class indices (classification) or float targets (regression), shape ``(N,)``; a causal
             LM's targets are its inputs shifted, ``y`` then only labels rows (partitions, groups).
-        task: one of :data:`mergeflow.training.OBJECTIVES`.
+        task: a registered objective's name (:data:`mergeflow.objectives.OBJECTIVES`).
     """
 
     X: torch.Tensor
@@ -61,7 +62,7 @@ class ClientData:
 
     def __post_init__(self) -> None:
         if self.task not in OBJECTIVES:
-            raise ValueError(f"unknown task {self.task!r}; expected one of {OBJECTIVES}")
+            raise ValueError(f"unknown task {self.task!r}; expected one of {tuple(OBJECTIVES)}")
         if len(self.X) != len(self.y):
             raise ValueError(f"X has {len(self.X)} rows but y has {len(self.y)}")
 
@@ -186,7 +187,7 @@ class FederatedAlgorithm:
         raise NotImplementedError(f"{self.name} has no closed-form client step")
 
 
-ALGORITHMS: dict[str, FederatedAlgorithm] = {}
+ALGORITHMS: Registry[FederatedAlgorithm] = Registry("federated algorithm")
 
 
 def register_algorithm(cls: type[FederatedAlgorithm]) -> type[FederatedAlgorithm]:
@@ -195,8 +196,6 @@ def register_algorithm(cls: type[FederatedAlgorithm]) -> type[FederatedAlgorithm
     A built-in algorithm's ``Options`` is the model declared in ``mergeflow.schema.federated``;
     any other algorithm's ``Options`` is declared here.
     """
-    if cls.name in ALGORITHMS:
-        raise ValueError(f"federated algorithm {cls.name!r} is registered twice")
     if cls.Options.model_config.get("extra") != "forbid":
         raise ValueError(f"options of {cls.name!r} must forbid extra keys")
     declared = DECLARED.setdefault(cls.name, cls.Options)
@@ -205,7 +204,7 @@ def register_algorithm(cls: type[FederatedAlgorithm]) -> type[FederatedAlgorithm
             f"federated algorithm {cls.name!r}: its options are {declared.__name__} "
             f"(mergeflow.schema.federated), not {cls.Options.__name__}"
         )
-    ALGORITHMS[cls.name] = cls()
+    ALGORITHMS.add(cls.name, cls())
     return cls
 
 
@@ -215,11 +214,7 @@ def get_algorithm(name: str | FederatedAlgorithm) -> FederatedAlgorithm:
     Raises:
         ConfigError: on an unknown name.
     """
-    if isinstance(name, FederatedAlgorithm):
-        return name
-    if name not in ALGORITHMS:
-        raise ConfigError([f"federated algorithm {name!r} is unknown; known: {', '.join(ALGORITHMS)}"])
-    return ALGORITHMS[name]
+    return name if isinstance(name, FederatedAlgorithm) else ALGORITHMS.lookup(name)
 
 
 # ----------------------------------------------------------------------------- state helpers

@@ -15,21 +15,14 @@ import torch
 from torch import nn
 
 from mergeflow.federated.base import ClientData, LocalTraining, exchanged_parameters
-from mergeflow.training import (
-    LOSSES,
-    DivergenceError,
-    as_inputs,
-    make_optimizer,
-    minibatches,
-    task_targets,
-    token_lengths,
-)
+from mergeflow.objectives import get_objective
+from mergeflow.training import DivergenceError, as_inputs, make_optimizer, minibatches, token_lengths
 
 
 def prepared(data: ClientData, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """Inputs, targets and loss function of a client, as :func:`mergeflow.training.train` uses them."""
-    inputs = as_inputs(data.X)
-    return inputs, task_targets(data.task, data.y, inputs, model), LOSSES[data.task]
+    inputs, objective = as_inputs(data.X), get_objective(data.task)
+    return inputs, objective.targets(data.y, inputs, model), objective.loss
 
 
 def check_finite(value: float, epoch: int, step: int) -> None:

@@ -16,7 +16,7 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
-from mergeflow.evaluation import classification_metrics, evaluate_outputs, softmax
+from mergeflow.evaluation import evaluate_outputs
 from mergeflow.federated.base import (
     ClientData,
     ClientState,
@@ -28,6 +28,7 @@ from mergeflow.federated.base import (
     model_parameters,
 )
 from mergeflow.federated.rounds import client_step, round_schedule, server_step
+from mergeflow.objectives import get_objective
 from mergeflow.seeding import derive_seed
 from mergeflow.training import predict
 
@@ -54,7 +55,7 @@ def evaluate_global(
 ) -> dict[str, float]:
     """Load ``params`` into ``model`` and return :func:`mergeflow.evaluation.evaluate_outputs` on ``data``."""
     load_parameters(model, params)
-    outputs = predict(model, data.X)
+    outputs = predict(model, data.X, task=data.task)
     return evaluate_outputs(outputs, data.y.numpy(), task=data.task, noise_std=noise_std)
 
 
@@ -66,20 +67,22 @@ def predictive_metrics(
     samples: int,
     seed: int,
     round_index: int,
+    noise_std: float = 1.0,
 ) -> dict[str, float]:
-    """``bma_accuracy``/``bma_nll``/``bma_ece`` of the Monte-Carlo predictive of a Gaussian global model.
+    """The metrics of the Monte-Carlo predictive of a Gaussian global model, prefixed ``bma_``.
 
-    Class probabilities are averaged over ``samples`` draws θ ~ N(m̄, S̄⁻¹) of the algorithm's
-    :meth:`~mergeflow.federated.base.FederatedAlgorithm.posterior` (a Bayesian model average),
-    drawn from a generator derived from (seed, round). Empty for point-estimate algorithms,
-    regression, or ``samples`` = 0.
+    The outputs of ``samples`` draws θ ~ N(m̄, S̄⁻¹) of the algorithm's
+    :meth:`~mergeflow.federated.base.FederatedAlgorithm.posterior` are combined by the objective's
+    ensemble (a Bayesian model average: mean class probabilities, mean prediction), drawn from a
+    generator derived from (seed, round). Empty for point-estimate algorithms, an objective without an
+    ensemble, or ``samples`` = 0.
     """
-    posterior = algorithm.posterior(server)
-    if posterior is None or samples < 1 or data.task != "classification":
+    posterior, objective = algorithm.posterior(server), get_objective(data.task)
+    if posterior is None or samples < 1 or not objective.declaration.ensembles:
         return {}
     means, precisions = posterior
     generator = torch.Generator().manual_seed(derive_seed(seed, "predictive", round_index))
-    probs = 0.0
+    outputs = []
     for _ in range(samples):
         # Sorted names: the same draws whether the state came from memory or from safetensors.
         draw = {
@@ -88,8 +91,8 @@ def predictive_metrics(
             for name in sorted(means)
         }
         load_parameters(model, draw)
-        probs = probs + softmax(predict(model, data.X)) / samples
-    scores = classification_metrics(probs, data.y.numpy())
+        outputs.append(predict(model, data.X, task=objective))
+    scores = objective.metrics(objective.ensemble(outputs), data.y.numpy(), n_bins=15, noise_std=noise_std)
     return {f"bma_{key}": value for key, value in scores.items()}
 
 
@@ -109,7 +112,9 @@ def global_scores(
     scores = {}
     for prefix, split in splits.items():
         values = evaluate_global(model, algorithm.global_state(server), split, noise_std=noise_std)
-        values |= predictive_metrics(algorithm, server, model, split, predictive_samples, seed, round_index)
+        values |= predictive_metrics(
+            algorithm, server, model, split, predictive_samples, seed, round_index, noise_std=noise_std
+        )
         scores |= {prefix + key: value for key, value in values.items()}
     return scores
 

@@ -1,7 +1,9 @@
-"""Models: plain ``nn.Sequential`` MLPs/CNNs and Hugging Face transformers, one module per family.
+"""Models: one family per module, each registered with :func:`~mergeflow.models.family.register_family`:
+plain ``nn.Sequential`` MLPs/CNNs (:mod:`~mergeflow.models.sequential`) and Hugging Face transformers
+(:mod:`~mergeflow.models.hf`, which imports ``transformers`` only when it builds one).
 
-Every checkpoint carries a JSON spec; :func:`build_from_spec` rebuilds its architecture whatever
-the family, so the trainers, Fishers, merges and federated rounds never ask which one it is.
+Every checkpoint carries a JSON spec; :func:`build_from_spec` rebuilds its architecture through the
+family of its ``arch``, so the trainers, Fishers, merges and federated rounds never ask which one it is.
 """
 
 from __future__ import annotations
@@ -10,22 +12,14 @@ from typing import Any
 
 from torch import nn
 
+from mergeflow.models import hf, sequential  # noqa: F401  (registers the families)
+from mergeflow.models.family import FAMILIES, ModelFamily, family_of, register_family
 from mergeflow.models.sequential import ARCHITECTURES, DEFAULT_CNN_HIDDEN, build_model, model_spec
-from mergeflow.models.sequential import build_sequential_from_spec as _build_sequential
 
 
 def build_from_spec(spec: dict[str, Any]) -> nn.Module:
-    """Build the model a spec describes (``arch: hf`` or one of :data:`ARCHITECTURES`)."""
-    if spec["arch"] == "hf":
-        from mergeflow.models.hf import build_from_hf_spec
-
-        return build_from_hf_spec(spec)
-    return _build_sequential(spec)
-
-
-def is_transformer(spec: dict[str, Any]) -> bool:
-    """Whether a spec is a Hugging Face transformers model."""
-    return spec["arch"] == "hf"
+    """Build the model a spec describes, whatever its family."""
+    return family_of(spec["arch"]).from_spec(spec)
 
 
 def parameter_names(spec: dict[str, Any]) -> list[str]:
@@ -45,10 +39,13 @@ def count_parameters(model: nn.Module) -> int:
 __all__ = [
     "ARCHITECTURES",
     "DEFAULT_CNN_HIDDEN",
+    "FAMILIES",
+    "ModelFamily",
     "build_from_spec",
     "build_model",
     "count_parameters",
-    "is_transformer",
+    "family_of",
     "model_spec",
     "parameter_names",
+    "register_family",
 ]

@@ -27,6 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from mergeflow.models.family import ModelFamily, register_family
+from mergeflow.models.token_model import TokenModel
+
 HF_TASKS = ("sequence_classification", "causal_lm")
 # Config fields that hold a dropout probability, across BERT-, RoBERTa-, DistilBERT- and GPT-2-style configs.
 _DROPOUT_FIELDS = (
@@ -42,58 +45,6 @@ _DROPOUT_FIELDS = (
     "summary_first_dropout",
 )
 _INIT_LOCK = threading.Lock()
-_LM_ROWS = 64  # rows per forward when scoring a causal LM: its logits are rows × length × vocabulary
-
-
-class TokenModel(nn.Module):
-    """A transformers model over right-padded token ids: padding masked out, its logits returned.
-
-    Attributes:
-        model: the wrapped transformers model (its ``state_dict`` keys carry the prefix
-            ``model.``; :func:`transformers_state` strips it).
-        pad_token_id: the id that marks padding; padded positions are masked out.
-        sep_token_id: for sentence pairs with segment embeddings, the separator id after which
-            tokens get segment 1 (None: every token is segment 0).
-    """
-
-    def __init__(
-        self, model: nn.Module, pad_token_id: int, sep_token_id: int | None = None, causal: bool = False
-    ) -> None:
-        super().__init__()
-        self.model = model
-        self.pad_token_id = int(pad_token_id)
-        self.sep_token_id = None if sep_token_id is None else int(sep_token_id)
-        self.causal = causal
-        self.register_state_dict_post_hook(_drop_tied_aliases)
-        self.register_load_state_dict_pre_hook(_fill_tied_aliases)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        ids = input_ids.long()
-        # Data-dependent shapes break vmap (per-example Fishers) and torch.export (MLflow): trim only eagerly.
-        if not (torch._C._functorch.is_functorch_wrapped_tensor(ids) or torch.compiler.is_compiling()):
-            ids = trim_padding(ids, self.pad_token_id)
-        keep = (ids != self.pad_token_id)[:, None, None, :]
-        if self.causal:  # a 4-D mask replaces the model's own, so a decoder's causal part goes in too
-            length = ids.shape[1]
-            keep = keep & torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
-        dtype = next(self.model.parameters()).dtype
-        mask = (1.0 - keep.to(dtype)) * torch.finfo(dtype).min
-        extra = {}
-        if self.sep_token_id is not None:
-            is_sep = (ids == self.sep_token_id).long()
-            extra["token_type_ids"] = ((is_sep.cumsum(1) - is_sep) >= 1).long()
-        return self.model(input_ids=ids, attention_mask=mask, **extra).logits
-
-    def token_embedding(self) -> tuple[str, nn.Embedding] | None:
-        """The token-embedding table, its parameter name here and its module, when only the embedding
-        uses it (sparse Fishers); None when it is tied to an output layer, whose gradient is dense."""
-        module = self.model.get_input_embeddings()
-        names = [
-            name for name, parameter in self.named_parameters(remove_duplicate=False) if parameter is module.weight
-        ]
-        if len(names) != 1:
-            return None
-        return names[0], module
 
 
 class SequenceClassifier(TokenModel):
@@ -101,52 +52,8 @@ class SequenceClassifier(TokenModel):
 
 
 class CausalLM(TokenModel):
-    """A transformers causal LM over right-padded token ids: ``(N, L, V)`` next-token logits."""
-
-    def prediction_outputs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Per row, the summed next-token NLL and the number of predicted tokens: ``(N, 2)``.
-
-        What evaluation needs of a language model, without keeping ``N × L × V`` logits.
-        """
-        from mergeflow.training import next_token_labels, token_cross_entropy
-
-        rows = []
-        for chunk in input_ids.long().split(_LM_ROWS):
-            labels = next_token_labels(chunk, self.pad_token_id)
-            logits = self(chunk)
-            losses = token_cross_entropy(logits, labels, reduction="none").reshape(len(chunk), -1)
-            counts = (labels[:, : logits.shape[1]] >= 0).sum(1).to(losses.dtype)
-            rows.append(torch.stack([losses.sum(1), counts], dim=1))
-        return torch.cat(rows)
-
-
-def tied_aliases(module: nn.Module) -> dict[str, str]:
-    """Parameter names that are another parameter (tied weights): {alias: the name ``named_parameters`` keeps}."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, parameter in module.named_parameters(remove_duplicate=False):
-        if id(parameter) in first:
-            aliases[name] = first[id(parameter)]
-        else:
-            first[id(parameter)] = name
-    return aliases
-
-
-def _drop_tied_aliases(module: nn.Module, state: dict[str, Any], prefix: str, _metadata: Any) -> None:
-    for alias in tied_aliases(module):
-        state.pop(prefix + alias, None)
-
-
-def _fill_tied_aliases(module: nn.Module, state: dict[str, Any], prefix: str, *_args: Any) -> None:
-    for alias, source in tied_aliases(module).items():
-        if prefix + alias not in state and prefix + source in state:
-            state[prefix + alias] = state[prefix + source]
-
-
-def trim_padding(ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """Drop the trailing columns that are padding in every row (a batch runs at its own longest)."""
-    used = (ids != pad_token_id).any(0).nonzero()
-    return ids[:, : int(used.max()) + 1] if len(used) else ids[:, :1]
+    """A transformers causal LM over right-padded token ids: ``(N, L, V)`` next-token logits (the
+    ``causal_lm`` objective scores it by its per-row token NLL)."""
 
 
 @contextmanager
@@ -294,3 +201,37 @@ def save_pretrained(
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(directory)
+
+
+@register_family
+class TransformersFamily(ModelFamily):
+    """Hugging Face transformers over token ids (``model.arch: hf``): a sequence classifier or a causal LM,
+    exported as a directory that ``from_pretrained`` reloads, with its tokenizer."""
+
+    name = "transformers"
+
+    def build_base(
+        self, model: dict[str, Any], info: dict[str, Any], output_dim: int, seed: int
+    ) -> tuple[nn.Module, dict[str, Any]]:
+        tokens, options = info["tokenizer"], model["hf"]
+        return build_base(
+            pretrained=options["pretrained"],
+            config=options["config"],
+            num_labels=info["num_classes"],
+            vocab_size=tokens["vocab_size"],
+            max_length=tokens["max_length"],
+            pad_token_id=tokens["pad_token_id"],
+            sep_token_id=tokens["sep_token_id"] if info.get("pair") else None,
+            dropout=options["dropout"],
+            seed=seed,
+            class_names=info["class_names"],
+            task=options["task"],
+        )
+
+    def from_spec(self, spec: dict[str, Any]) -> nn.Module:
+        return build_from_hf_spec(spec)
+
+    def export(
+        self, spec: dict[str, Any], state: dict[str, torch.Tensor], directory: Path, inputs: dict[str, Path]
+    ) -> None:
+        save_pretrained(spec, state, directory, inputs.get("tokenizer"))

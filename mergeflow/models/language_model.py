@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mergeflow.models.hf import TokenModel, seeded
-from mergeflow.training import IGNORE_INDEX, DivergenceError, minibatches, next_token_labels, token_cross_entropy
+from mergeflow.models.hf import seeded
+from mergeflow.models.token_model import TokenModel
+from mergeflow.objectives.causal_lm import IGNORE_INDEX, next_token_labels, token_cross_entropy
+from mergeflow.training import DivergenceError, minibatches
 
 LM_OBJECTIVES = ("mlm", "clm")
 

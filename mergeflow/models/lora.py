@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mergeflow.models.hf import TokenModel, auto_class, seeded
+from mergeflow.models.hf import auto_class, seeded
+from mergeflow.models.token_model import TokenModel
 
 
 def head_names(model: nn.Module) -> list[str]:

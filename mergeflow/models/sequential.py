@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mergeflow.models.family import ModelFamily, register_family
+
 ARCHITECTURES = ("linear", "mlp", "cnn")
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
 
@@ -157,3 +159,20 @@ def build_sequential_from_spec(spec: dict[str, Any]) -> nn.Sequential:
     """Build the model described by a :func:`model_spec` dict."""
     options = {key: spec[key] for key in _SPEC_DEFAULTS if key in spec}
     return build_model(spec["arch"], spec["input_shape"], spec["output_dim"], **options)
+
+
+@register_family
+class SequentialFamily(ModelFamily):
+    """Linear, MLP and CNN models as plain ``nn.Sequential`` (``model.arch``: linear, mlp, cnn)."""
+
+    name = "sequential"
+
+    def build_base(
+        self, model: dict[str, Any], info: dict[str, Any], output_dim: int, seed: int
+    ) -> tuple[nn.Module, dict[str, Any]]:
+        options = {"widths": model["widths"], "activation": model["activation"], "seed": seed}
+        spec = model_spec(model["arch"], info["input_shape"], output_dim, **options)
+        return build_sequential_from_spec(spec), spec
+
+    def from_spec(self, spec: dict[str, Any]) -> nn.Module:
+        return build_sequential_from_spec(spec)

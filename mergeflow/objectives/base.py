@@ -1,0 +1,161 @@
+"""The objective interface and its registry: what a model is trained for, from targets to metrics.
+
+An objective owns everything that differs between classification, regression and a causal LM:
+the training targets and loss, what prediction returns, the test metrics and how they rank models,
+the output ensemble, the input-blind baseline of the sanity check, and the Fisher's targets. Stage
+code, the trainers, the Fishers and the barrier ask the objective; none of them tests its name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import Generator, Tensor, nn
+
+from mergeflow.registry import Registry
+from mergeflow.schema.objectives import ObjectiveDeclaration, declared_objective
+
+FisherTarget = tuple[torch.Tensor, torch.Tensor]  # (target, weight per example)
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The input-blind model of the sanity check.
+
+    Attributes:
+        scores: its higher-is-better score on each test row.
+        report: what the evaluation records of it (``baseline`` and its metric).
+        reference: it in words, for the warning.
+        describe: a model's mean row score in the objective's words (``"0.91 test accuracy"``).
+    """
+
+    scores: np.ndarray
+    report: dict[str, Any]
+    reference: str
+    describe: Callable[[float], str]
+
+
+class Objective:
+    """Interface of an objective; members subclass it and are registered with :func:`register_objective`.
+
+    Tensor methods get tensors on the model's device; array methods get float64 numpy arrays of
+    :meth:`outputs`, as :func:`mergeflow.training.predict` returns them.
+    """
+
+    name: ClassVar[str]
+
+    @property
+    def declaration(self) -> ObjectiveDeclaration:
+        """The torch-free declaration (metrics, selection, Fisher kinds)."""
+        return declared_objective(self.name)
+
+    # Training.
+    def targets(self, y: np.ndarray | torch.Tensor, inputs: torch.Tensor, model: nn.Module) -> torch.Tensor:
+        """The training targets of ``inputs`` with labels ``y``."""
+        raise NotImplementedError
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss training minimises."""
+        raise NotImplementedError
+
+    def outputs(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        """What prediction keeps of a batch: the model's raw outputs."""
+        return model(inputs)
+
+    def outputs_loss(self, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mean training loss from what :meth:`outputs` kept, against labels ``y`` (a loss barrier's)."""
+        return self.loss(outputs, torch.as_tensor(y).to(outputs.device).reshape(-1))
+
+    def output_dim(self, info: dict[str, Any]) -> int:
+        """Outputs per example a model needs for the data ``info`` describes (one here)."""
+        return 1
+
+    # Evaluation.
+    def metrics(self, outputs: np.ndarray, y: np.ndarray | None, *, n_bins: int, noise_std: float) -> dict:
+        """Test metrics of raw outputs."""
+        raise NotImplementedError
+
+    def in_target_units(self, metrics: dict, std: float) -> dict:
+        """Metrics of a model trained on a standardised target, in the target's own units (unchanged here)."""
+        return metrics
+
+    def ensemble(self, outputs_list: list[np.ndarray]) -> np.ndarray:
+        """Several models' raw outputs combined into one raw output."""
+        raise ValueError(f"a {self.name} objective has no output ensemble")
+
+    def predictions(self, outputs: np.ndarray, scale: dict[str, float]) -> np.ndarray:
+        """What the sanity check compares: raw outputs here (``scale``: a standardised target's mean and std)."""
+        return outputs
+
+    def served_columns(self, outputs: np.ndarray, info: dict[str, Any]) -> dict[str, Any]:
+        """The columns a served model answers with, per input row."""
+        raise ValueError(f"a {self.name} model is not served over table rows")
+
+    def baseline_targets(
+        self, train: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray], info: dict[str, Any]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The training and test targets the input-blind baseline is fitted to and scored on."""
+        return train[1], test[1]
+
+    def baseline(self, y_train: np.ndarray, y_test: np.ndarray, predictions: dict[str, np.ndarray]) -> Baseline:
+        """The model that ignores its input, fitted on ``y_train`` and scored on ``y_test``."""
+        raise NotImplementedError
+
+    def row_scores(self, predicted: np.ndarray, y_test: np.ndarray) -> np.ndarray:
+        """A model's higher-is-better score on each test row (same scale as :attr:`Baseline.scores`)."""
+        raise NotImplementedError
+
+    def versus(self, result: dict, reference: dict) -> dict:
+        """Metrics comparing a combined model with the centralized one (none here)."""
+        return {}
+
+    # Fisher information.
+    def fisher_labels(self, y: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The data's labels as the Fisher's loss takes them (``dtype``: the model's)."""
+        return torch.as_tensor(y).to(torch.long)
+
+    def summed_loss(self) -> nn.Module:
+        """The negative log-likelihood summed over examples, up to :meth:`score_scale`."""
+        raise NotImplementedError
+
+    def loss_target(self, y: torch.Tensor) -> torch.Tensor:
+        """Labels shaped for :meth:`summed_loss`."""
+        return y
+
+    def fisher_targets(
+        self, model: nn.Module, X: Tensor, y: Tensor, kind: str, noise_std: float, rng: Generator
+    ) -> Tensor:
+        """Targets of the ``empirical`` (the data's) and ``sampled`` (drawn from the model) Fishers."""
+        raise NotImplementedError
+
+    def exact_targets(self, model: nn.Module, X: torch.Tensor, noise_std: float) -> list[FisherTarget]:
+        """(target, weight per example) pairs whose weighted squared scores sum to the exact Fisher."""
+        raise ValueError(f"a {self.name} objective has no exact Fisher; use empirical or sampled")
+
+    def score_scale(self, noise_std: float) -> float:
+        """The negative log-likelihood over :meth:`summed_loss`: times the loss's gradient it gives the score
+        ∇ log p (up to sign), times the loss's GGN the Fisher."""
+        return 1.0
+
+
+OBJECTIVES: Registry[Objective] = Registry("objective")
+
+
+def register_objective(cls: type[Objective]) -> type[Objective]:
+    """Class decorator: register one instance of ``cls`` under ``cls.name`` (it must be declared)."""
+    declared_objective(cls.name)
+    OBJECTIVES.add(cls.name, cls())
+    return cls
+
+
+def get_objective(name: str | Objective) -> Objective:
+    """The registered objective ``name`` (an objective is returned as is).
+
+    Raises:
+        ConfigError: naming the known objectives.
+    """
+    return name if isinstance(name, Objective) else OBJECTIVES.lookup(name)

@@ -1,0 +1,130 @@
+"""What params can say about each model family: the ``model.arch`` values it builds and what it supports.
+
+Torch-free on purpose, like :mod:`mergeflow.schema.merge`: the params schema imports these
+declarations, never the families' code (:mod:`mergeflow.models`), which imports torch. A new family
+is one declaration here and one class there, registered with
+:func:`mergeflow.models.family.register_family`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from mergeflow.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class FamilyDeclaration:
+    """A model family as the params see it.
+
+    Attributes:
+        name: the family's name.
+        archs: the ``model.arch`` values (and checkpoint specs' ``arch``) it builds; the first is the
+            name new specs carry, the others are read too.
+        inputs: what its models take: ``features`` (float arrays) or ``tokens`` (token ids of a text source).
+        aligns: whether permutation alignment (``align.method``) applies to its models.
+        backpack: whether BackPACK covers its modules (``fisher.backend: backpack``).
+        language_models: whether it supports language-model pre-training and LoRA adapters.
+        flavour: how MLflow logs its merged models: ``pyfunc`` over the user's raw rows, or
+            ``transformers`` (a pipeline, from the exported directory).
+        exports: whether a merged model is also written as a directory its ecosystem loads.
+        extra_inputs: prepared artifacts its merge steps read besides the checkpoints (``tokenizer``).
+        pretrained_key: the params key naming a pretrained model it starts from (a directory or hub
+            name, checked before any work), if it has one.
+        objective: the objective its options choose (e.g. a causal LM), or None for the data's own.
+        check: rules that span sections for this family (raises ``ValueError`` naming the key).
+    """
+
+    name: str
+    archs: tuple[str, ...]
+    inputs: Literal["features", "tokens"]
+    aligns: bool
+    backpack: bool
+    language_models: bool
+    flavour: Literal["pyfunc", "transformers"]
+    exports: bool = False
+    extra_inputs: tuple[str, ...] = ()
+    pretrained_key: str | None = None
+    objective: Callable[[Any], str | None] = lambda model: None
+    check: Callable[[Any], None] = lambda params: None
+
+
+DECLARED: dict[str, FamilyDeclaration] = {}
+
+
+def declare_family(declaration: FamilyDeclaration) -> FamilyDeclaration:
+    """Add a family's declaration (its name and every arch once)."""
+    taken = {arch for family in DECLARED.values() for arch in family.archs}
+    if declaration.name in DECLARED or taken & set(declaration.archs):
+        raise ValueError(f"model family {declaration.name!r} (archs {declaration.archs}) is declared twice")
+    DECLARED[declaration.name] = declaration
+    return declaration
+
+
+def family_of_arch(arch: str) -> FamilyDeclaration:
+    """The declaration of the family that builds ``arch`` (a ``model.arch`` value or a spec's ``arch``).
+
+    Raises:
+        ConfigError: naming the known archs.
+    """
+    for declaration in DECLARED.values():
+        if arch in declaration.archs:
+            return declaration
+    known = ", ".join(arch for family in DECLARED.values() for arch in family.archs)
+    raise ConfigError([f"model.arch: {arch!r} is unknown; known: {known}"])
+
+
+def _transformers_objective(model: Any) -> str | None:
+    return "causal_lm" if model.hf.task == "causal_lm" else None
+
+
+def _check_transformers(params: Any) -> None:
+    """A from-config model's embeddings cover the tokenizer; a causal LM is a decoder."""
+    options = params.model.hf
+    if not options.pretrained:
+        embeddings = options.model_config_fields().get("vocab_size")
+        if embeddings is not None and embeddings < params.data.tokenizer.vocab_size:
+            raise ValueError(
+                f"model.hf.config.vocab_size: {embeddings} embeddings for a tokenizer of up to "
+                f"{params.data.tokenizer.vocab_size} tokens (data.tokenizer.vocab_size); leave it out, and the "
+                "model takes the tokenizer's size"
+            )
+    model_type = options.model_config_fields().get("model_type")
+    if options.task == "causal_lm" and model_type is not None:
+        from mergeflow.models.hf import is_causal
+
+        if not is_causal(model_type):
+            raise ValueError(
+                f"model.hf.task: causal_lm needs a decoder (gpt2, llama, …); config.model_type is {model_type!r}"
+            )
+
+
+declare_family(
+    FamilyDeclaration(
+        "sequential",
+        archs=("linear", "mlp", "cnn"),
+        inputs="features",
+        aligns=True,
+        backpack=True,
+        language_models=False,
+        flavour="pyfunc",
+    )
+)
+declare_family(
+    FamilyDeclaration(
+        "transformers",
+        archs=("hf",),
+        inputs="tokens",
+        aligns=False,  # permutation alignment of attention heads is not implemented
+        backpack=False,
+        language_models=True,
+        flavour="transformers",
+        exports=True,
+        extra_inputs=("tokenizer",),
+        pretrained_key="model.hf.pretrained",
+        objective=_transformers_objective,
+        check=_check_transformers,
+    )
+)

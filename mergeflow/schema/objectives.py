@@ -1,0 +1,80 @@
+"""What params can say about each objective (what a model is trained for): its metrics and the rules
+that span sections.
+
+Torch-free on purpose, like :mod:`mergeflow.schema.merge`: the params schema imports these
+declarations, never the objectives' code (``mergeflow.objectives``), which imports torch. A new
+objective is one declaration here and one module there, registered with
+:func:`mergeflow.objectives.register_objective`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mergeflow.registry import Registry
+
+
+@dataclass(frozen=True)
+class ObjectiveDeclaration:
+    """An objective as the params see it.
+
+    Attributes:
+        name: the objective's name (``Params.task``, ``info["task"]``).
+        rank_by: the test metric that ranks models (best client), and ``lower_is_better`` its sense.
+        headline: the metric plotted beside the NLL in the comparison plot.
+        select_by: the validation metrics ``merge.select_by`` may choose on; the first is ``auto``'s.
+        fisher_kinds: the ``fisher.kind`` values it supports.
+        ensembles: whether several models' outputs combine into one (an output ensemble, a Bayesian
+            model average over posterior draws).
+        trains_language_model: whether the pretrain step already trains a language model (so
+            ``pretrain.language_model`` would repeat it).
+    """
+
+    name: str
+    rank_by: str
+    lower_is_better: bool
+    headline: str
+    select_by: tuple[str, ...]
+    fisher_kinds: tuple[str, ...] = ("empirical", "sampled", "exact")
+    ensembles: bool = True
+    trains_language_model: bool = False
+
+
+DECLARED: Registry[ObjectiveDeclaration] = Registry("objective")
+
+
+def declare_objective(declaration: ObjectiveDeclaration) -> ObjectiveDeclaration:
+    """Add an objective's declaration (one per name)."""
+    DECLARED.add(declaration.name, declaration)
+    return declaration
+
+
+def declared_objective(name: str) -> ObjectiveDeclaration:
+    """The declaration of objective ``name``.
+
+    Raises:
+        ConfigError: naming the known objectives.
+    """
+    return DECLARED.lookup(name)
+
+
+declare_objective(
+    ObjectiveDeclaration(
+        "classification", rank_by="accuracy", lower_is_better=False, headline="accuracy", select_by=("accuracy", "nll")
+    )
+)
+declare_objective(
+    ObjectiveDeclaration("regression", rank_by="mse", lower_is_better=True, headline="mse", select_by=("nll", "mse"))
+)
+declare_objective(
+    ObjectiveDeclaration(
+        "causal_lm",
+        rank_by="nll",
+        lower_is_better=True,
+        headline="perplexity",
+        select_by=("nll",),
+        fisher_kinds=("empirical", "sampled"),  # exact sums over the vocabulary at every position
+        ensembles=False,  # its outputs are per-row NLLs, not token distributions
+        trains_language_model=True,
+    )
+)
