@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_params_options(validate)
     dvc = commands.add_parser("dvc-yaml", help="print dvc.yaml generated from the stage registry")
     dvc.add_argument("--write", action="store_true", help="write ./dvc.yaml instead of printing")
+    reference = commands.add_parser("params-doc", help="print docs/params.md, the params reference, from the schema")
+    reference.add_argument("--write", action="store_true", help="write ./docs/params.md instead of printing")
     ui = commands.add_parser("ui", help="open the MLflow UI on 127.0.0.1")
     ui.add_argument("--port", type=int, default=5000)
     commands.add_parser("methods", help="list the registered merge methods")
@@ -158,6 +160,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         text = render()
         if args.write:
             Path("dvc.yaml").write_text(text)
+        else:
+            sys.stdout.write(text)
+        return 0
+    if args.command == "params-doc":
+        from mergeflow.params_reference import render as render_reference
+
+        text = render_reference()
+        if args.write:
+            Path("docs").mkdir(exist_ok=True)
+            Path("docs/params.md").write_text(text)
         else:
             sys.stdout.write(text)
         return 0

@@ -21,7 +21,8 @@ class Stage:
     """One pipeline stage.
 
     ``deps`` are artifact inputs, ``params`` the params keys it reads, ``outs`` the cached
-    outputs, ``metrics``/``plots`` small outputs kept in git rather than the cache. ``phases``
+    output directories (made, empty, even when the params leave the stage nothing to do),
+    ``metrics``/``plots`` small outputs kept in git rather than the cache. ``phases``
     run one after another; the steps inside one phase may run in parallel. Its code (a DVC
     dependency, and part of every step's cache key) is derived, never listed: :attr:`code`.
     """
@@ -51,6 +52,9 @@ class Stage:
 _CENTRALIZED_PARAMS = tuple(
     f"finetune.{key}" for key in ("epochs", "lr", "optimizer", "momentum", "weight_decay", "batch_size", "lora")
 )
+
+# The merge methods decide which statistics the fisher and align stages compute (tasks.fisher.statistics_read).
+_MERGE_READS = ("merge.methods", "merge.options")
 
 STAGES: tuple[Stage, ...] = (
     Stage(
@@ -100,7 +104,7 @@ STAGES: tuple[Stage, ...] = (
         summary="Per-client diagonal Fisher (and optional per-example factors), one cached task per client.",
         phases=("tasks.fisher:plan_fisher",),
         deps=("models/clients", "data/partitions"),
-        params=("seed", "fisher", "evaluate.noise_std"),
+        params=("seed", "fisher", "evaluate.noise_std", *_MERGE_READS),
         outs=("models/fishers",),
     ),
     Stage(
@@ -108,7 +112,7 @@ STAGES: tuple[Stage, ...] = (
         summary="Permute every client (and its Fisher) to a reference model; loss barriers before and after.",
         phases=("tasks.align:plan_align",),
         deps=("data/prepared", "data/partitions", "models/clients", "models/fishers"),
-        params=("seed", "align", "fisher.low_rank"),
+        params=("seed", "align", "fisher.low_rank", *_MERGE_READS),
         outs=("models/aligned",),
         metrics=("metrics/align.json",),
         plots=("plots/barrier.png",),

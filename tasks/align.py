@@ -1,10 +1,12 @@
 """Step of the ``align`` stage: permute every client to a reference model, with loss barriers.
 
-The Fishers and factors were computed on the unaligned clients, so they are permuted here
+The Fishers, Grams and factors were computed on the unaligned clients, so they are permuted here
 with the same permutations as their model: every merge method then sees aligned models and
 consistent curvature, whichever way ``align.method`` is set. With ``method: none`` the
 outputs are the clients unchanged (identity permutations), so the merge stage always reads
-``models/aligned``.
+``models/aligned``. Only what a merge reads is written: the statistics of
+:func:`tasks.fisher.statistics_read`, and the checkpoints only when ``merge.methods`` has an entry
+(the loss barriers, which the evaluate stage reads, always).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from mergeflow.models import build_from_spec, parameter_names
 from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_barriers
 from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
-from tasks.fisher import factors_file, fisher_file, grams_file
+from tasks.fisher import factors_file, fisher_file, grams_file, statistics_files, statistics_read
 from tasks.steps import Step
 from tasks.training import client_checkpoint
 
@@ -65,17 +67,18 @@ def aligned_factors(client: int) -> str:
 def plan_align(params: Params) -> list[Step]:
     """One step: alignment is cheap next to training, and every client needs the reference."""
     clients = range(params.partition.num_clients)
+    statistics = statistics_read(params)
     inputs = [f"{PREPARED}/test.parquet", f"{PREPARED}/info.json", f"{PARTITIONS}/info.json"]
-    inputs += [path for c in clients for path in (client_checkpoint(c), fisher_file(c), grams_file(c), client_file(c))]
-    if params.fisher.low_rank:
-        inputs += [factors_file(c) for c in clients]
+    for c in clients:
+        inputs += [client_checkpoint(c), client_file(c), *statistics_files(statistics, c)]
     if params.align.method == "activations" and params.data.server_fraction > 0:
         inputs.append(f"{PREPARED}/server.parquet")
     step_params = {
         "align": params.section("align"),
         "on_divergence": params.finetune.on_divergence,
         "num_clients": len(clients),
-        "factors": params.fisher.low_rank,
+        "statistics": list(statistics),
+        "checkpoints": bool(params.merge.methods),
         "seed": params.seed,
     }
     return [Step("align", "tasks.align:align_clients", step_params, inputs=tuple(inputs))]
@@ -124,8 +127,8 @@ def _barriers(model, X, y, task: str, reference: dict, states: dict[int, dict], 
 
 
 def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
-    """Align every client to the reference, permute Fishers and factors, measure barriers."""
-    settings = params["align"]
+    """Align every client to the reference, permute the statistics a merge reads, measure barriers."""
+    settings, statistics = params["align"], params["statistics"]
     clients = range(params["num_clients"])
     loaded = [load_checkpoint(root / client_checkpoint(c)) for c in clients]
     diverged = _diverged(loaded, params["on_divergence"])
@@ -139,11 +142,13 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     else:
         permuted = _aligned_permutations(params, root, model, spec_json["input_shape"], states, reference)
     for c, (state, meta) in enumerate(loaded):
-        aligned_meta = {**meta, "aligned_to": reference}
-        save_checkpoint(out / aligned_checkpoint(c), permuted(c, state), aligned_meta)
-        _save_tensors(out / aligned_fisher(c), permuted(c, load_file(root / fisher_file(c))))
-        _save_tensors(out / aligned_grams(c), permuted(c, load_file(root / grams_file(c)), grams=True))
-        if params["factors"]:
+        if params["checkpoints"]:
+            save_checkpoint(out / aligned_checkpoint(c), permuted(c, state), {**meta, "aligned_to": reference})
+        if "fishers" in statistics:
+            _save_tensors(out / aligned_fisher(c), permuted(c, load_file(root / fisher_file(c))))
+        if "grams" in statistics:
+            _save_tensors(out / aligned_grams(c), permuted(c, load_file(root / grams_file(c)), grams=True))
+        if "factors" in statistics:
             factors = load_file(root / factors_file(c))["U"]
             shapes = [tuple(state[n].shape) for n in names]
             _save_tensors(out / aligned_factors(c), {"U": permuted(c, factors, names, shapes)})

@@ -1,4 +1,11 @@
-"""Steps of the ``fisher`` stage: one cached step per client."""
+"""Steps of the ``fisher`` stage: one cached step per client, computing only the statistics a merge reads.
+
+The merge stage is the only reader of what this stage makes (federated rounds, evaluation and the
+reproductions read none of it), so the statistics are those among the declared inputs of
+``merge.methods``' methods (:func:`statistics_read`). When no merge reads any, the stage plans no
+step and leaves its output directory empty: ``dvc.yaml`` keeps the stage, DVC accepts an empty
+directory as its output, and nothing is computed.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +19,15 @@ from mergeflow.checkpoints import atomic_path, load_model
 from mergeflow.config import Params
 from mergeflow.fisher import diagonal_fisher, factor_rows_within, fisher_factors, fisher_sketch
 from mergeflow.grams import linear_input_grams
+from mergeflow.schema.merge import DECLARED
 from mergeflow.seeding import derive_seed
 from tasks.data import PARTITIONS, client_file, read_arrays, read_info
 from tasks.steps import Step
 from tasks.training import client_checkpoint
 
 FISHERS = "models/fishers"
+# The merge inputs (``mergeflow.schema.merge.NEEDS``) this stage computes, in the order it computes them.
+STATISTICS = ("fishers", "grams", "factors")
 
 
 def fisher_file(client: int) -> str:
@@ -35,9 +45,36 @@ def factors_file(client: int) -> str:
     return f"{FISHERS}/client_{client:03d}.factors.safetensors"
 
 
+def statistics_read(params: Params) -> tuple[str, ...]:
+    """The statistics of :data:`STATISTICS` that some entry of ``merge.methods`` reads: those among its
+    method's declared inputs (``uses``, the optional ones included, since the merge stage passes them
+    when it has them); factors only with ``fisher.low_rank``, as the merge stage reads them."""
+    read: set[str] = set()
+    for name in params.merge.methods:
+        method, _ = params.merge.resolve(name)
+        read |= DECLARED[method].uses
+    if not params.fisher.low_rank:
+        read.discard("factors")
+    return tuple(statistic for statistic in STATISTICS if statistic in read)
+
+
+def statistics_files(statistics: tuple[str, ...], client: int) -> list[str]:
+    """Relative paths of one client's files of those statistics."""
+    paths = {"fishers": fisher_file, "grams": grams_file, "factors": factors_file}
+    return [paths[statistic](client) for statistic in statistics]
+
+
 def plan_fisher(params: Params) -> list[Step]:
-    """One step per client, keyed by its fine-tuned model and partition."""
-    settings = {"fisher": params.section("fisher"), "noise_std": params.evaluate.noise_std, "seed": params.seed}
+    """One step per client, keyed by its fine-tuned model and partition; none when no merge reads a statistic."""
+    statistics = statistics_read(params)
+    if not statistics:
+        return []
+    settings = {
+        "fisher": params.section("fisher"),
+        "noise_std": params.evaluate.noise_std,
+        "seed": params.seed,
+        "statistics": list(statistics),
+    }
     return [
         Step(
             f"fisher/client_{client:03d}",
@@ -56,9 +93,9 @@ def _subset(n: int, size: int, seed: int) -> np.ndarray:
 
 
 def client_fisher(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
-    """Diagonal Fisher and linear-layer input Grams on up to n_examples of the client's data; factors on
-    rank_examples if low_rank."""
-    settings, client = params["fisher"], params["client"]
+    """The ``statistics`` asked for: the diagonal Fisher and linear-layer input Grams on up to n_examples of
+    the client's data, factors on rank_examples (or sketched within factor_memory_mb)."""
+    settings, client, statistics = params["fisher"], params["client"], params["statistics"]
     info = read_info(root, PARTITIONS)
     X, y = read_arrays(root / client_file(client), info)
     model = load_model(root / client_checkpoint(client))
@@ -72,15 +109,17 @@ def client_fisher(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
         "backend": settings["backend"],
     }
     rows = _subset(len(y), settings["n_examples"], seed)
-    diagonal = diagonal_fisher(model, X[rows], y[rows], **common)
-    with atomic_path(out / fisher_file(client)) as tmp:
-        save_file({k: v.contiguous() for k, v in diagonal.items()}, str(tmp))
     summary = {"examples": len(rows)}
-    # RegMean's statistic on the same rows, scaled to the client's whole data (its weight in the merge).
-    grams = linear_input_grams(model, X[rows], batch_size=settings["batch_size"])
-    with atomic_path(out / grams_file(client)) as tmp:
-        save_file({k: (v * len(y) / len(rows)).contiguous() for k, v in grams.items()}, str(tmp))
-    if settings["low_rank"]:
+    if "fishers" in statistics:
+        diagonal = diagonal_fisher(model, X[rows], y[rows], **common)
+        with atomic_path(out / fisher_file(client)) as tmp:
+            save_file({k: v.contiguous() for k, v in diagonal.items()}, str(tmp))
+    if "grams" in statistics:
+        # RegMean's statistic on the same rows, scaled to the client's whole data (its weight in the merge).
+        grams = linear_input_grams(model, X[rows], batch_size=settings["batch_size"])
+        with atomic_path(out / grams_file(client)) as tmp:
+            save_file({k: (v * len(y) / len(rows)).contiguous() for k, v in grams.items()}, str(tmp))
+    if "factors" in statistics:
         factors, sketch = _factors(model, X, y, rows, settings, common, seed)
         with atomic_path(out / factors_file(client)) as tmp:
             save_file({"U": factors.contiguous()}, str(tmp))

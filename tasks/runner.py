@@ -20,11 +20,18 @@ def _waves(planned: list) -> list[list[Step]]:
 
 
 def _prune(stage: Stage, outcomes: list[StepOutcome], root: Path) -> list[str]:
-    """Remove the files under the stage's outputs that no step produced; their names."""
+    """Remove the files under the stage's outputs that no step produced; their names.
+
+    Every output directory is left in place, empty when no step wrote into it (a stage whose work
+    nobody reads plans no step): DVC requires a stage's declared outputs to exist after it runs.
+    """
     from tasks.store import ArtifactStore
 
     produced = {name for outcome in outcomes for name in outcome.files}
-    return ArtifactStore(root).prune_outputs(stage.produced, produced)
+    removed = ArtifactStore(root).prune_outputs(stage.produced, produced)
+    for out in stage.outs:
+        (root / out).mkdir(parents=True, exist_ok=True)
+    return removed
 
 
 def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:

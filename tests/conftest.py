@@ -93,6 +93,21 @@ def prefect_api(tmp_path_factory) -> Iterator[str]:
         stop(server)
 
 
+@pytest.fixture
+def prefect_settings(prefect_api, tmp_path):
+    """In-process flows against the session's Prefect server, with a private Prefect home."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
+
+    # No log shipping: its background worker would still be sending after the session's server stops.
+    updates = {
+        PREFECT_API_URL: prefect_api,
+        PREFECT_HOME: str(tmp_path / "prefect"),
+        PREFECT_LOGGING_TO_API_ENABLED: False,
+    }
+    with temporary_settings(updates=updates):
+        yield
+
+
 @pytest.fixture(scope="session")
 def cli_env(tmp_path_factory, prefect_api) -> dict[str, str]:
     """Environment for CLI subprocesses: offline, a private Prefect home and the session's Prefect

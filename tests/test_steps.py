@@ -71,20 +71,6 @@ def test_read_arrays_parses_a_replaced_file_again_and_hands_out_copies(tmp_path)
     np.testing.assert_array_equal(y, [0, 1])
 
 
-@pytest.fixture
-def prefect_settings(prefect_api, tmp_path):
-    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
-
-    # No log shipping: its background worker would still be sending after the session's server stops.
-    updates = {
-        PREFECT_API_URL: prefect_api,
-        PREFECT_HOME: str(tmp_path / "prefect"),
-        PREFECT_LOGGING_TO_API_ENABLED: False,
-    }
-    with temporary_settings(updates=updates):
-        yield
-
-
 def test_cache_hits_skip_prefect_task_runs_unless_prefect_refreshes_the_cache(tmp_path, prefect_settings, monkeypatch):
     import prefect
     from prefect import flow
