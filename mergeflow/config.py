@@ -55,17 +55,18 @@ class DataConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _source_sections(cls, raw: Any) -> Any:
-        """Old names to new ones, unknown keys refused, and every source's section as its options model."""
+        """Old names to new ones (an old section's keys over the new one's), unknown keys refused, and every
+        source's section as its options model."""
         if not isinstance(raw, dict):
             return raw
         raw = dict(raw)
         if isinstance(raw.get("source"), str) and raw["source"] in SOURCE_ALIASES:
             raw["source"] = canonical_name(raw["source"])
         for old in [key for key in raw if key in SOURCE_ALIASES]:
-            new = canonical_name(old)
-            if new in raw:
-                raise ValueError(f"{old}: the old name of data.{new}, which is also given; keep one")
-            raw[new] = raw.pop(old)
+            new, section = canonical_name(old), raw.pop(old)
+            if isinstance(section, dict) and isinstance(raw.get(new), dict):
+                section = raw[new] | section  # `-S data.hf.path=…` over a params file that says data.table
+            raw[new] = section
         for key in raw:
             if key not in cls.model_fields and key not in SOURCES:
                 raise ValueError(f"{key}: unknown key")
