@@ -18,8 +18,8 @@ from mergeflow.data import DataError
 from mergeflow.data.encode import encode_splits
 from mergeflow.data.features import FeatureEncoder, fit_encoder
 from mergeflow.data.sources import load_table_raw
-from mergeflow.schema.sources import get_source
 from mergeflow.evaluation import sanity_check
+from mergeflow.schema.sources import get_source
 
 # Very different scales: an unscaled SGD run sees only the 1e4 column.
 SCALES = np.array([1e-3, 1.0, 1e4, 50.0, 1e-2, 300.0])
