@@ -16,83 +16,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mergeflow.errors import ConfigError, first_problem
+from mergeflow.schema.data_source import Modality
 from mergeflow.schema.families import FamilyDeclaration, family_of_arch
+from mergeflow.schema.sources import ALIASES as SOURCE_ALIASES
+from mergeflow.schema.sources import SOURCES, DataSource, canonical_name
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class PinwheelOptions(_Section):
-    clusters: int = Field(5, ge=2)
-    per_cluster: int = Field(1000, ge=1)
-    radial_std: float = Field(0.3, gt=0)
-    tangential_std: float = Field(0.05, gt=0)
-    rate: float = 0.25
-
-
-class LinregOptions(_Section):
-    n: int = Field(1000, ge=2)
-    dim: int = Field(10, ge=1)
-    noise_std: float = Field(0.5, gt=0)
-    prior_std: float = Field(1.0, gt=0)
-
-
-class HFOptions(_Section):
-    """Any ``datasets.load_dataset`` source: local csv/parquet/json files, or a hub name when online."""
-
-    path: str | None = None
-    name: str | None = None
-    data_files: str | list[str] | dict[str, str | list[str]] | None = None
-    split: str = "train"
-    feature_columns: list[str] | None = None
-    label_column: str = "label"
-    task: Literal["classification", "regression"] = "classification"
-    group_column: str | None = None
-    input_shape: list[int] | None = None
-
-
-class TextOptions(_Section):
-    """A text classification table for ``datasets.load_dataset``: local csv/json/parquet, or a hub name
-    when online. ``text_pair_column`` makes it a sentence-pair task (NLI-style)."""
-
-    path: str | None = None
-    name: str | None = None
-    data_files: str | list[str] | dict[str, str | list[str]] | None = None
-    split: str = "train"
-    text_column: str = "text"
-    text_pair_column: str | None = None
-    label_column: str = "label"
-    group_column: str | None = None
-
-
-WordNetText = Literal[
-    "definition", "example", "synonyms", "hypernyms", "hyponyms", "siblings", "parts", "wholes", "derived"
-]
-
-
-class WordNetOptions(_Section):
-    """WordNet synsets → supersense (``noun.animal``, ``verb.motion``, …), read from a local database.
-    ``root`` None looks in /usr/share/wordnet (Debian's wordnet-base) and nltk_data. ``texts``: what
-    describes a synset (its definition by default); several kinds are domains over the same labels,
-    in equal shares, each synset described once. ``group``: each row's part of speech or kind of text
-    (what ``partition.method: natural`` and the per-group test metrics use). ``corpus_examples``:
-    definitions of as many other synsets, unlabelled, as a corpus for the tokenizer and for language-model
-    pre-training (``pretrain.language_model.text: corpus``); none of them is a synset of the task."""
-
-    root: str | None = None
-    pos: list[Literal["noun", "verb", "adj", "adv"]] = ["noun", "verb"]
-    max_examples: int | None = Field(None, ge=10)
-    texts: list[WordNetText] = Field(["definition"], min_length=1)
-    group: Literal["pos", "text"] = "pos"
-    corpus_examples: int = Field(0, ge=0)
-
-    @field_validator("texts")
-    @classmethod
-    def _distinct(cls, texts: list[str]) -> list[str]:
-        if len(set(texts)) != len(texts):
-            raise ValueError("a kind of text is listed twice")
-        return texts
 
 
 class TokenizerConfig(_Section):
@@ -107,41 +38,77 @@ class TokenizerConfig(_Section):
     max_length: int = Field(64, ge=1)
 
 
-TEXT_SOURCES = ("text", "wordnet")
-
-
 class DataConfig(_Section):
-    source: Literal["digits", "wine", "pinwheel", "linreg", "hf", "text", "wordnet"] = "digits"
+    """The data source (``source``, any registered one: :mod:`mergeflow.schema.sources`), its splits and
+    feature policies. Every registered source has its options section ``data.<name>``, validated by its
+    options model; the chosen source's is :attr:`options`."""
+
+    model_config = ConfigDict(extra="allow")  # the sources' sections, each checked by _source_sections
+    source: str = "digits"
     test_fraction: float = Field(0.2, gt=0, lt=1)
     server_fraction: float = Field(0.1, ge=0, lt=1)
     validation_fraction: float = Field(0.0, ge=0, lt=1)
     standardize: Literal["auto", True, False] = "auto"
     categorical: Literal["error", "onehot"] = "error"
     missing: Literal["error", "drop_rows", "mean"] = "error"
-    pinwheel: PinwheelOptions = PinwheelOptions()
-    linreg: LinregOptions = LinregOptions()
-    hf: HFOptions = HFOptions()
-    text: TextOptions = TextOptions()
-    wordnet: WordNetOptions = WordNetOptions()
     tokenizer: TokenizerConfig = TokenizerConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _source_sections(cls, raw: Any) -> Any:
+        """Old names to new ones (an old section's keys over the new one's), unknown keys refused, and every
+        source's section as its options model."""
+        if not isinstance(raw, dict):
+            return raw
+        raw = dict(raw)
+        if isinstance(raw.get("source"), str) and raw["source"] in SOURCE_ALIASES:
+            raw["source"] = canonical_name(raw["source"])
+        for old in [key for key in raw if key in SOURCE_ALIASES]:
+            new, section = canonical_name(old), raw.pop(old)
+            if isinstance(section, dict) and isinstance(raw.get(new), dict):
+                section = raw[new] | section  # `-S data.hf.path=…` over a params file that says data.table
+            raw[new] = section
+        for key in raw:
+            if key not in cls.model_fields and key not in SOURCES:
+                raise ValueError(f"{key}: unknown key")
+        return raw | {name: source.parse(raw.get(name)) for name, source in SOURCES.items()}
+
+    @property
+    def spec(self) -> DataSource:
+        """The chosen source (its declaration and loaders)."""
+        return SOURCES[self.source]
+
+    @property
+    def options(self) -> BaseModel:
+        """The chosen source's options (section ``data.<source>``)."""
+        return getattr(self, self.source)
 
     @property
     def task(self) -> str:
-        """``regression`` for the linreg source and regression tables, else ``classification``."""
-        regression = self.source == "linreg" or (self.source == "hf" and self.hf.task == "regression")
-        return "regression" if regression else "classification"
+        """What the labels are: ``classification`` or ``regression``, as the source says for its options."""
+        return self.spec.task(self.options)
+
+    @property
+    def modality(self) -> Modality:
+        """What a row is: ``features``, ``image`` (image-shaped features) or ``tokens`` (tokenized text)."""
+        return self.spec.modality(self.options)
 
     @property
     def is_text(self) -> bool:
         """Whether the source is text (tokenized before partitioning)."""
-        return self.source in TEXT_SOURCES
+        return self.modality == "tokens"
 
     @property
     def group_column(self) -> str | None:
         """The column that names each row's group, if the source has one."""
-        if self.source == "wordnet":
-            return self.wordnet.group
-        return {"hf": self.hf.group_column, "text": self.text.group_column}.get(self.source)
+        return self.spec.group_column(self.options)
+
+    @field_validator("source")
+    @classmethod
+    def _registered(cls, source: str) -> str:
+        if source not in SOURCES:
+            raise ValueError(f"unknown data source {source!r}; known: {', '.join(SOURCES)}")
+        return source
 
     @model_validator(mode="after")
     def _fractions_leave_training_data(self) -> DataConfig:
@@ -149,10 +116,7 @@ class DataConfig(_Section):
             raise ValueError(
                 "test_fraction + server_fraction + validation_fraction must leave at least 5% for the clients"
             )
-        if self.source == "hf" and not self.hf.path:
-            raise ValueError("source 'hf' needs data.hf.path (e.g. 'csv' with data.hf.data_files)")
-        if self.source == "text" and not self.text.path:
-            raise ValueError("source 'text' needs data.text.path (e.g. 'csv' with data.text.data_files)")
+        self.spec.check_options(self.options)
         if self.is_text and self.standardize is True:
             raise ValueError("standardize: text is tokenized, not standardized; set it to auto or false")
         return self
@@ -630,7 +594,7 @@ class Params(_Section):
                 "pretrain.enabled: pre-training needs a server split; set data.server_fraction > 0 "
                 "or pretrain.enabled: false for a shared random init"
             )
-        if self.model.arch == "cnn" and self.data.source not in ("digits", "hf"):
+        if self.model.arch == "cnn" and self.data.modality != "image" and self.data.spec.shape_option is None:
             raise ValueError(f"model.arch: 'cnn' needs image-shaped data, and data.source {self.data.source!r} is not")
         if self.centralized.keep == "best_validation" and self.data.validation_fraction == 0:
             raise ValueError(
@@ -639,10 +603,10 @@ class Params(_Section):
             )
         language_model = self.pretrain.language_model
         if language_model and language_model.text == "corpus":
-            if self.data.source != "wordnet" or self.data.wordnet.corpus_examples == 0:
+            if self.data.spec.corpus_size(self.data.options) == 0:
                 raise ValueError(
-                    "pretrain.language_model.text: corpus needs data.source wordnet with "
-                    "data.wordnet.corpus_examples > 0"
+                    "pretrain.language_model.text: corpus needs a source with an unlabelled corpus "
+                    f"(e.g. data.wordnet.corpus_examples > 0), and data.source {self.data.source!r} gives none"
                 )
         if self.centralized.keep == "best_validation" and self.finetune.lora:
             raise ValueError("centralized.keep: best_validation does not support finetune.lora yet; use keep: last")
@@ -725,12 +689,9 @@ class Params(_Section):
 
 
 def _known_training_rows(data: DataConfig) -> int | None:
-    from mergeflow.data import builtin_size
-
-    if data.source == "hf" or data.is_text:
+    total = data.spec.known_rows(data.options)
+    if total is None:
         return None
-    options = {"pinwheel": data.pinwheel.model_dump(), "linreg": data.linreg.model_dump()}.get(data.source, {})
-    total = builtin_size(data.source, **options)
     return int(total * (1 - data.test_fraction - data.server_fraction - data.validation_fraction))
 
 

@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 
 from mergeflow.config import Params
 from mergeflow.schema import federated, merge
+from mergeflow.schema.sources import SOURCES
 
 HEADER = """# Params reference
 
@@ -41,7 +42,8 @@ def render() -> str:
 
 
 def _section(path: str, model: type[BaseModel], level: int) -> list[str]:
-    """A section's heading, docstring and key table, followed by its subsections (the top level's at its level)."""
+    """A section's heading, docstring and key table, followed by its subsections (the top level's at its
+    level); under ``data``, each registered data source's options section."""
     heading = f"`{path}`" if path else "Top level"
     parts = [f"{'#' * level} {heading}\n", *_options(model, path)]
     for name, field in model.model_fields.items():
@@ -50,6 +52,9 @@ def _section(path: str, model: type[BaseModel], level: int) -> list[str]:
         if nested is not None:
             child = f"{key}.N" if _is_mapping(field.annotation) else key
             parts += _section(child, nested, min(level + 1, 4) if path else level)
+    if path == "data":
+        for name, source in SOURCES.items():
+            parts += _section(f"data.{name}", source.Options, min(level + 1, 4))
     return parts
 
 

@@ -4,9 +4,9 @@ The params schema (:mod:`mergeflow.config`) does no I/O: it validates values and
 span sections, so it can run inside the flow and at every sweep point for free. What the params
 name outside themselves is checked here, each problem one line that names its key:
 
-- :func:`check_paths`: the table's local files, the WordNet database, a pretrained model's
-  directory (or, for a hub name, its cache or the Hub); no torch, so ``mergeflow validate`` stays
-  fast;
+- :func:`check_paths`: what the data source reads (its ``preflight``: a table's local files, the
+  WordNet database), a pretrained model's directory (or, for a hub name, its cache or the Hub); no
+  torch, so ``mergeflow validate`` stays fast;
 - :func:`check_model`: LoRA target modules against the model's architecture, built on the meta
   device (it imports torch and transformers, so ``mergeflow run`` does it and ``validate`` does not).
 
@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from mergeflow.config import Params
-from mergeflow.errors import ConfigError, MergeflowError
+from mergeflow.errors import ConfigError
 
 
 def check_paths(params: Params, source: str = "params") -> None:
@@ -29,22 +29,7 @@ def check_paths(params: Params, source: str = "params") -> None:
     Raises:
         ConfigError: one line per problem, ``source: key: problem``.
     """
-    lines = []
-    data = params.data
-    if data.source in ("hf", "text"):
-        options = data.hf if data.source == "hf" else data.text
-        lines += [
-            f"{source}: data.{data.source}.data_files: file not found: {file}"
-            for file in local_files(options.data_files)
-            if not Path(file).is_file()
-        ]
-    if data.source == "wordnet":
-        from mergeflow.data.text import find_wordnet
-
-        try:
-            find_wordnet(data.wordnet.root)
-        except MergeflowError as error:
-            lines.append(f"{source}: data.wordnet.root: {error}")
+    lines = [f"{source}: {problem}" for problem in params.data.spec.preflight(params.data.options)]
     if params.pretrained:
         problem = pretrained_problem(params.pretrained)
         if problem:
@@ -67,16 +52,6 @@ def check_model(params: Params, source: str = "params") -> None:
     missing = missing_modules(hf.pretrained, hf.model_config_fields(), params.finetune.lora.target_modules, hf.task)
     if missing:
         raise ConfigError([f"{source}: finetune.lora.target_modules: {missing} match no module of the model"])
-
-
-def local_files(data_files: str | list[str] | dict[str, str | list[str]] | None) -> list[str]:
-    """The plain local paths among ``data_files`` (URLs and glob patterns are left to ``datasets``)."""
-    if data_files is None:
-        return []
-    if isinstance(data_files, dict):
-        return [f for value in data_files.values() for f in local_files(value)]
-    files = [data_files] if isinstance(data_files, str) else data_files
-    return [f for f in files if "://" not in f and not any(c in f for c in "*?[")]
 
 
 def pretrained_problem(name: str) -> str | None:

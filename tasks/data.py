@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mergeflow.checkpoints import write_json
-from mergeflow.config import TEXT_SOURCES, Params
+from mergeflow.config import Params
 from mergeflow.data import (
     load_dataset_file,
     partition_dataset,
@@ -22,8 +22,7 @@ from mergeflow.data import (
     to_arrays,
 )
 from mergeflow.data.encode import encode_splits
-from mergeflow.data.sources import load_raw
-from mergeflow.data.text import load_text, load_text_corpus, make_text_dataset
+from mergeflow.data.text import make_text_dataset
 from mergeflow.data.tokenize import (
     check_vocabulary,
     encode_dataset,
@@ -32,6 +31,7 @@ from mergeflow.data.tokenize import (
     train_tokenizer,
     training_texts,
 )
+from mergeflow.schema.sources import get_source
 from tasks.steps import Step
 from tasks.store import STATE_DIR, file_signature
 
@@ -105,20 +105,11 @@ def plan_prepare(params: Params) -> list[Step]:
     ]
 
 
-def _data_file_names(params: Params) -> list[str]:
-    """The ``data_files`` the source names, as a flat list (local paths, patterns or URLs)."""
-    options = {"hf": params.data.hf, "text": params.data.text}.get(params.data.source)
-    files = options.data_files if options is not None else None
-    if isinstance(files, dict):
-        return [f for value in files.values() for f in ([value] if isinstance(value, str) else value)]
-    return [files] if isinstance(files, str) else list(files or [])
-
-
 def local_data_files(params: Params) -> tuple[str, ...]:
     """The local files the data source reads (glob patterns expanded), so that editing one re-runs prepare."""
     import glob
 
-    local = [f for f in _data_file_names(params) if "://" not in f]
+    local = [f for f in params.data.spec.data_files(params.data.options) if "://" not in f]
     return tuple(sorted({str(Path(p).expanduser()) for f in local for p in (glob.glob(f) or [f])}))
 
 
@@ -134,14 +125,14 @@ def check_data(params: Params, root: Path) -> None:
     from mergeflow.data.check import check_inputs
 
     data = params.section("data")
-    table = data["source"] in ("hf", "text")
+    table = params.data.spec.user_table
     hf = params.model.hf
     pretrained = hf.pretrained if params.model.arch == "hf" else None
     if not table and not pretrained:
         return
     local = [*(local_data_files(params) if table else ()), *(_model_files(pretrained) if pretrained else ())]
     marker = None
-    remote = table and any("://" in f for f in _data_file_names(params))
+    remote = table and any("://" in f for f in params.data.spec.data_files(params.data.options))
     if not remote and all(Path(f).is_file() for f in local):
         signatures = [file_signature(Path(f)) for f in local]
         checked = {"data": data, "model": params.section("model.hf"), "seed": params.seed, "files": signatures}
@@ -170,20 +161,20 @@ def prepare(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     Text sources are saved as text under ``data/prepared/text``, for the tokenize step.
     """
     data = params["data"]
-    source = data["source"]
-    options = data.get(source, {}) if source in ("pinwheel", "linreg", "hf", "text", "wordnet") else {}
+    source = get_source(data["source"])
+    options = data[source.name]
     fractions = {key: data[key] for key in ("test_fraction", "server_fraction", "validation_fraction")}
-    if source in TEXT_SOURCES:
-        dataset, info = load_text(source, seed=params["seed"], options=options)
+    if source.modality(source.parse(options)) == "tokens":
+        dataset, info = source.load(options, seed=params["seed"], data=data)
         splits = split_dataset(dataset, info, **fractions, seed=params["seed"])
-        corpus = load_text_corpus(source, seed=params["seed"], options=options)
+        corpus = source.corpus(options, seed=params["seed"])
         if corpus:  # unlabelled (y = -1): read only by the tokenizer and language-model pre-training
             splits[CORPUS] = make_text_dataset(corpus, np.full(len(corpus), -1, dtype=np.int64))
         directory = out / TEXT
         write_json(out / DATA_METRICS, {"source": info["source"], "standardized": False, "tokenized": True})
     else:
         policies = {"missing": data["missing"], "categorical": data["categorical"]}
-        raw = load_raw(source, seed=params["seed"], options=options, **policies)
+        raw = source.load_raw(options, seed=params["seed"], data=data)
         splits, info = encode_splits(raw, **fractions, seed=params["seed"], standardize=data["standardize"], **policies)
         directory = out / PREPARED
         write_json(out / DATA_METRICS, feature_report(info, data))

@@ -14,6 +14,7 @@ from mergeflow.data.encode import target_scale
 from mergeflow.evaluation import best_model, sanity_check
 from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_comparison, plot_selection
+from mergeflow.schema.sources import SOURCES
 from mergeflow.training import predict
 from tasks.data import PREPARED, read_arrays, read_groups, read_info
 from tasks.federated import final_checkpoint
@@ -135,9 +136,8 @@ def _likely_causes(info: dict[str, Any]) -> str:
     causes = ["too high a learning rate (finetune.lr, pretrain.lr)", "too few epochs"]
     if "features" in info and info["features"]["mean"] is None:
         causes.insert(0, "unscaled features (data.standardize)")
-    source = info["source"].split(":", 1)[0]
-    if source in ("hf", "text"):
-        causes.append(f"a label column that is not the target (data.{source}.label_column)")
+    source = SOURCES.get(info["source"].split(":", 1)[0])
+    causes += source.likely_causes if source is not None else ()
     return ", ".join(causes) + "."
 
 

@@ -208,15 +208,15 @@ def test_gain_seen_unseen_and_correlations_match_hand_computations():
 
 
 def test_the_wordnet_corpus_holds_the_definitions_of_synsets_outside_the_task(tmp_path):
-    from mergeflow.data.text import load_text, load_text_corpus
+    from mergeflow.data.text import load_wordnet_corpus, load_wordnet_source
+    from mergeflow.schema.sources import get_source
 
     options = {"root": str(write_wordnet(tmp_path / "wordnet")), "texts": ["synonyms"], "max_examples": 3}
-    options["corpus_examples"] = 10
-    task, _ = load_text("wordnet", seed=1, options=options)
-    corpus = load_text_corpus("wordnet", seed=1, options=options)
+    task, _ = load_wordnet_source(**options, seed=1)
+    corpus = load_wordnet_corpus(10, **options, seed=1)
     gloss_of = {word: gloss for entries in WORDNET_ENTRIES.values() for _, word, gloss in entries}
     assert sorted(corpus) == sorted(gloss for word, gloss in gloss_of.items() if word not in task["text"])
-    assert len(corpus) == 3 and load_text_corpus("wordnet", seed=1, options={**options, "corpus_examples": 0}) == []
+    assert len(corpus) == 3 and get_source("wordnet").corpus({"root": options["root"]}, seed=1) == []
 
 
 def test_corpus_pretraining_and_best_epoch_need_what_they_read(tmp_path):

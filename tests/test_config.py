@@ -43,14 +43,14 @@ def test_the_schema_reads_no_file_and_the_preflight_names_each_missing_one(tmp_p
     from mergeflow.errors import ConfigError
     from mergeflow.preflight import check_paths
 
-    raw = apply_overrides({}, ["data.source=hf", "data.hf.path=csv", "data.hf.data_files=[a.csv, b.csv]"])
+    raw = apply_overrides({}, ["data.source=table", "data.table.path=csv", "data.table.data_files=[a.csv, b.csv]"])
     params = validate_params(raw)  # no disk access here: the flow and every sweep point validate again
     (tmp_path / "b.csv").write_text("x,label\n1,0\n")
     params = params.model_copy(
         update={
             "data": params.data.model_copy(
                 update={
-                    "hf": params.data.hf.model_copy(
+                    "table": params.data.table.model_copy(
                         update={"data_files": [str(tmp_path / "a.csv"), str(tmp_path / "b.csv")]}
                     )
                 }
@@ -59,7 +59,7 @@ def test_the_schema_reads_no_file_and_the_preflight_names_each_missing_one(tmp_p
     )
     with pytest.raises(ConfigError) as error:
         check_paths(params, "p.yaml")
-    assert error.value.lines == [f"p.yaml: data.hf.data_files: file not found: {tmp_path / 'a.csv'}"]
+    assert error.value.lines == [f"p.yaml: data.table.data_files: file not found: {tmp_path / 'a.csv'}"]
 
 
 def test_overrides_parse_yaml_values():

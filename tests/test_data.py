@@ -8,14 +8,12 @@ import pandas as pd
 import pytest
 
 from mergeflow.data import (
-    BUILTIN_SOURCES,
     PARTITION_METHODS,
     DataError,
-    builtin_size,
     load_dataset_file,
     load_digits_source,
-    load_hf_source,
     load_source,
+    load_table_source,
     load_wine_source,
     make_dataset,
     make_linreg,
@@ -29,6 +27,7 @@ from mergeflow.data import (
     to_arrays,
 )
 from mergeflow.errors import MergeflowError
+from mergeflow.schema.sources import SOURCES, get_source
 
 
 @pytest.fixture(autouse=True)
@@ -67,13 +66,22 @@ def test_wine_source():
     assert x[:, 12].max() > 1000  # raw (unstandardised) proline feature
 
 
-def test_builtin_sizes_match_the_sources():
-    assert builtin_size("digits") == 1797 and builtin_size("wine") == 178
-    assert builtin_size("pinwheel") == 5000 and builtin_size("pinwheel", clusters=3, per_cluster=7) == 21
-    assert builtin_size("linreg", n=123) == 123 == load_source("linreg", options={"n": 123})[0].num_rows
-    assert BUILTIN_SOURCES == ("digits", "wine", "pinwheel", "linreg")
+def test_known_rows_match_the_sources():
+    def rows(name, **options):
+        source = get_source(name)
+        return source.known_rows(source.parse(options))
+
+    assert rows("digits") == 1797 and rows("wine") == 178
+    assert rows("pinwheel") == 5000 and rows("pinwheel", clusters=3, per_cluster=7) == 21
+    assert rows("linreg", n=123) == 123 == load_source("linreg", options={"n": 123})[0].num_rows
+    assert [name for name, source in SOURCES.items() if source.known_rows(source.parse()) is not None] == [
+        "digits",
+        "wine",
+        "pinwheel",
+        "linreg",
+    ]
     with pytest.raises(DataError, match="bogus"):
-        builtin_size("pinwheel", bogus=1)
+        load_source("pinwheel", options={"bogus": 1})
 
 
 def test_pinwheel_shape_and_determinism():
@@ -127,11 +135,11 @@ def _table(n=30):
     )
 
 
-def test_hf_csv_maps_string_labels(tmp_path):
+def test_table_csv_maps_string_labels(tmp_path):
     df = _table()
     path = tmp_path / "t.csv"
     df.to_csv(path, index=False)
-    ds, info = load_hf_source("csv", data_files=str(path), label_column="species", group_column="site")
+    ds, info = load_table_source("csv", data_files=str(path), label_column="species", group_column="site")
     x, y = to_arrays(ds, info)
     assert info["class_names"] == ["setosa", "versicolor", "virginica"] and info["num_classes"] == 3
     assert y[:3].tolist() == [0, 2, 1]
@@ -140,12 +148,12 @@ def test_hf_csv_maps_string_labels(tmp_path):
     assert ds["group"][:2] == ["north", "south"]
 
 
-def test_hf_parquet_list_features_and_regression(tmp_path):
+def test_table_parquet_list_features_and_regression(tmp_path):
     df = pd.DataFrame({"img": [[float(i), i + 0.5, 1.0, 2.0] for i in range(8)], "s": range(8), "t": range(8)})
     path = tmp_path / "t.parquet"
     df.to_parquet(path)
     ds, info = load_source(
-        "hf",
+        "table",
         options={
             "path": "parquet",
             "data_files": [str(path)],
@@ -160,26 +168,26 @@ def test_hf_parquet_list_features_and_regression(tmp_path):
     assert y.dtype == np.float32 and info["task"] == "regression" and info["num_classes"] is None
 
 
-def test_hf_noncontiguous_int_labels_are_remapped(tmp_path):
+def test_table_noncontiguous_int_labels_are_remapped(tmp_path):
     path = tmp_path / "t.csv"
     pd.DataFrame({"f": range(6), "label": [3, 7, 3, 9, 7, 9]}).to_csv(path, index=False)
-    ds, info = load_hf_source("csv", data_files=str(path))
+    ds, info = load_table_source("csv", data_files=str(path))
     assert _labels(ds).tolist() == [0, 1, 0, 2, 1, 2] and info["class_names"] == ["3", "7", "9"]
 
 
-def test_hf_missing_column_and_file_raise(tmp_path):
+def test_table_missing_column_and_file_raise(tmp_path):
     path = tmp_path / "t.csv"
     _table().to_csv(path, index=False)
     with pytest.raises(DataError, match="label column 'target' not found.*a, b, species, site"):
-        load_hf_source("csv", data_files=str(path), label_column="target")
+        load_table_source("csv", data_files=str(path), label_column="target")
     with pytest.raises(DataError, match="feature column 'zz'"):
-        load_hf_source("csv", data_files=str(path), label_column="species", feature_columns=["a", "zz"])
+        load_table_source("csv", data_files=str(path), label_column="species", feature_columns=["a", "zz"])
     with pytest.raises(DataError, match="group column 'region'"):
-        load_hf_source("csv", data_files=str(path), label_column="species", group_column="region")
+        load_table_source("csv", data_files=str(path), label_column="species", group_column="region")
     with pytest.raises(DataError, match="nope.csv"):
-        load_hf_source("csv", data_files=str(tmp_path / "nope.csv"))
+        load_table_source("csv", data_files=str(tmp_path / "nope.csv"))
     with pytest.raises(DataError, match="species"):  # a string column cannot be a feature
-        load_hf_source("csv", data_files=str(path), label_column="a", task="regression")
+        load_table_source("csv", data_files=str(path), label_column="a", task="regression")
 
 
 # --- split / standardize ------------------------------------------------------------------

@@ -17,8 +17,9 @@ from flows.cli import main
 from mergeflow.data import DataError
 from mergeflow.data.encode import encode_splits
 from mergeflow.data.features import FeatureEncoder, fit_encoder
-from mergeflow.data.sources import load_hf_raw, load_raw
+from mergeflow.data.sources import load_table_raw
 from mergeflow.evaluation import sanity_check
+from mergeflow.schema.sources import get_source
 
 # Very different scales: an unscaled SGD run sees only the 1e4 column.
 SCALES = np.array([1e-3, 1.0, 1e4, 50.0, 1e-2, 300.0])
@@ -65,7 +66,7 @@ def test_one_hot_uses_the_training_categories_and_unseen_ones_are_zero(tmp_path)
     frame = pd.DataFrame({"n": np.arange(40.0), "c": ["a", "b"] * 20, "y": [0, 1] * 20})
     frame.loc[[3, 17], "c"] = "zz"  # one of these rows is bound to leave the training split
     frame.to_csv(tmp_path / "t.csv", index=False)
-    raw = load_hf_raw("csv", data_files=str(tmp_path / "t.csv"), label_column="y", categorical="onehot")
+    raw = load_table_raw("csv", data_files=str(tmp_path / "t.csv"), label_column="y", categorical="onehot")
     splits, info = encode_splits(raw, test_fraction=0.25, server_fraction=0.1, seed=0, categorical="onehot")
     columns = {c["name"]: c for c in info["features"]["columns"]}
     train_rows = set(splits["train"]["row"])
@@ -79,7 +80,7 @@ def test_one_hot_uses_the_training_categories_and_unseen_ones_are_zero(tmp_path)
             onehot = values[1:] * np.asarray(encoder.std[1:]) + np.asarray(encoder.mean[1:])
             assert np.allclose(onehot, [float(category == c) for c in expected], atol=1e-6)
     with pytest.raises(DataError, match=r"'c' holds text.*data.categorical: onehot"):
-        load_hf_raw("csv", data_files=str(tmp_path / "t.csv"), label_column="y")
+        load_table_raw("csv", data_files=str(tmp_path / "t.csv"), label_column="y")
 
 
 def test_missing_values_error_drop_rows_or_training_mean(tmp_path):
@@ -88,11 +89,11 @@ def test_missing_values_error_drop_rows_or_training_mean(tmp_path):
     frame.to_csv(tmp_path / "t.csv", index=False)
     options = {"path": "csv", "data_files": str(tmp_path / "t.csv"), "label_column": "y"}
     with pytest.raises(DataError, match=r"column 'a' has 2 missing value\(s\) in 30 rows; set data.missing"):
-        load_raw("hf", options=options)
-    dropped = load_raw("hf", options=options, missing="drop_rows")
+        get_source("table").load_raw(options)
+    dropped = get_source("table").load_raw(options, data={"missing": "drop_rows"})
     assert dropped.features.num_rows == 28 and dropped.info["dropped_rows"] == 2
     assert 4 not in dropped.source_rows and 9 not in dropped.source_rows
-    raw = load_raw("hf", options=options, missing="mean")
+    raw = get_source("table").load_raw(options, data={"missing": "mean"})
     splits, info = encode_splits(raw, test_fraction=0.3, seed=0, missing="mean", standardize=False)
     train_rows = [r for r in splits["train"]["row"] if r not in (4, 9)]
     mean = frame["a"][train_rows].mean()
@@ -106,14 +107,14 @@ def test_missing_values_error_drop_rows_or_training_mean(tmp_path):
 def test_a_float_label_with_many_values_suggests_regression(tmp_path):
     rng = np.random.default_rng(0)
     pd.DataFrame({"a": rng.normal(size=60), "price": rng.normal(100, 20, 60)}).to_csv(tmp_path / "p.csv", index=False)
-    with pytest.raises(DataError, match=r"'price' holds 60 distinct numbers in 60 rows.*data.hf.task: regression"):
-        load_hf_raw("csv", data_files=str(tmp_path / "p.csv"), label_column="price")
+    with pytest.raises(DataError, match=r"'price' holds 60 distinct numbers in 60 rows.*data.table.task: regression"):
+        load_table_raw("csv", data_files=str(tmp_path / "p.csv"), label_column="price")
     pd.DataFrame({"a": np.arange(60.0), "n": np.arange(60) // 2}).to_csv(tmp_path / "n.csv", index=False)
     with pytest.raises(DataError, match="'n' holds 30 distinct numbers"):  # whole numbers, two rows a class
-        load_hf_raw("csv", data_files=str(tmp_path / "n.csv"), label_column="n")
+        load_table_raw("csv", data_files=str(tmp_path / "n.csv"), label_column="n")
     pd.DataFrame({"a": np.arange(200.0), "n": np.arange(200) % 25}).to_csv(tmp_path / "ok.csv", index=False)
-    assert load_hf_raw("csv", data_files=str(tmp_path / "ok.csv"), label_column="n").y.max() == 24  # 8 rows a class
-    raw = load_hf_raw("csv", data_files=str(tmp_path / "p.csv"), label_column="price", task="regression")
+    assert load_table_raw("csv", data_files=str(tmp_path / "ok.csv"), label_column="n").y.max() == 24  # 8 rows a class
+    raw = load_table_raw("csv", data_files=str(tmp_path / "p.csv"), label_column="price", task="regression")
     assert raw.y.dtype == np.float32
 
 
@@ -130,7 +131,7 @@ def test_a_large_regression_target_is_standardised_and_every_number_is_reported_
     frame = pd.DataFrame({"a": rng.normal(size=200), "b": rng.normal(size=200)})
     frame["price"] = 150 + 80 * frame["a"] - 30 * frame["b"] + rng.normal(0, 5, 200)
     frame.to_csv(tmp_path / "p.csv", index=False)
-    raw = load_hf_raw("csv", data_files=str(tmp_path / "p.csv"), label_column="price", task="regression")
+    raw = load_table_raw("csv", data_files=str(tmp_path / "p.csv"), label_column="price", task="regression")
     splits, info = encode_splits(raw, test_fraction=0.25, seed=0)
     scale = info["target_scale"]
     train_y = frame["price"].to_numpy()[np.asarray(splits["train"]["row"])]
@@ -187,7 +188,7 @@ def table_run(tmp_path_factory, cli_env):
     path = make_workspace(tmp_path_factory.mktemp("own") / "run", {})
     frame = mixed_scale_table(path / "table.csv", gaps=12)
     hf = {"path": "csv", "data_files": str(path / "table.csv"), "label_column": "kind"}
-    data = {"source": "hf", "hf": hf, "categorical": "onehot", "missing": "mean"}
+    data = {"source": "table", "table": hf, "categorical": "onehot", "missing": "mean"}
     params = fast_params(data=data, merge={"methods": ["average"]})
     params["federated"].update(algorithms=["fedavg"])
     make_workspace(path, params)
@@ -243,11 +244,11 @@ def test_mlflow_marks_training_and_logs_the_datasets(table_run):
     runs = mlflow.search_runs(experiment_ids=[experiment.experiment_id])
     parent = mlflow.get_run(runs[runs["tags.mergeflow.kind"] == "pipeline"].run_id.iloc[0])
     inputs = {d.dataset.name: d.dataset.digest for d in parent.inputs.dataset_inputs}
-    assert set(inputs) == {"hf:csv:train", "hf:csv:test", "hf:csv:server"}
+    assert set(inputs) == {"table:csv:train", "table:csv:test", "table:csv:server"}
     assert parent.data.params["data.standardized"] == "true"
     assert parent.data.metrics["baseline.test_accuracy"] == pytest.approx(1 / 3, abs=0.02)
     client = mlflow.get_run(runs[runs["tags.mergeflow.client"] == "0"].run_id.iloc[0])
-    assert [d.dataset.name for d in client.inputs.dataset_inputs] == ["hf:csv:client_000"]
+    assert [d.dataset.name for d in client.inputs.dataset_inputs] == ["table:csv:client_000"]
 
 
 @pytest.mark.slow
@@ -291,7 +292,7 @@ def test_a_table_with_gaps_fails_before_any_prefect_work(tmp_path, monkeypatch, 
     monkeypatch.chdir(tmp_path)
     mixed_scale_table(tmp_path / "table.csv", gaps=5)
     hf = {"path": "csv", "data_files": "table.csv", "label_column": "kind"}
-    make_workspace(tmp_path, fast_params(data={"source": "hf", "hf": hf, "missing": policy}))
+    make_workspace(tmp_path, fast_params(data={"source": "table", "table": hf, "missing": policy}))
     if needle is None:  # a good table gets as far as orchestration; the same table is not checked twice
         with pytest.raises(AssertionError, match="Prefect must not start"):
             main(["run", "-S", "data.categorical=onehot"])

@@ -268,7 +268,7 @@ def test_bad_params_exit_2_and_write_nothing(tmp_path, cli_env):
 def test_missing_label_column_is_one_clear_error(tmp_path, cli_env):
     path = make_workspace(tmp_path / "nolabel", {})
     (path / "t.csv").write_text("a,b\n1,2\n3,4\n")
-    params = fast_params(data={"source": "hf", "hf": {"path": "csv", "data_files": str(path / "t.csv")}})
+    params = fast_params(data={"source": "table", "table": {"path": "csv", "data_files": str(path / "t.csv")}})
     make_workspace(path, params)
     done = run_cli(["run"], path, cli_env)
     assert done.returncode == 2, done.stderr[-2000:]

@@ -13,12 +13,10 @@ from typing import Any
 _HOMES = {
     "partition": ("PARTITION_METHODS", "partition_dataset", "partition_stats", "plot_partition_stats"),
     "sources": (
-        "BUILTIN_SOURCES",
         "DataError",
-        "builtin_size",
         "load_digits_source",
-        "load_hf_source",
         "load_source",
+        "load_table_source",
         "load_wine_source",
         "make_dataset",
         "make_linreg",

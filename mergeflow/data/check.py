@@ -5,28 +5,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from mergeflow.schema.sources import get_source
+
 
 def check_source(data: dict[str, Any], seed: int = 0) -> None:
-    """Read a ``hf`` or ``text`` source as the prepare step will and raise its ``DataError`` now.
+    """Read the user's table (a source with ``user_table``) as the prepare step will, and raise its
+    ``DataError`` now.
 
-    ``data`` is the params' ``data`` section. Built-in sources and WordNet (checked when the params
-    are validated) are skipped: they are not the user's table.
+    ``data`` is the params' ``data`` section. Other sources (built-in sets, WordNet: checked by the
+    pre-flight) are skipped: they are not the user's table.
     """
-    source = data["source"]
-    if source not in ("hf", "text"):
+    source = get_source(data["source"])
+    if not source.user_table:
         return
     import datasets  # only for a table to read: `mergeflow validate` on a built-in source stays light
-
-    from mergeflow.data.sources import load_raw
-    from mergeflow.data.text import load_text
 
     shown = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # a bad table gets one line, not progress bars before it
     try:
-        if source == "hf":
-            load_raw("hf", seed=seed, options=data["hf"], missing=data["missing"], categorical=data["categorical"])
-        else:
-            load_text("text", seed=seed, options=data["text"])
+        source.check(data[source.name], seed=seed, data=data)
     finally:
         if shown:
             datasets.enable_progress_bars()

@@ -86,7 +86,7 @@ def text_column_error(column: str, arrow_type: pa.DataType) -> DataError:
     """The one line for a text feature column under ``data.categorical: error``."""
     return DataError(
         f"feature column {column!r} holds text ({arrow_type}); set data.categorical: onehot to one-hot "
-        "encode it, or leave it out of data.hf.feature_columns"
+        "encode it, or leave it out of data.table.feature_columns"
     )
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import inspect
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -19,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from mergeflow.data.errors import DataError
+from mergeflow.schema.sources import SOURCES, canonical_name
 
 if TYPE_CHECKING:  # datasets and scikit-learn load where they are used: `mergeflow validate` needs neither
     import datasets
@@ -32,11 +31,8 @@ from mergeflow.data.features import (
     text_column_error,
 )
 
-BUILTIN_SOURCES: tuple[str, ...] = ("digits", "wine", "pinwheel", "linreg")
 LABEL_TASKS = ("classification", "regression")  # what a table's label column is; the objectives are training.OBJECTIVES
 
-_DIGITS_ROWS = 1797
-_WINE_ROWS = 178
 _FILE_SUFFIXES = (".csv", ".tsv", ".parquet", ".json", ".jsonl", ".txt", ".arrow")
 
 
@@ -81,30 +77,6 @@ def make_dataset(
     if row is not None:
         columns["row"] = pa.array(np.asarray(row, dtype=np.int64))
     return wrap_table(pa.table(columns))
-
-
-def _bind(fn: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
-    """Options merged with ``fn``'s defaults; unknown names raise ``DataError``."""
-    try:
-        bound = inspect.signature(fn).bind(**options)
-    except TypeError as exc:
-        raise DataError(f"bad options for {fn.__name__}: {exc}") from exc
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
-def builtin_size(source: str, **options: Any) -> int:
-    """Number of rows the built-in ``source`` yields with ``options``, without building it."""
-    if source == "digits":
-        return _DIGITS_ROWS
-    if source == "wine":
-        return _WINE_ROWS
-    if source == "pinwheel":
-        args = _bind(make_pinwheel, options)
-        return int(args["clusters"]) * int(args["per_cluster"])
-    if source == "linreg":
-        return int(_bind(make_linreg, options)["n"])
-    raise DataError(f"unknown built-in source {source!r}; choose one of {', '.join(BUILTIN_SOURCES)}")
 
 
 def _classification_info(
@@ -244,7 +216,7 @@ def _labels(
     if _looks_like_regression(uniques, len(values)):
         raise DataError(
             f"label column {column!r} holds {len(uniques)} distinct numbers in {len(values)} rows: it looks like "
-            "a regression target; set data.hf.task: regression (or make the labels strings to keep them as classes)"
+            "a regression target; set data.table.task: regression (or make the labels strings to keep them as classes)"
         )
     contiguous = np.issubdtype(uniques.dtype, np.integer) and np.array_equal(uniques, np.arange(len(uniques)))
     if contiguous:
@@ -283,7 +255,7 @@ class RawData(NamedTuple):
     source_rows: np.ndarray
 
 
-def load_hf_raw(
+def load_table_raw(
     path: str,
     *,
     name: str | None = None,
@@ -343,7 +315,7 @@ def load_hf_raw(
                 raise missing_error(column, gaps, features.num_rows)
     group = np.asarray(table.column(group_column).to_pylist(), dtype=str) if group_column is not None else None
     info = {
-        "source": f"hf:{path}",
+        "source": f"table:{path}",
         "task": task,
         "num_classes": None,
         "input_shape": list(input_shape) if input_shape is not None else None,
@@ -356,10 +328,10 @@ def load_hf_raw(
     return RawData(features, y, group, info, source_rows)
 
 
-def load_hf_source(path: str, **options: Any) -> tuple[datasets.Dataset, dict[str, Any]]:
-    """Load a table (options as :func:`load_hf_raw`) in the x/y/group layout, features encoded over all
+def load_table_source(path: str, **options: Any) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """Load a table (options as :func:`load_table_raw`) in the x/y/group layout, features encoded over all
     rows without standardisation; the pipeline's prepare step fits the encoding on the training split."""
-    raw = load_hf_raw(path, **options)
+    raw = load_table_raw(path, **options)
     encoder = fit_encoder(
         raw.features,
         raw.features.column_names,
@@ -379,45 +351,22 @@ def load_hf_source(path: str, **options: Any) -> tuple[datasets.Dataset, dict[st
 def load_source(
     source: str, *, seed: int = 0, options: dict[str, Any] | None = None
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
-    """Load a source by name: a built-in one or ``"hf"`` (options go to ``load_hf_source``).
+    """Load a registered source by name (:mod:`mergeflow.schema.sources`) with ``options``, its
+    ``data.<name>`` section (defaults for the keys left out); ``seed`` drives the synthetic sources.
 
-    ``seed`` drives the synthetic sources; ``options`` are the keyword arguments of
-    ``make_pinwheel`` / ``make_linreg`` (without ``seed``) or ``load_hf_source``.
+    Raises:
+        DataError: for an unknown source or options it does not take.
     """
-    options = dict(options or {})
-    if "seed" in options:
-        raise DataError("pass the seed as load_source(seed=...), not inside options")
-    if source in ("digits", "wine"):
-        if options:
-            raise DataError(f"source {source!r} takes no options, got {', '.join(options)}")
-        return load_digits_source() if source == "digits" else load_wine_source()
-    if source == "pinwheel":
-        return make_pinwheel(**_bind(make_pinwheel, {**options, "seed": seed}))
-    if source == "linreg":
-        return make_linreg(**_bind(make_linreg, {**options, "seed": seed}))
-    if source == "hf":
-        if not options.get("path"):
-            raise DataError("source 'hf' needs options.path (e.g. 'csv' or a Hub name)")
-        return load_hf_source(**_bind(load_hf_raw, options))
-    raise DataError(f"unknown data source {source!r}; choose one of {', '.join((*BUILTIN_SOURCES, 'hf'))}")
+    try:
+        spec = SOURCES[canonical_name(source)]
+        chosen = spec.parse(options).model_dump()
+    except ValueError as error:
+        raise DataError(str(error)) from None
+    return spec.load(chosen, seed=seed)
 
 
-def load_raw(
-    source: str,
-    *,
-    seed: int = 0,
-    options: dict[str, Any] | None = None,
-    missing: Missing = "error",
-    categorical: Categorical = "error",
-) -> RawData:
-    """Any numeric source before feature encoding (``options`` as :func:`load_source`); a built-in
-    source's features are its one list column ``"x"``."""
-    options = dict(options or {})
-    if source == "hf":
-        if not options.get("path"):
-            raise DataError("source 'hf' needs options.path (e.g. 'csv' or a Hub name)")
-        return load_hf_raw(**_bind(load_hf_raw, {**options, "missing": missing, "categorical": categorical}))
-    ds, info = load_source(source, seed=seed, options=options)
+def raw_from_dataset(ds: datasets.Dataset, info: dict[str, Any]) -> RawData:
+    """A loaded source's rows before feature encoding: its one list column ``"x"`` is the raw feature."""
     table = ds.with_format("arrow")[:]
     group = np.asarray(table.column("group").to_pylist(), dtype=str) if "group" in table.column_names else None
     return RawData(table.select(["x"]), table.column("y").to_numpy(), group, info, np.arange(table.num_rows))

@@ -290,27 +290,3 @@ def _assign_kinds(
         used.update(chosen)
         rows += [(i, kind) for i in chosen]
     return sorted(rows)
-
-
-def load_text(source: str, *, seed: int = 0, options: dict[str, Any] | None = None) -> tuple[datasets.Dataset, dict]:
-    """Load a text source by name: ``text`` (options of :func:`load_text_source`) or ``wordnet``."""
-    options = dict(options or {})
-    if source == "text":
-        if not options.get("path"):
-            raise DataError("source 'text' needs options.path (e.g. 'csv' or a hub name)")
-        return load_text_source(**options)
-    if source == "wordnet":
-        options.pop("corpus_examples", None)
-        return load_wordnet_source(**options, seed=seed)
-    raise DataError(f"unknown text source {source!r}; choose text or wordnet")
-
-
-def load_text_corpus(source: str, *, seed: int = 0, options: dict[str, Any] | None = None) -> list[str]:
-    """The source's unlabelled pre-training corpus (WordNet: ``corpus_examples`` definitions of synsets the
-    task does not use), or an empty list."""
-    options = dict(options or {})
-    count = options.pop("corpus_examples", 0) or 0
-    if source != "wordnet" or count == 0:
-        return []
-    options.pop("group", None)
-    return load_wordnet_corpus(count, **options, seed=seed)
