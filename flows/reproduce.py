@@ -281,7 +281,7 @@ def averaging_laws(preset: Path, root: Path) -> Path:
         if "package" in entry and path is None:
             notes.append(f"{model}: left out, its package {entry['package']!r} is not installed")
             continue
-        overrides[model] = dict(entry.get("params", {})) | ({"model.hf.pretrained": path} if path else {})
+        overrides[model] = dict(entry.get("params", {})) | ({"model.transformers.pretrained": path} if path else {})
     for seed in seeds:
         for model, entry in models.items():
             if model not in overrides:

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mergeflow.errors import ConfigError, first_problem
 from mergeflow.schema.data_source import Modality
+from mergeflow.schema.deprecation import deprecated
+from mergeflow.schema.families import DECLARED as FAMILY_DECLARATIONS
 from mergeflow.schema.families import FamilyDeclaration, family_of_arch
 from mergeflow.schema.sources import ALIASES as SOURCE_ALIASES
 from mergeflow.schema.sources import SOURCES, DataSource, canonical_name
@@ -27,7 +29,7 @@ class _Section(BaseModel):
 
 
 class TokenizerConfig(_Section):
-    """Tokenization of text sources. A pretrained model (``model.hf.pretrained``) brings its own
+    """Tokenization of text sources. A pretrained model (``model.transformers.pretrained``) brings its own
     tokenizer; otherwise a byte-level BPE tokenizer of ``vocab_size`` is trained on the training
     split (``tokenizers``' WordPiece trainer is not reproducible run to run). Inputs are cut or
     padded to ``max_length`` tokens."""
@@ -130,7 +132,7 @@ class PartitionConfig(_Section):
     min_partition_size: int = Field(10, ge=0)
 
 
-# A from-config model when model.hf.config is not given: a 2-layer BERT, hidden 64 (about 0.6M parameters).
+# A from-config model when model.transformers.config is not given: a 2-layer BERT, hidden 64 (about 0.6M parameters).
 DEFAULT_HF_CONFIG = {
     "model_type": "bert",
     "hidden_size": 64,
@@ -140,8 +142,8 @@ DEFAULT_HF_CONFIG = {
 }
 
 
-class HFModelConfig(_Section):
-    """A Hugging Face transformers model (``model.arch: hf``).
+class TransformersConfig(_Section):
+    """A Hugging Face transformers model (``model.arch: transformers``).
 
     ``pretrained``: a local model directory or a hub name (downloaded only when online); its own
     tokenizer is used and ``config`` (if given) overrides fields of its config. Without it, a model
@@ -164,7 +166,7 @@ class HFModelConfig(_Section):
         return {} if self.pretrained else dict(DEFAULT_HF_CONFIG)
 
     @model_validator(mode="after")
-    def _model_source(self) -> HFModelConfig:
+    def _model_source(self) -> TransformersConfig:
         if not self.pretrained and "model_type" not in self.model_config_fields():
             raise ValueError("config.model_type: needed without a pretrained model (e.g. bert or gpt2)")
         self.config = self.model_config_fields()  # what the steps build from, resolved once
@@ -177,7 +179,31 @@ class ModelConfig(_Section):
     arch: str = "mlp"
     widths: list[int] = [64]
     activation: Literal["relu", "tanh"] = "relu"
-    hf: HFModelConfig = HFModelConfig()
+    transformers: TransformersConfig = TransformersConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, raw: Any) -> Any:
+        """A family's old name (``hf``) as ``model.arch`` or as its section, with a one-line notice; an
+        old section's keys go over the new one's (``-S model.hf.pretrained=…`` over a file that says
+        ``model.transformers``)."""
+        if not isinstance(raw, dict):
+            return raw
+        raw = dict(raw)
+        for family in FAMILY_DECLARATIONS.values():
+            for old in family.aliases:
+                if raw.get("arch") == old:
+                    raw["arch"] = family.archs[0]
+                    deprecated(
+                        f"model.arch {old!r} is now {family.archs[0]!r} (and model.{old} is model.{family.name})"
+                    )
+                if old in raw:
+                    section = raw.pop(old)
+                    if isinstance(section, dict) and isinstance(raw.get(family.name), dict):
+                        section = raw[family.name] | section
+                    raw[family.name] = section
+                    deprecated(f"model.{old} is now model.{family.name}")
+        return raw
 
     @field_validator("arch")
     @classmethod
@@ -254,7 +280,7 @@ class PretrainConfig(TrainConfig):
 
 
 class LoraSettings(_Section):
-    """LoRA fine-tuning of a transformers model (``model.arch: hf``) through peft: adapters of rank ``r``
+    """LoRA fine-tuning of a transformers model (``model.arch: transformers``) through peft: adapters of rank ``r``
     (scaled by ``alpha``/``r``) on the modules whose names end in ``target_modules``, and the head;
     each client's update is folded into full weights before merging."""
 
@@ -666,7 +692,7 @@ class Params(_Section):
         if (family.inputs == "tokens") != self.data.is_text:
             raise ValueError(
                 f"model.arch: {self.model.arch!r} takes {family.inputs}, and data.source {self.data.source!r} "
-                f"{'is' if self.data.is_text else 'is not'} text; text sources need a transformers model (hf)"
+                f"{'is' if self.data.is_text else 'is not'} text; text sources need model.arch: transformers"
             )
         if not family.aligns and self.align.method != "none":
             raise ValueError(
@@ -675,9 +701,9 @@ class Params(_Section):
         if not family.backpack and self.fisher.backend == "backpack":
             raise ValueError(f"fisher.backend: BackPACK does not cover {family.name} modules; use auto or functorch")
         if not family.language_models and self.pretrain.language_model is not None:
-            raise ValueError("pretrain.language_model: language-model pre-training needs a transformers model (hf)")
+            raise ValueError("pretrain.language_model: language-model pre-training needs model.arch: transformers")
         if not family.language_models and self.finetune.lora is not None:
-            raise ValueError("finetune.lora: LoRA needs a transformers model (model.arch: hf)")
+            raise ValueError("finetune.lora: LoRA needs a transformers model (model.arch: transformers)")
         family.check(self)
 
     def section(self, dotted: str) -> Any:

@@ -48,7 +48,7 @@ def check_model(params: Params, source: str = "params") -> None:
         return
     from mergeflow.models.lora import missing_modules
 
-    hf = params.model.hf
+    hf = params.model.transformers
     missing = missing_modules(hf.pretrained, hf.model_config_fields(), params.finetune.lora.target_modules, hf.task)
     if missing:
         raise ConfigError([f"{source}: finetune.lora.target_modules: {missing} match no module of the model"])

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergeflow.import_graph import import_closure
+from mergeflow.schema.families import DECLARED as FAMILIES
 
 _ROOT = Path(__file__).resolve().parent.parent  # the repository: mergeflow/, tasks/, flows/
 
@@ -53,6 +54,8 @@ _CENTRALIZED_PARAMS = tuple(
     f"finetune.{key}" for key in ("epochs", "lr", "optimizer", "momentum", "weight_decay", "batch_size", "lora")
 )
 
+# A pretrained model's tokenizer tokenizes the text (every family that can start from one).
+_PRETRAINED_KEYS = tuple(family.pretrained_key for family in FAMILIES.values() if family.pretrained_key)
 # The merge methods decide which statistics the fisher and align stages compute (tasks.fisher.statistics_read).
 _MERGE_READS = ("merge.methods", "merge.options")
 
@@ -61,7 +64,7 @@ STAGES: tuple[Stage, ...] = (
         name="prepare",
         summary="Load the data source, split train/test/server (tokenize text), save as parquet datasets.",
         phases=("tasks.data:plan_prepare", "tasks.data:plan_tokenize"),
-        params=("seed", "data", "model.hf.pretrained"),
+        params=("seed", "data", *_PRETRAINED_KEYS),
         outs=("data/prepared",),
         metrics=("metrics/data.json",),
     ),

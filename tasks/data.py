@@ -126,8 +126,7 @@ def check_data(params: Params, root: Path) -> None:
 
     data = params.section("data")
     table = params.data.spec.user_table
-    hf = params.model.hf
-    pretrained = hf.pretrained if params.model.arch == "hf" else None
+    pretrained = params.pretrained
     if not table and not pretrained:
         return
     local = [*(local_data_files(params) if table else ()), *(_model_files(pretrained) if pretrained else ())]
@@ -135,7 +134,12 @@ def check_data(params: Params, root: Path) -> None:
     remote = table and any("://" in f for f in params.data.spec.data_files(params.data.options))
     if not remote and all(Path(f).is_file() for f in local):
         signatures = [file_signature(Path(f)) for f in local]
-        checked = {"data": data, "model": params.section("model.hf"), "seed": params.seed, "files": signatures}
+        checked = {
+            "data": data,
+            "model": params.section("model.transformers"),
+            "seed": params.seed,
+            "files": signatures,
+        }
         payload = json.dumps(checked, sort_keys=True)
         marker = root / CHECKED / hashlib.sha256(payload.encode()).hexdigest()
         if marker.is_file():
@@ -208,10 +212,10 @@ def plan_tokenize(params: Params) -> list[Step]:
         return []
     step_params = {
         "tokenizer": params.section("data.tokenizer"),
-        "pretrained": params.model.hf.pretrained,
+        "pretrained": params.pretrained,
     }
-    if params.task == "causal_lm":  # the texts' labels stay, for partitions and groups
-        step_params["task"] = params.task
+    if params.task != params.data.task:  # a model's own objective (a causal LM): the texts' labels stay, for
+        step_params["task"] = params.task  # partitions and groups
     return [Step("tokenize", "tasks.data:tokenize", step_params, inputs=(TEXT,))]
 
 

@@ -47,8 +47,10 @@ def _smoke_preset(tmp_path: Path) -> Path:
             "seen-unseen": {"partition.method": "natural", "federated.fraction": 0.34},
         },
         "models": {
-            "tiny": {"params": {"model.hf.config": {**TINY["bert"], "hidden_size": 16, "intermediate_size": 32}}},
-            "small": {"params": {"model.hf.config": TINY["bert"], "pretrain.language_model.epochs": 2}},
+            "tiny": {
+                "params": {"model.transformers.config": {**TINY["bert"], "hidden_size": 16, "intermediate_size": 32}}
+            },
+            "small": {"params": {"model.transformers.config": TINY["bert"], "pretrain.language_model.epochs": 2}},
             "published": {"package": "no_such_model_package_here", "tokens": 1e9},
         },
         "vocabulary": ["tiny", "small"],
@@ -68,7 +70,7 @@ def _smoke_preset(tmp_path: Path) -> Path:
                 "tokenizer": {"vocab_size": 200, "max_length": 16},
             },  # fmt: skip
             "partition": {"method": "iid", "num_clients": 3},
-            "model": {"arch": "hf", "hf": {"config": TINY["bert"]}},
+            "model": {"arch": "transformers", "transformers": {"config": TINY["bert"]}},
             "pretrain": {"enabled": False, "language_model": {"text": "train", "epochs": 1, "lr": 0.001}},
             "finetune": {"epochs": 0, "lr": 0.003, "optimizer": "adam"},
             "centralized": {"epochs": 3, "keep": "best_validation"},
@@ -224,7 +226,7 @@ def test_corpus_pretraining_and_best_epoch_need_what_they_read(tmp_path):
     from mergeflow.errors import ConfigError
 
     root = str(write_wordnet(tmp_path / "wordnet"))
-    base = {"data": {"source": "wordnet", "wordnet": {"root": root}}, "model": {"arch": "hf"}}
+    base = {"data": {"source": "wordnet", "wordnet": {"root": root}}, "model": {"arch": "transformers"}}
     corpus = {**base, "pretrain": {"language_model": {"text": "corpus"}}}
     with pytest.raises(ConfigError, match="corpus_examples"):
         validate_params(corpus, "test")

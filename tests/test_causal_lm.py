@@ -1,4 +1,4 @@
-"""Causal language models (``model.hf.task: causal_lm``) on their own: tied weights, training, Fishers,
+"""Causal language models (``model.transformers.task: causal_lm``) on their own: tied weights, training, Fishers,
 RegMean on GPT-2's Conv1D layers, token metrics and the unigram baseline; offline, on data the tests write."""
 
 from __future__ import annotations

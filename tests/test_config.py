@@ -29,7 +29,7 @@ def test_validate_imports_no_torch(tmp_path, lora):
     overrides = []
     if lora:  # a text table (read here, with datasets) for a transformer with LoRA adapters
         (tmp_path / "t.csv").write_text("text,label\n" + "".join(f"word{i} text,{i % 2}\n" for i in range(40)))
-        overrides = ["data.source=text", "data.text.path=csv", "data.text.data_files=t.csv", "model.arch=hf"]
+        overrides = ["data.source=text", "data.text.path=csv", "data.text.data_files=t.csv", "model.arch=transformers"]
         overrides.append("finetune.lora={r: 4, alpha: 8, target_modules: [query, value]}")
     env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
     done = run_cli(["validate", *(arg for o in overrides for arg in ("-S", o))], tmp_path, env)

@@ -10,7 +10,7 @@ import pytest
 from conftest import run_cli
 from pydantic import BaseModel, ConfigDict, Field
 
-import mergeflow.schema.data_source
+import mergeflow.schema.deprecation
 from mergeflow.config import validate_params
 from mergeflow.errors import ConfigError
 from mergeflow.schema.sources import SOURCES, DataSource, get_source, register_source
@@ -73,7 +73,7 @@ def test_a_new_source_is_one_declaration(circles, tmp_path):
 
 
 def test_the_old_name_hf_is_table_with_one_notice(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(mergeflow.schema.data_source, "_warned", set())
+    monkeypatch.setattr(mergeflow.schema.deprecation, "_shown", set())
     old = {"data": {"source": "hf", "hf": {"path": "csv", "data_files": "t.csv", "label_column": "y"}}}
     new = {"data": {"source": "table", "table": {"path": "csv", "data_files": "t.csv", "label_column": "y"}}}
     assert validate_params(old).section("data") == validate_params(new).section("data")

@@ -27,7 +27,7 @@ def text_params(workspace, config: dict, **sections) -> dict:
     return fast_params(
         data={"source": "text", "text": {**TEXT, "data_files": str(csv)}, "tokenizer": {"vocab_size": 1000,
               "max_length": 24}},
-        model={"arch": "hf", "hf": {"config": config}},
+        model={"arch": "transformers", "transformers": {"config": config}},
         pretrain={"epochs": 30, **ADAM},
         finetune={"epochs": 5, **ADAM},
         fisher={"kind": "empirical", "n_examples": 64, "batch_size": 32},
@@ -148,15 +148,27 @@ def test_a_tiny_gpt2_pretrained_as_a_language_model_and_fine_tuned_with_lora_run
         ({"data": {"text": {"text_column": "body"}}}, "text column 'body' not found"),
         ({"data": {"text": {"label_column": "subject"}}}, "label column 'subject' not found"),
         ({"data": {"text": {"group_column": "site"}}}, "group column 'site' not found"),
-        ({"model": {"hf": {"config": {**BERT, "vocab_size": 200}}}}, "model.hf.config.vocab_size: 200 embeddings"),
-        ({"model": {"hf": {"pretrained": "./no-such-model"}}}, "model.hf.pretrained: ./no-such-model is not"),
-        ({"model": {"hf": {"pretrained": "someone/a-model"}}}, "cannot be downloaded"),
+        (
+            {"model": {"transformers": {"config": {**BERT, "vocab_size": 200}}}},
+            "model.transformers.config.vocab_size: 200 embeddings",
+        ),
+        (
+            {"model": {"transformers": {"pretrained": "./no-such-model"}}},
+            "model.transformers.pretrained: ./no-such-model is not",
+        ),
+        ({"model": {"transformers": {"pretrained": "someone/a-model"}}}, "cannot be downloaded"),
         ({"align": {"method": "weights"}}, "align.method: permutation alignment of transformers"),
         ({"data": {"tokenizer": {"max_length": 0}}}, "data.tokenizer.max_length"),
         ({"data": {"source": "wordnet", "wordnet": {"root": "./nowhere"}}}, "apt-get install wordnet-base"),
         ({"finetune": {"lora": {"target_modules": ["q_proj"]}}}, "finetune.lora.target_modules: ['q_proj'] match no"),
-        ({"model": {"hf": {"task": "causal_lm"}}}, "causal_lm needs a decoder (gpt2, llama, …); config.model_type is"),
-        ({"model": {"hf": {"task": "causal_lm", "config": GPT2}}, "fisher": {"kind": "exact"}}, "fisher.kind: 'exact'"),
+        (
+            {"model": {"transformers": {"task": "causal_lm"}}},
+            "causal_lm needs a decoder (gpt2, llama, …); config.model_type is",
+        ),
+        (
+            {"model": {"transformers": {"task": "causal_lm", "config": GPT2}}, "fisher": {"kind": "exact"}},
+            "fisher.kind: 'exact'",
+        ),
     ],
 )
 def test_bad_text_input_is_one_clear_line_and_writes_nothing(tmp_path, cli_env, change, message):
@@ -189,7 +201,7 @@ def test_a_pretrained_tokenizer_larger_than_the_models_embeddings_is_refused_bef
     sentences = write_topic_csv(tmp_path / "corpus.csv").read_text().splitlines()
     train_tokenizer(sentences, vocab_size=400, min_frequency=1).save_pretrained(model_dir)
     params = text_params(tmp_path, BERT)
-    params["model"]["hf"] = {"pretrained": str(model_dir)}
+    params["model"]["transformers"] = {"pretrained": str(model_dir)}
     _refused(tmp_path, params, cli_env, "small-vocab-bert: the tokenizer has")
     checked = run_cli(["validate"], tmp_path, cli_env)
     assert checked.returncode == 2 and "small-vocab-bert: the tokenizer has 4" in checked.stderr, checked.stderr
@@ -199,7 +211,7 @@ def test_a_hub_name_the_hub_cannot_serve_is_refused_without_hf_hub_offline(tmp_p
     env = {**cli_env, "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens on the discard port
     env.pop("HF_HUB_OFFLINE")
     params = text_params(tmp_path, BERT)
-    params["model"]["hf"] = {"pretrained": "someone/a-model"}
+    params["model"]["transformers"] = {"pretrained": "someone/a-model"}
     _refused(tmp_path, params, env, "'someone/a-model' is not a local directory, and it cannot be downloaded (no conn")
 
 
@@ -216,7 +228,7 @@ def test_a_tiny_gpt2_causal_lm_trains_merges_federates_and_reloads_below_the_uni
         merge={"methods": ["average", "fisher", "regmean", "exact"]},
         federated={"algorithms": ["fedavg"], "rounds": 2, "local": {"epochs": 1, **ADAM}},
     )
-    params["model"]["hf"]["task"] = "causal_lm"
+    params["model"]["transformers"]["task"] = "causal_lm"
     params["fisher"] |= {"low_rank": True, "factor_memory_mb": 1}  # a sketch of every example's scores in 1 MiB
     params["pretrain"]["epochs"] = 10
     params["data"]["tokenizer"]["vocab_size"] = 300  # word pieces: the topic of a text predicts its later pieces

@@ -33,8 +33,8 @@ def check_inputs(params: Any) -> None:
     """Every pre-flight check that reads the user's files: the table (``check_source``), and for a pretrained
     transformer its tokenizer against its embeddings (``check_vocabulary``). ``params``: validated Params."""
     check_source(params.section("data"), params.seed)
-    hf = params.model.hf
-    if params.model.arch == "hf" and hf.pretrained:
+    if params.pretrained:  # a pretrained model's family is one over token ids
         from mergeflow.data.tokenize import check_vocabulary, load_tokenizer
 
-        check_vocabulary(load_tokenizer(hf.pretrained), hf.pretrained, hf.model_config_fields())
+        overrides = params.model.transformers.model_config_fields()
+        check_vocabulary(load_tokenizer(params.pretrained), params.pretrained, overrides)

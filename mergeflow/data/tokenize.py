@@ -71,7 +71,7 @@ def load_tokenizer(path: str | Path):
 def check_vocabulary(tokenizer: Any, model_path: str | Path, overrides: dict[str, Any] | None = None) -> None:
     """Raise :class:`DataError` when a tokenizer has ids beyond the model's embedding table.
 
-    ``overrides`` are ``model.hf.config``'s fields over the pretrained config (``vocab_size`` among them).
+    ``overrides`` are ``model.transformers.config``'s fields over the pretrained config (``vocab_size`` among them).
     """
     from transformers import AutoConfig
 

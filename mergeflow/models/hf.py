@@ -138,7 +138,7 @@ def build_base(
         else:
             model = model_class.from_config(hf_config)
     spec = {
-        "arch": "hf",
+        "arch": "transformers",
         "input_shape": [int(max_length)],
         "output_dim": int(num_labels),
         "hf_config": hf_config.to_dict(),
@@ -155,7 +155,7 @@ def auto_class(task: str):
     import transformers
 
     if task not in HF_TASKS:
-        raise ValueError(f"model.hf.task must be one of {HF_TASKS}, got {task!r}")
+        raise ValueError(f"model.transformers.task must be one of {HF_TASKS}, got {task!r}")
     name = "AutoModelForCausalLM" if task == "causal_lm" else "AutoModelForSequenceClassification"
     return getattr(transformers, name)
 
@@ -165,7 +165,7 @@ def _wrapper(task: str) -> type[TokenModel]:
 
 
 def build_from_hf_spec(spec: dict[str, Any]) -> TokenModel:
-    """The architecture of an ``arch: hf`` spec (seeded init; a checkpoint's weights then load over it)."""
+    """The architecture of an ``arch: transformers`` spec (seeded init; a checkpoint's weights then load over it)."""
     task = spec.get("hf_task", "sequence_classification")
     config = _config_from_dict(spec["hf_config"])
     config._attn_implementation = "eager"
@@ -205,7 +205,7 @@ def save_pretrained(
 
 @register_family
 class TransformersFamily(ModelFamily):
-    """Hugging Face transformers over token ids (``model.arch: hf``): a sequence classifier or a causal LM,
+    """Hugging Face transformers over token ids (``model.arch: transformers``): a sequence classifier or a causal LM,
     exported as a directory that ``from_pretrained`` reloads, with its tokenizer."""
 
     name = "transformers"
@@ -213,7 +213,7 @@ class TransformersFamily(ModelFamily):
     def build_base(
         self, model: dict[str, Any], info: dict[str, Any], output_dim: int, seed: int
     ) -> tuple[nn.Module, dict[str, Any]]:
-        tokens, options = info["tokenizer"], model["hf"]
+        tokens, options = info["tokenizer"], model["transformers"]
         return build_base(
             pretrained=options["pretrained"],
             config=options["config"],

@@ -11,7 +11,6 @@ so that ``mergeflow validate`` imports neither torch, ``datasets``, scikit-learn
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mergeflow.errors import ConfigError, first_problem
+from mergeflow.schema.deprecation import deprecated
 
 if TYPE_CHECKING:
     import datasets
@@ -118,7 +118,6 @@ class DataSource:
 
 SOURCES: dict[str, DataSource] = {}
 ALIASES: dict[str, str] = {}
-_warned: set[str] = set()
 
 
 def register_source(cls: type[DataSource]) -> type[DataSource]:
@@ -143,12 +142,7 @@ def canonical_name(name: str) -> str:
         return name
     if name in ALIASES:
         new = ALIASES[name]
-        if name not in _warned:
-            _warned.add(name)
-            print(
-                f"mergeflow: deprecated: data.source {name!r} is now {new!r} (and data.{name} is data.{new})",
-                file=sys.stderr,
-            )
+        deprecated(f"data.source {name!r} is now {new!r} (and data.{name} is data.{new})")
         return new
     raise ValueError(f"unknown data source {name!r}; known: {', '.join(SOURCES)}")
 

@@ -20,7 +20,7 @@ class FamilyDeclaration:
     """A model family as the params see it.
 
     Attributes:
-        name: the family's name.
+        name: the family's name, and the name of its options section (``model.<name>``) if it has one.
         archs: the ``model.arch`` values (and checkpoint specs' ``arch``) it builds; the first is the
             name new specs carry, the others are read too.
         inputs: what its models take: ``features`` (float arrays) or ``tokens`` (token ids of a text source).
@@ -33,6 +33,8 @@ class FamilyDeclaration:
         extra_inputs: prepared artifacts its merge steps read besides the checkpoints (``tokenizer``).
         pretrained_key: the params key naming a pretrained model it starts from (a directory or hub
             name, checked before any work), if it has one.
+        aliases: older names of its archs and of its section, still read from checkpoint specs and accepted
+            in params with a one-line deprecation notice.
         objective: the objective its options choose (e.g. a causal LM), or None for the data's own.
         check: rules that span sections for this family (raises ``ValueError`` naming the key).
     """
@@ -47,6 +49,7 @@ class FamilyDeclaration:
     exports: bool = False
     extra_inputs: tuple[str, ...] = ()
     pretrained_key: str | None = None
+    aliases: tuple[str, ...] = ()
     objective: Callable[[Any], str | None] = lambda model: None
     check: Callable[[Any], None] = lambda params: None
 
@@ -70,24 +73,24 @@ def family_of_arch(arch: str) -> FamilyDeclaration:
         ConfigError: naming the known archs.
     """
     for declaration in DECLARED.values():
-        if arch in declaration.archs:
+        if arch in declaration.archs or arch in declaration.aliases:
             return declaration
     known = ", ".join(arch for family in DECLARED.values() for arch in family.archs)
     raise ConfigError([f"model.arch: {arch!r} is unknown; known: {known}"])
 
 
 def _transformers_objective(model: Any) -> str | None:
-    return "causal_lm" if model.hf.task == "causal_lm" else None
+    return "causal_lm" if model.transformers.task == "causal_lm" else None
 
 
 def _check_transformers(params: Any) -> None:
     """A from-config model's embeddings cover the tokenizer; a causal LM is a decoder."""
-    options = params.model.hf
+    options = params.model.transformers
     if not options.pretrained:
         embeddings = options.model_config_fields().get("vocab_size")
         if embeddings is not None and embeddings < params.data.tokenizer.vocab_size:
             raise ValueError(
-                f"model.hf.config.vocab_size: {embeddings} embeddings for a tokenizer of up to "
+                f"model.transformers.config.vocab_size: {embeddings} embeddings for a tokenizer of up to "
                 f"{params.data.tokenizer.vocab_size} tokens (data.tokenizer.vocab_size); leave it out, and the "
                 "model takes the tokenizer's size"
             )
@@ -97,7 +100,8 @@ def _check_transformers(params: Any) -> None:
 
         if not is_causal(model_type):
             raise ValueError(
-                f"model.hf.task: causal_lm needs a decoder (gpt2, llama, …); config.model_type is {model_type!r}"
+                "model.transformers.task: causal_lm needs a decoder (gpt2, llama, …); "
+                f"config.model_type is {model_type!r}"
             )
 
 
@@ -115,7 +119,8 @@ declare_family(
 declare_family(
     FamilyDeclaration(
         "transformers",
-        archs=("hf",),
+        archs=("transformers",),
+        aliases=("hf",),
         inputs="tokens",
         aligns=False,  # permutation alignment of attention heads is not implemented
         backpack=False,
@@ -123,7 +128,7 @@ declare_family(
         flavour="transformers",
         exports=True,
         extra_inputs=("tokenizer",),
-        pretrained_key="model.hf.pretrained",
+        pretrained_key="model.transformers.pretrained",
         objective=_transformers_objective,
         check=_check_transformers,
     )
