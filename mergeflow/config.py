@@ -192,17 +192,16 @@ class ModelConfig(_Section):
         raw = dict(raw)
         for family in FAMILY_DECLARATIONS.values():
             for old in family.aliases:
+                notice = f"model.arch {old!r} is now {family.archs[0]!r} (and model.{old} is model.{family.name})"
                 if raw.get("arch") == old:
                     raw["arch"] = family.archs[0]
-                    deprecated(
-                        f"model.arch {old!r} is now {family.archs[0]!r} (and model.{old} is model.{family.name})"
-                    )
+                    deprecated(notice)
                 if old in raw:
                     section = raw.pop(old)
                     if isinstance(section, dict) and isinstance(raw.get(family.name), dict):
                         section = raw[family.name] | section
                     raw[family.name] = section
-                    deprecated(f"model.{old} is now model.{family.name}")
+                    deprecated(notice)
         return raw
 
     @field_validator("arch")
