@@ -57,7 +57,9 @@ _CENTRALIZED_PARAMS = tuple(
 # A pretrained model's tokenizer tokenizes the text (every family that can start from one).
 _PRETRAINED_KEYS = tuple(family.pretrained_key for family in FAMILIES.values() if family.pretrained_key)
 # The merge methods decide which statistics the fisher and align stages compute (tasks.fisher.statistics_read).
-_MERGE_READS = ("merge.methods", "merge.options")
+# Not merge.options: tuning a merge must not re-run them under DVC (a variant's `method` is read there too,
+# and a variant is added to merge.methods by name).
+_MERGE_READS = ("merge.methods",)
 
 STAGES: tuple[Stage, ...] = (
     Stage(
