@@ -77,7 +77,7 @@ def _run(args: argparse.Namespace, stages: list[str] | None) -> int:
     check_paths(params, args.params)
     check_model(params, args.params)
     if stages is None or "prepare" in stages:
-        from tasks.data import check_data
+        from tasks.checks import check_data
 
         check_data(params, Path.cwd())  # a bad table fails before Prefect starts
     from flows.environment import configure
@@ -92,11 +92,11 @@ def _run(args: argparse.Namespace, stages: list[str] | None) -> int:
         print("  ran: " + step_summary(ran))
     warnings: list[str] = []
     if stages is None or "federated" in stages:
-        from tasks.federated import run_warnings
+        from tasks.reports import run_warnings
 
         warnings += run_warnings(Path.cwd())
     if stages is None or "evaluate" in stages:
-        from tasks.evaluation import run_warning
+        from tasks.reports import run_warning
 
         warnings += [warning] if (warning := run_warning(Path.cwd())) else []
     for warning in warnings:

@@ -30,9 +30,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from mergeflow.checkpoints import write_json
 from mergeflow.config import apply_overrides, validate_params
 from mergeflow.errors import ConfigError
+from mergeflow.files import write_json
 from mergeflow.preflight import check_model, check_paths
 from mergeflow.reproductions.tables import markdown_table, mean_std_cell
 from tasks.evaluation import SELECTION

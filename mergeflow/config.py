@@ -676,8 +676,8 @@ class Params(_Section):
             )
         if self.fisher.kind not in objective.fisher_kinds:
             raise ValueError(
-                f"fisher.kind: a {self.task} task has no {self.fisher.kind!r} Fisher (for a causal LM it would sum "
-                f"over every vocabulary token at every position); use {' or '.join(objective.fisher_kinds)}"
+                f"fisher.kind: {self.fisher.kind!r} is not a Fisher of a {self.task} task (for a causal LM, 'exact' "
+                f"would sum over every vocabulary token at every position); use {' or '.join(objective.fisher_kinds)}"
             )
         if objective.trains_language_model and self.pretrain.language_model is not None:
             raise ValueError(

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mergeflow.checkpoints import atomic_path
+from mergeflow.files import atomic_path
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

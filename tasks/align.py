@@ -28,9 +28,10 @@ from mergeflow.align import (
     permute_flat_columns,
     permute_grams,
 )
-from mergeflow.checkpoints import atomic_path, load_checkpoint, save_checkpoint, write_json
+from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
+from mergeflow.files import atomic_path, write_json
 from mergeflow.models import build_from_spec, parameter_names
 from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_barriers

@@ -10,7 +10,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mergeflow.checkpoints import write_json
 from mergeflow.config import Params
 from mergeflow.data import (
     load_dataset_file,
@@ -31,9 +30,11 @@ from mergeflow.data.tokenize import (
     train_tokenizer,
     training_texts,
 )
+from mergeflow.files import write_json
 from mergeflow.schema.sources import get_source
+from tasks.checks import local_data_files
 from tasks.steps import Step
-from tasks.store import STATE_DIR, file_signature
+from tasks.store import file_signature
 
 PREPARED = "data/prepared"
 TEXT = f"{PREPARED}/text"
@@ -41,7 +42,6 @@ CORPUS = "corpus"  # the split of unlabelled text some sources bring for pre-tra
 TOKENIZER = f"{PREPARED}/tokenizer"
 PARTITIONS = "data/partitions"
 DATA_METRICS = "metrics/data.json"
-CHECKED = f"{STATE_DIR}/checked"  # markers of tables that passed the pre-flight check
 
 
 def client_file(client: int) -> str:
@@ -103,59 +103,6 @@ def plan_prepare(params: Params) -> list[Step]:
             inputs=local_data_files(params),
         )
     ]
-
-
-def local_data_files(params: Params) -> tuple[str, ...]:
-    """The local files the data source reads (glob patterns expanded), so that editing one re-runs prepare."""
-    import glob
-
-    local = [f for f in params.data.spec.data_files(params.data.options) if "://" not in f]
-    return tuple(sorted({str(Path(p).expanduser()) for f in local for p in (glob.glob(f) or [f])}))
-
-
-def check_data(params: Params, root: Path) -> None:
-    """The pre-flight checks of the user's files (``check_inputs``: the table, a pretrained transformer's
-    tokenizer against its embeddings), before any orchestration.
-
-    It is skipped when the same data and model options already passed on the same local files (by
-    path, size and modification time); a table with remote files is checked every time.
-    """
-    import hashlib
-
-    from mergeflow.data.check import check_inputs
-
-    data = params.section("data")
-    table = params.data.spec.user_table
-    pretrained = params.pretrained
-    if not table and not pretrained:
-        return
-    local = [*(local_data_files(params) if table else ()), *(_model_files(pretrained) if pretrained else ())]
-    marker = None
-    remote = table and any("://" in f for f in params.data.spec.data_files(params.data.options))
-    if not remote and all(Path(f).is_file() for f in local):
-        signatures = [file_signature(Path(f)) for f in local]
-        checked = {
-            "data": data,
-            "model": params.section("model.transformers"),
-            "seed": params.seed,
-            "files": signatures,
-        }
-        payload = json.dumps(checked, sort_keys=True)
-        marker = root / CHECKED / hashlib.sha256(payload.encode()).hexdigest()
-        if marker.is_file():
-            return
-    check_inputs(params)
-    if marker is not None:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-
-
-def _model_files(pretrained: str) -> list[str]:
-    """A local pretrained model's config and tokenizer files (none for a hub name)."""
-    directory = Path(pretrained).expanduser()
-    if not directory.is_dir():
-        return []
-    return sorted(str(p) for p in directory.iterdir() if p.suffix in (".json", ".txt", ".model", ".jinja"))
 
 
 def prepare(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mergeflow.checkpoints import load_checkpoint_meta, load_model, write_json
+from mergeflow.checkpoints import load_checkpoint_meta, load_model
 from mergeflow.config import Params
 from mergeflow.data.encode import target_scale
 from mergeflow.evaluation import best_model, sanity_check
+from mergeflow.files import write_json
 from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_comparison, plot_selection
 from mergeflow.schema.sources import SOURCES
@@ -19,14 +19,13 @@ from mergeflow.training import predict
 from tasks.data import PREPARED, read_arrays, read_groups, read_info
 from tasks.federated import final_checkpoint
 from tasks.merging import merged_checkpoint
+from tasks.reports import METRICS, SANITY
 from tasks.scoring import score_outputs
 from tasks.steps import Step
 from tasks.training import BASE, CENTRALIZED, client_checkpoint
 
-METRICS = "metrics/evaluate.json"
 SELECTION = "metrics/selection.json"
 SELECTION_PLOT = "plots/selection.png"
-SANITY = "sanity"  # the key of the input-blind baseline and its warning in METRICS
 PLOT = "plots/comparison.png"
 
 
@@ -139,11 +138,3 @@ def _likely_causes(info: dict[str, Any]) -> str:
     source = SOURCES.get(info["source"].split(":", 1)[0])
     causes += source.likely_causes if source is not None else ()
     return ", ".join(causes) + "."
-
-
-def run_warning(root: Path) -> str | None:
-    """The evaluation's sanity warning (models no better than ignoring the input), if it gave one."""
-    path = root / METRICS
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text()).get(SANITY, {}).get("warning")

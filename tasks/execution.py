@@ -19,7 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 from prefect.settings import get_current_settings
 
-from mergeflow.checkpoints import private_directory
+from mergeflow.files import private_directory
 from mergeflow.import_graph import third_party_versions
 from tasks.steps import Step, StepOutcome, read_record, resolve, step_key, typical_seconds, write_record
 from tasks.store import ArtifactStore

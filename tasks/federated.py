@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from mergeflow.checkpoints import atomic_path, load_checkpoint, load_checkpoint_meta, save_checkpoint, write_json
+from mergeflow.checkpoints import load_checkpoint, load_checkpoint_meta, save_checkpoint
 from mergeflow.config import Params
 from mergeflow.data.encode import target_scale
 from mergeflow.errors import MergeflowError
@@ -37,18 +37,18 @@ from mergeflow.federated import (
 )
 from mergeflow.federated.loop import global_scores
 from mergeflow.federated.rounds import client_step, round_schedule, server_step
+from mergeflow.files import atomic_path, write_json
 from mergeflow.models import build_from_spec
 from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_rounds
 from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError
 from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
+from tasks.reports import FEDERATED, FEDERATED_INDEX
 from tasks.steps import Step
 from tasks.training import BASE
 
-FEDERATED = "models/federated"
 _METRICS_KEY = "mergeflow.metrics"
-FEDERATED_INDEX = f"{FEDERATED}/index.json"
 FEDERATED_METRICS = "metrics/federated.json"
 FEDERATED_PLOT = "plots/federated.png"
 PARTITION_METRICS = "metrics/partition.json"
@@ -337,15 +337,6 @@ def server_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     _save(out / server_file(name, r), updated)
     _write_global(root, out, params, updated, r, row)
     return {"round": r}
-
-
-def run_warnings(root: Path) -> list[str]:
-    """The federated stage's warnings (settings known to run away), one line each, if it gave any."""
-    path = root / FEDERATED_INDEX
-    if not path.is_file():
-        return []
-    warnings = json.loads(path.read_text()).get("warnings", {})
-    return [f"federated.options.{name}: {text}" for name, text in warnings.items()]
 
 
 def summarise_rounds(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 from safetensors.torch import save_file
 
-from mergeflow.checkpoints import atomic_path, load_model
+from mergeflow.checkpoints import load_model
 from mergeflow.config import Params
+from mergeflow.files import atomic_path
 from mergeflow.fisher import diagonal_fisher, factor_rows_within, fisher_factors, fisher_sketch
 from mergeflow.grams import linear_input_grams
 from mergeflow.schema.merge import DECLARED

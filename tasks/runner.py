@@ -1,5 +1,6 @@
 """Run a registry stage: plan its steps from params, execute them cached, tidy its outputs; or, when
-every step of a run is cached, materialise it all without Prefect."""
+every step of a run is cached, materialise it all without Prefect (and, from a stored plan, without
+importing the stages' modules: :mod:`tasks.plan_cache`)."""
 
 from __future__ import annotations
 
@@ -81,19 +82,25 @@ def cached_run(stages: Sequence[Stage], params: Params, root: Path) -> list[Step
     and finds the hits so far again)."""
     if _refresh_cache():
         return None
+    from tasks.plan_cache import plan_of
+
     outcomes: list[StepOutcome] = []
     code_hashes: CodeHashes = {}
-    for stage in stages:
+    for stage, waves in zip(stages, plan_of(stages, params, root, _plan_stage), strict=True):
         stage_outcomes: list[StepOutcome] = []
-        for phase in stage.phases:
-            for wave in _waves(resolve(phase)(params)):
-                found = cached_outcomes(wave, root, code_hashes)
-                if found is None:
-                    return None
-                stage_outcomes += found
+        for wave in waves:
+            found = cached_outcomes(wave, root, code_hashes)
+            if found is None:
+                return None
+            stage_outcomes += found
         _prune(stage, stage_outcomes, root)
         outcomes += stage_outcomes
     return outcomes
+
+
+def _plan_stage(stage: Stage, params: Params) -> list[list[Step]]:
+    """A stage's waves in phase order, from its plan functions (importing the stage's modules)."""
+    return [wave for phase in stage.phases for wave in _waves(resolve(phase)(params))]
 
 
 def _refresh_cache() -> bool:

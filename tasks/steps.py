@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mergeflow.checkpoints import atomic_path
+from mergeflow.files import atomic_path
 from mergeflow.import_graph import import_closure
 from tasks.store import STATE_DIR, ArtifactStore, hash_paths
 

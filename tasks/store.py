@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from mergeflow.checkpoints import atomic_path
+from mergeflow.files import atomic_path
 
 STATE_DIR = ".mergeflow"
 _IGNORED_PARTS = {"__pycache__", ".ipynb_checkpoints"}

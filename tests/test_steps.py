@@ -196,7 +196,7 @@ def test_waves_run_together_key_each_wave_on_the_one_before_and_resume_step_by_s
 
 
 def test_atomic_writes_skip_the_temp_file_only_inside_a_private_directory(tmp_path, monkeypatch):
-    from mergeflow.checkpoints import private_directory, write_json
+    from mergeflow.files import private_directory, write_json
 
     renamed = []
     real = os.replace
@@ -215,7 +215,7 @@ def test_outputs_are_read_only_links_to_the_store_that_writers_replace_not_chang
     import errno
     import stat
 
-    from mergeflow.checkpoints import write_json
+    from mergeflow.files import write_json
     from tasks.store import ArtifactStore
 
     store = ArtifactStore(tmp_path)

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
-from mergeflow.checkpoints import atomic_path
 from mergeflow.errors import MergeflowError
+from mergeflow.files import atomic_path
 from mergeflow.hf_checkpoints import (
     MAX_SHARD_SIZE,
     Checkpoint,
