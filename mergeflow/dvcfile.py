@@ -23,10 +23,12 @@ def dvc_stages() -> dict[str, Any]:
         }
         if stage.outs:
             entry["outs"] = list(stage.outs)
+        # Cached outputs, hashed in dvc.lock: `dvc exp show`, `dvc metrics diff` and `dvc plots diff`
+        # read every revision's and experiment's from the cache.
         if stage.metrics:
-            entry["metrics"] = [{path: {"cache": False}} for path in stage.metrics]
+            entry["metrics"] = list(stage.metrics)
         if stage.plots:
-            entry["plots"] = [{path: {"cache": False}} for path in stage.plots]
+            entry["plots"] = list(stage.plots)
         stages[stage.name] = entry
     return stages
 

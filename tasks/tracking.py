@@ -54,6 +54,21 @@ def tracking_uri(root: Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(root / 'mlflow.db').resolve()}"
 
 
+def runs_url(root: Path, experiment: str, base: str) -> str:
+    """The MLflow UI page of ``experiment``'s runs under ``base`` (e.g. ``http://127.0.0.1:5000``).
+
+    MLflow 3's UI opens an experiment on its GenAI overview unless the browser chose otherwise (the
+    choice lives in the browser's local storage, not on the server); ``workflowType=machine_learning``
+    in the URL opens the runs table. The experiment list when the experiment does not exist yet.
+    """
+    from mlflow.tracking import MlflowClient
+
+    found = MlflowClient(tracking_uri(root)).get_experiment_by_name(experiment)
+    if found is None:
+        return f"{base}/#/experiments"
+    return f"{base}/#/experiments/{found.experiment_id}/runs?workflowType=machine_learning"
+
+
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
     """Nested params as ``a.b.c`` keys with string values, for ``log_params``."""
     flat: dict[str, str] = {}
@@ -221,9 +236,16 @@ def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, 
         _log_curves(mlflow, meta.get("curves", {}))
         if "selection" in meta:
             _log_selection(mlflow, meta["selection"])
-        mlflow.log_artifact(str(path), "checkpoint")
+        earlier = _earlier_merge_run(mlflow, run, name, digest)
+        if earlier is None:
+            mlflow.log_artifact(str(path), "checkpoint")
+        else:  # the same merged weights as an earlier run (a cached step): point to its copy, log none again
+            mlflow.set_tag("mergeflow.reused_from_run", earlier)
         if context["log_models"]:
-            logged = _log_model(mlflow, root, name, path, example)
+            model_uri = _logged_model_uri(mlflow, run.info.experiment_id, name, digest)
+            if model_uri is None:
+                model_uri = _log_model(mlflow, root, name, path, example, tags).model_uri
+            mlflow.set_tag("mergeflow.model_uri", model_uri)
             version_tags = {
                 "mergeflow.data_hash": context["data_hash"],
                 "mergeflow.params_hash": context["params_hash"],
@@ -231,21 +253,40 @@ def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, 
                 "mergeflow.method": meta["method"],
                 "mergeflow.run_id": run.info.run_id,
             }
-            _register(mlflow, logged.model_uri, registered_model_name(context["experiment"], name), version_tags)
+            _register(mlflow, model_uri, registered_model_name(context["experiment"], name), version_tags)
 
 
-def _log_model(mlflow, root: Path, name: str, path: Path, example):
-    """Log a merged model in its family's flavour (:data:`FLAVOURS`)."""
+def _earlier_merge_run(mlflow, run, name: str, digest: str) -> str | None:
+    """The id of the first earlier run of merge ``name`` in this experiment that logged the checkpoint ``digest``."""
+    found = mlflow.search_runs(
+        experiment_ids=[run.info.experiment_id],
+        filter_string=f"tags.`mergeflow.checkpoint_sha256` = '{digest}' and tags.`mergeflow.merge` = '{name}'",
+        order_by=["attributes.start_time ASC"],
+        output_format="list",
+    )
+    first = [r for r in found if r.info.run_id != run.info.run_id and "mergeflow.reused_from_run" not in r.data.tags]
+    return first[0].info.run_id if first else None
+
+
+def _logged_model_uri(mlflow, experiment_id: str, name: str, digest: str) -> str | None:
+    """The URI of the model this experiment already logged for merge ``name`` from the checkpoint ``digest``."""
+    logged = mlflow.search_logged_models(experiment_ids=[experiment_id], output_format="list")
+    same = [m for m in logged if m.name == name and m.tags.get("mergeflow.checkpoint_sha256") == digest]
+    return same[0].model_uri if same else None
+
+
+def _log_model(mlflow, root: Path, name: str, path: Path, example, tags: dict[str, str]):
+    """Log a merged model in its family's flavour (:data:`FLAVOURS`), named after its merge, with ``tags``."""
     import torch
 
     from mergeflow.models import family_of  # torch: only when a model is logged
 
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
     flavour = family_of(load_checkpoint_meta(path)["spec"]["arch"]).declaration.flavour
-    return FLAVOURS[flavour](mlflow, root, name, path, example, requirements)
+    return FLAVOURS[flavour](mlflow, root, name, path, example, requirements, tags)
 
 
-def _log_pipeline(mlflow, root: Path, name: str, path: Path, example, requirements: list[str]):
+def _log_pipeline(mlflow, root: Path, name: str, path: Path, example, requirements: list[str], tags: dict[str, str]):
     """A transformer as a text-classification or text-generation pipeline (text in, labels or text out),
     from the directory its family exported beside the checkpoint."""
     import mlflow.transformers
@@ -261,10 +302,12 @@ def _log_pipeline(mlflow, root: Path, name: str, path: Path, example, requiremen
     pipe = transformers.pipeline(task, model=model, tokenizer=tokenizer, truncation=True)
     # Explicit requirements: the flavour would otherwise infer torchvision, which offline installs lack.
     requirements.append(f"transformers=={transformers.__version__}")
-    return mlflow.transformers.log_model(transformers_model=pipe, name="model", pip_requirements=requirements)
+    return mlflow.transformers.log_model(transformers_model=pipe, name=name, pip_requirements=requirements, tags=tags)
 
 
-def _log_raw_rows_model(mlflow, root: Path, name: str, path: Path, example, requirements: list[str]):
+def _log_raw_rows_model(
+    mlflow, root: Path, name: str, path: Path, example, requirements: list[str], tags: dict[str, str]
+):
     """A pyfunc model that takes the user's raw rows: the feature encoding fitted on the training split
     (standardisation, one-hot categories, filled gaps) travels with the checkpoint, and mergeflow's code
     with the model, so ``mlflow.pyfunc.load_model(uri).predict(rows)`` works wherever torch is installed."""
@@ -278,7 +321,8 @@ def _log_raw_rows_model(mlflow, root: Path, name: str, path: Path, example, requ
     code = project_root_of_code()
     requirements += [f"pandas=={pandas.__version__}", f"pyarrow=={pyarrow.__version__}"]
     return mlflow.pyfunc.log_model(
-        name="model",
+        name=name,
+        tags=tags,
         python_model=str(code / "tasks" / "pyfunc_model.py"),
         artifacts={CHECKPOINT: str(path), INFO: str(root / PREPARED / "info.json")},
         code_paths=[str(code / "mergeflow"), str(code / "tasks")],

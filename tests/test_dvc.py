@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -93,3 +94,31 @@ def test_dvc_repro_runs_skips_and_reruns_only_changed_stages(tmp_path, cli_env):
     ran = {stage.name for stage in STAGES if f"Running stage '{stage.name}'" in third}
     assert ran == {"merge", "evaluate"}
     assert "ran: merge/task_arithmetic\n" in third  # the other merge methods were Prefect cache hits
+
+    # Experiments compare: the baseline commit's and an experiment's metrics both come back.
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run([*git, "add", "-A"], cwd=project, check=True)
+    subprocess.run([*git, "commit", "-qm", "baseline"], cwd=project, check=True)
+    dvc = str(BIN / "dvc")
+    done = subprocess.run([dvc, "exp", "run", "-S", "merge.options.task_arithmetic.scaling=0.6"], cwd=project,
+                          env=cli_env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    shown = subprocess.run([dvc, "exp", "show", "--json"], cwd=project, env=cli_env, capture_output=True, text=True)
+    accuracies = [m["merged/task_arithmetic"]["accuracy"] for m in _evaluate_metrics(json.loads(shown.stdout))]
+    assert len(accuracies) >= 2 and all(0 < a <= 1 for a in accuracies)  # the workspace, the baseline, the experiment
+    diff = subprocess.run([dvc, "metrics", "diff", "--json"], cwd=project, env=cli_env, capture_output=True, text=True)
+    assert diff.returncode == 0 and "metrics/evaluate.json" in json.loads(diff.stdout), diff.stderr[-2000:]
+
+
+def _evaluate_metrics(node) -> list[dict]:
+    """Every ``metrics/evaluate.json`` payload in ``dvc exp show --json``'s output, wherever it nests."""
+    found = []
+    if isinstance(node, dict):
+        payload = node.get("metrics", {}).get("metrics/evaluate.json", {}).get("data") if "metrics" in node else None
+        found += [payload] if payload else []
+        for value in node.values():
+            found += _evaluate_metrics(value)
+    elif isinstance(node, list):
+        for value in node:
+            found += _evaluate_metrics(value)
+    return found

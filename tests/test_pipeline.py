@@ -244,6 +244,13 @@ def test_registry_gains_a_version_only_when_a_merged_model_changes(workspace, cl
     # client 1's lr: every merge; alignment to the identity: none (same weights).
     expected = {name: 2 for name in METHODS} | {"task_arithmetic": 3}
     assert {name: len(found) for name, found in versions.items()} == expected
+    experiment = mlflow.get_experiment_by_name("mergeflow").experiment_id
+    logged = mlflow.search_logged_models(experiment_ids=[experiment], output_format="list")
+    # One model per distinct merged checkpoint, named after its merge: a merge served from the cache
+    # logs no model (and no checkpoint copy) again, its run points to the earlier one.
+    assert sorted(model.name for model in logged) == sorted(name for name, found in versions.items() for _ in found)
+    reused = mlflow.search_runs(experiment_ids=[experiment], filter_string="tags.`mergeflow.kind` = 'merge'")
+    assert reused["tags.mergeflow.reused_from_run"].notna().sum() == len(reused) - len(logged)
     for found in versions.values():
         digests = [v.tags["mergeflow.checkpoint_sha256"] for v in found]
         assert len(set(digests)) == len(digests)
