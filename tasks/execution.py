@@ -132,7 +132,7 @@ def _run_step(step: Step, root: str, torch_threads: int, scratch: Path) -> dict[
 
     torch.set_num_threads(torch_threads)
     store = ArtifactStore(Path(root))
-    started = time.perf_counter()
+    began, started = time.time(), time.perf_counter()
     summary = resolve(step.fn)({**step.params, **step.settings}, Path(root), scratch)
     files = store.ingest(scratch)
     return {
@@ -140,6 +140,7 @@ def _run_step(step: Step, root: str, torch_threads: int, scratch: Path) -> dict[
         "stamps": store.stamps(files),
         "summary": summary,
         "seconds": time.perf_counter() - started,
+        "started": began,  # wall clock (epoch seconds): the MLflow run of what it made starts then
         "versions": third_party_versions(),  # not in the key (as in DVC): the record says what made it
     }
 

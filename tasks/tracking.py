@@ -174,10 +174,54 @@ def _barrier_metrics(report: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def _log_client(mlflow, root: Path, client: int, metrics: dict[str, Any], info: dict[str, Any]) -> None:
+def step_times(root: Path) -> dict[tuple[str, str], tuple[int, int]]:
+    """When the step that made each output ran: ``{(path, sha256): (start, end)}`` in epoch milliseconds,
+    from the steps' records (a record without a start time, from an older mergeflow, is left out)."""
+    from tasks.steps import results_dir
+
+    times = {}
+    for path in results_dir(root).glob("*"):
+        try:
+            record = json.loads(path.read_text())
+            start = int(record["started"] * 1000)
+            end = start + int(record["seconds"] * 1000)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        times |= {(name, digest): (start, end) for name, digest in record.get("files", {}).items()}
+    return times
+
+
+@contextmanager
+def _child_run(mlflow, name: str, tags: dict[str, str], times: tuple[int, int] | None) -> Iterator[Any]:
+    """A nested run; with ``times``, it spans the step that made what it logs, not the logging."""
+    if times is None:
+        with mlflow.start_run(run_name=name, nested=True, tags=tags) as run:
+            yield run
+        return
+    client = mlflow.tracking.MlflowClient()
+    parent = mlflow.active_run()
+    created = client.create_run(
+        parent.info.experiment_id,
+        start_time=times[0],
+        tags={**tags, "mlflow.parentRunId": parent.info.run_id},
+        run_name=name,
+    )
+    with mlflow.start_run(run_id=created.info.run_id, nested=True) as run:
+        yield run
+    client.set_terminated(created.info.run_id, end_time=times[1])
+
+
+def _made_when(root: Path, context: dict[str, Any], relative: str) -> tuple[int, int] | None:
+    """The start and end of the step that made the output ``relative`` as it is now."""
+    return context["times"].get((relative, sha256_file(root / relative)))
+
+
+def _log_client(mlflow, root: Path, client: int, metrics: dict[str, Any], context: dict[str, Any]) -> None:
+    info = context["info"]
     _, meta = load_checkpoint(root / client_checkpoint(client))
     tags = {"mergeflow.kind": "client", "mergeflow.diverged": str(bool(meta.get("diverged"))).lower()}
-    with mlflow.start_run(run_name=f"client_{client:03d}", nested=True, tags=tags):
+    name = f"client_{client:03d}"
+    with _child_run(mlflow, name, tags, _made_when(root, context, client_checkpoint(client))):
         mlflow.set_tag("mergeflow.client", str(client))
         _log_dataset(mlflow, root, client_file(client), info, "training")
         _log_params(mlflow, {**flatten(meta["train"]), "num_examples": str(meta["num_examples"])})
@@ -228,7 +272,11 @@ def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, 
         "mergeflow.merge": name,
         "mergeflow.checkpoint_sha256": digest,
     }
-    with mlflow.start_run(run_name=f"merge_{name}", nested=True, tags=tags) as run:
+    with _child_run(mlflow, f"merge_{name}", tags, _made_when(root, context, merged_checkpoint(name))) as run:
+        # What it was scored on (test), and what chose its settings (validation, for a searched merge).
+        _log_dataset(mlflow, root, f"{PREPARED}/test.parquet", context["info"], "evaluation")
+        if "selection" in meta:
+            _log_dataset(mlflow, root, f"{PREPARED}/validation.parquet", context["info"], "validation")
         excluded = ",".join(str(c) for c in meta.get("excluded_clients", [])) or "none"
         options = flatten(meta["options"], "option.")
         _log_params(mlflow, {"method": meta["method"], "excluded_clients": excluded, **options})
@@ -456,14 +504,16 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
             mlflow.log_artifact(str(root / SELECTION_PLOT), "plots")
         mlflow.log_metrics(_barrier_metrics(json.loads((root / ALIGN_METRICS).read_text())))
         _log_data(mlflow, root, info, metrics[SANITY])
-        for client in range(config["partition"]["num_clients"]):
-            _log_client(mlflow, root, client, metrics, info)
         context = {
             "experiment": config["tracking"]["experiment"],
             "log_models": config["tracking"]["log_models"],
             "data_hash": tags["mergeflow.data_hash"],
             "params_hash": tags["mergeflow.params_hash"],
+            "info": info,
+            "times": step_times(root),
         }
+        for client in range(config["partition"]["num_clients"]):
+            _log_client(mlflow, root, client, metrics, context)
         for name in config["merge"]["methods"]:
             _log_merge(mlflow, root, name, metrics, example, context)
         rounds = json.loads((root / FEDERATED_METRICS).read_text())

@@ -215,12 +215,15 @@ def test_mlflow_holds_runs_tags_metrics_and_a_reloadable_model(workspace):
     ssf_curve = mlflow.tracking.MlflowClient().get_metric_history(ssf_run.run_id, "ssf_loss")
     assert len(ssf_curve) == 50
     exact_run = merges[merges["tags.mergeflow.method"] == "exact"].iloc[0]
+    inputs = mlflow.get_run(exact_run.run_id).inputs.dataset_inputs  # what the merge was scored on
+    assert {t.value for d in inputs for t in d.tags if t.key == "mlflow.data.context"} == {"evaluation"}
     assert exact_run["metrics.cg_relative_residual"] < 1e-6
     residuals = mlflow.tracking.MlflowClient().get_metric_history(exact_run.run_id, "cg_relative_residual")
     assert len(residuals) >= 2
     assert merges["metrics.test_accuracy"].between(0, 1).all()
     assert merges["metrics.test_nll"].gt(0).all() and merges["metrics.test_ece"].notna().all()
     client_run = children[children["tags.mergeflow.kind"] == "client"].iloc[0]
+    assert client_run.start_time < parent.start_time  # it spans the fine-tuning step, not its logging
     history = mlflow.tracking.MlflowClient().get_metric_history(client_run.run_id, "train_loss")
     assert len(history) > 1 and [m.step for m in history] == sorted(m.step for m in history)
 
