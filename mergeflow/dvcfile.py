@@ -21,8 +21,7 @@ def dvc_stages() -> dict[str, Any]:
             "deps": [*stage.code, *stage.deps],
             "params": list(stage.params),
         }
-        if stage.outs:
-            entry["outs"] = list(stage.outs)
+        entry["outs"] = [*stage.outs, stage.records]
         # Cached outputs, hashed in dvc.lock: `dvc exp show`, `dvc metrics diff` and `dvc plots diff`
         # read every revision's and experiment's from the cache.
         if stage.metrics:

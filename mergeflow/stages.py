@@ -45,6 +45,12 @@ class Stage:
         return tuple(sorted({path for module in modules for path in import_closure(module, _ROOT)}))
 
     @property
+    def records(self) -> str:
+        """The file of the stage's step records, a DVC output: pulled with the data, they let a fresh
+        clone's run find the work done (:mod:`tasks.shared_records`)."""
+        return f".mergeflow/steps/{self.name}.json"
+
+    @property
     def produced(self) -> tuple[str, ...]:
         """Every path the stage writes."""
         return self.outs + self.metrics + self.plots

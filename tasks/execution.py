@@ -35,8 +35,7 @@ def execute_step(step: Step, key: str, root: str, torch_threads: int = 1) -> dic
     """
     with _scratch(root) as scratch:
         outcome = _run_step(step, root, torch_threads, scratch)
-    write_record(Path(root), step, key, outcome)
-    return outcome
+    return write_record(Path(root), step, key, outcome)
 
 
 @task(persist_result=False, cache_policy=NO_CACHE, task_run_name="{label}")
@@ -50,8 +49,7 @@ def execute_steps(label: str, steps: list[Step], keys: list[str], root: str, tor
     with _scratch(root) as scratch:
         for step, key in zip(steps, keys, strict=True):
             outcome = _run_step(step, root, torch_threads, scratch)
-            write_record(Path(root), step, key, outcome)
-            outcomes.append(outcome)
+            outcomes.append(write_record(Path(root), step, key, outcome))
     return outcomes
 
 
@@ -84,8 +82,7 @@ def execute_waves(
                     outcome = {**hit, "cached": True}
                 else:
                     outcome = _run_step(step, root, torch_threads, scratch)
-                    write_record(Path(root), step, key, outcome)
-                    outcome = {**outcome, "cached": False}
+                    outcome = {**write_record(Path(root), step, key, outcome), "cached": False}
                     ran.append(outcome["seconds"])
                     folders.update(Path(name).parent for name in outcome["files"])
                 store.materialise(outcome["files"])
@@ -123,7 +120,8 @@ def run_waves(
 
 
 def _outcome(step: Step, record: dict[str, Any], cached: bool) -> StepOutcome:
-    return StepOutcome(step.name, cached, 0.0 if cached else record["seconds"], record["files"], record["summary"])
+    seconds = 0.0 if cached else record["seconds"]
+    return StepOutcome(step.name, cached, seconds, record["files"], record["summary"], record["key"])
 
 
 def _run_step(step: Step, root: str, torch_threads: int, scratch: Path) -> dict[str, Any]:

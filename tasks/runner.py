@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mergeflow.config import Params
 from mergeflow.stages import Stage
+from tasks.shared_records import write_stage_records
 from tasks.steps import CodeHashes, Step, StepOutcome, cached_outcomes, resolve, typical_seconds
 
 
@@ -68,6 +69,7 @@ def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
             waves = waves[1:]
     for stale in _prune(stage, outcomes, root):
         log.info("removed stale output %s", stale)
+    write_stage_records(root, stage, outcomes)
     # One record for the stage: a log record costs Prefect about half a millisecond, a step a few.
     lines = [
         f"{outcome.name:<32} {'cached' if outcome.cached else f'ran {outcome.seconds:5.1f}s'}" for outcome in outcomes
@@ -94,6 +96,7 @@ def cached_run(stages: Sequence[Stage], params: Params, root: Path) -> list[Step
                 return None
             stage_outcomes += found
         _prune(stage, stage_outcomes, root)
+        write_stage_records(root, stage, stage_outcomes)
         outcomes += stage_outcomes
     return outcomes
 

@@ -64,6 +64,7 @@ class StepOutcome:
     seconds: float
     files: dict[str, str] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
+    key: str = ""
 
 
 def project_root_of_code() -> Path:
@@ -122,8 +123,9 @@ def results_dir(root: Path) -> Path:
 RECORD_FORMAT = "mergeflow-step-record/1"
 
 
-def write_record(root: Path, step: Step, key: str, outcome: dict[str, Any]) -> None:
-    """Persist a step's outcome (its files, their stamps, its summary, seconds and package versions).
+def write_record(root: Path, step: Step, key: str, outcome: dict[str, Any]) -> dict[str, Any]:
+    """Persist a step's outcome (its files, their stamps, its summary, seconds and package versions);
+    the record, as :func:`read_record` reads it back.
 
     The record is mergeflow's own JSON, not Prefect's result record: Prefect orchestrates and shows
     the runs, and an upgrade of its result format cannot turn every cache hit into a miss.
@@ -132,16 +134,25 @@ def write_record(root: Path, step: Step, key: str, outcome: dict[str, Any]) -> N
     record = {"format": RECORD_FORMAT, "step": step.name, "key": key, **outcome}
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(record, sort_keys=True))
+    return record
 
 
 def read_record(root: Path, step: Step, key: str) -> dict[str, Any] | None:
-    """A step's record as :func:`write_record` wrote it; None when it is missing or not such a record."""
+    """A step's record as :func:`write_record` wrote it, or as a stage's shared records hold it with its
+    outputs in the workspace (:func:`tasks.shared_records.adopt`); None when there is neither."""
     try:
         record = json.loads((results_dir(root) / record_name(step, key)).read_text())
     except (OSError, ValueError):
-        return None
+        from tasks.shared_records import adopt
+
+        return adopt(root, step, key)
+    return record if is_record(record, key) else None
+
+
+def is_record(record: Any, key: str) -> bool:
+    """Whether ``record`` is a step record of this format for ``key``."""
     valid = isinstance(record, dict) and record.get("format") == RECORD_FORMAT and record.get("key") == key
-    return record if valid and isinstance(record.get("files"), dict) else None
+    return valid and isinstance(record.get("files"), dict)
 
 
 def cached_outcomes(steps: list[Step], root: Path, code_hashes: CodeHashes | None = None) -> list[StepOutcome] | None:
@@ -157,5 +168,6 @@ def cached_outcomes(steps: list[Step], root: Path, code_hashes: CodeHashes | Non
     for hit in hits:
         store.materialise(hit["files"])
     return [
-        StepOutcome(step.name, True, 0.0, hit["files"], hit["summary"]) for step, hit in zip(steps, hits, strict=True)
+        StepOutcome(step.name, True, 0.0, hit["files"], hit["summary"], hit["key"])
+        for step, hit in zip(steps, hits, strict=True)
     ]

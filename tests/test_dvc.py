@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, ROOT, fast_params
+from conftest import BIN, ROOT, fast_params, ran_steps, run_cli
 
 from mergeflow.dvcfile import render
 from mergeflow.stages import STAGES
@@ -96,10 +96,13 @@ def test_dvc_repro_runs_skips_and_reruns_only_changed_stages(tmp_path, cli_env):
     assert "ran: merge/task_arithmetic\n" in third  # the other merge methods were Prefect cache hits
 
     # Experiments compare: the baseline commit's and an experiment's metrics both come back.
+    dvc = str(BIN / "dvc")
+    subprocess.run([dvc, "remote", "add", "-d", "local", str(tmp_path / "remote")], cwd=project, check=True)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
     subprocess.run([*git, "add", "-A"], cwd=project, check=True)
     subprocess.run([*git, "commit", "-qm", "baseline"], cwd=project, check=True)
-    dvc = str(BIN / "dvc")
+    pushed = subprocess.run([dvc, "push"], cwd=project, env=cli_env, capture_output=True, text=True)
+    assert pushed.returncode == 0, (pushed.stdout + pushed.stderr)[-2000:]
     done = subprocess.run([dvc, "exp", "run", "-S", "merge.options.task_arithmetic.scaling=0.6"], cwd=project,
                           env=cli_env, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -108,6 +111,18 @@ def test_dvc_repro_runs_skips_and_reruns_only_changed_stages(tmp_path, cli_env):
     assert len(accuracies) >= 2 and all(0 < a <= 1 for a in accuracies)  # the workspace, the baseline, the experiment
     diff = subprocess.run([dvc, "metrics", "diff", "--json"], cwd=project, env=cli_env, capture_output=True, text=True)
     assert diff.returncode == 0 and "metrics/evaluate.json" in json.loads(diff.stdout), diff.stderr[-2000:]
+
+    # A fresh clone of the baseline, its data pulled: neither mergeflow nor DVC has anything to do.
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(project), str(clone)], check=True)
+    pulled = subprocess.run([dvc, "pull"], cwd=clone, env=cli_env, capture_output=True, text=True)
+    assert pulled.returncode == 0, (pulled.stdout + pulled.stderr)[-2000:]
+    done = run_cli(["run"], clone, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ran_steps(clone) == set(), done.stdout[-2000:]
+    status = subprocess.run([dvc, "status"], cwd=clone, env=cli_env, capture_output=True, text=True)
+    assert "up to date" in status.stdout, status.stdout[-2000:]
+    assert "Running stage" not in _repro(clone, cli_env)
 
 
 def _evaluate_metrics(node) -> list[dict]:
