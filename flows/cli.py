@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     reference.add_argument("--write", action="store_true", help="write ./docs/params.md instead of printing")
     ui = commands.add_parser("ui", help="open the MLflow UI on 127.0.0.1")
     ui.add_argument("--port", type=int, default=5000)
-    commands.add_parser("methods", help="list the registered merge methods")
+    commands.add_parser("methods", help="the registered merge methods: summary, inputs and options")
+    commands.add_parser("algorithms", help="the registered federated algorithms: summary and options")
     serve = commands.add_parser("serve", help="deploy the pipeline on a schedule and serve it (needs a Prefect server)")
     serve.add_argument("--cron", help='cron schedule, e.g. "0 3 * * *"')
     serve.add_argument("--interval", type=float, help="seconds between runs")
@@ -187,11 +188,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _serve(args)
     if args.command == "best":
         return _best(args)
-    if args.command == "methods":
-        from mergeflow.merge import METHODS
+    if args.command in ("methods", "algorithms"):
+        from flows.catalog import render_algorithms, render_methods
 
-        for method in METHODS.values():
-            print(f"{method.name:18s} {method.summary}")
+        sys.stdout.write(render_methods() if args.command == "methods" else render_algorithms())
         return 0
     return _ui(args.port)
 
