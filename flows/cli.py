@@ -127,7 +127,9 @@ def _serve(args: argparse.Namespace) -> int:
     configure()
     from flows.schedule import serve
 
-    serve(Path(args.params), args.overrides, Path.cwd(), cron=args.cron, interval=args.interval, name=args.name)
+    if serve(Path(args.params), args.overrides, Path.cwd(), cron=args.cron, interval=args.interval, name=args.name):
+        # A stop request, not a failure: exit 0, as service managers (systemd, docker stop) expect.
+        print("mergeflow: serve: stopped on SIGTERM; a run in flight, if any, was cancelled")
     return 0
 
 
