@@ -210,9 +210,14 @@ def _best(args: argparse.Namespace) -> int:
     from tasks.tracking import best_runs
 
     rows = best_runs(Path.cwd(), experiment, args.metric, args.top)
-    print(f"{'name':24s} {'kind':10s} {args.metric:>16s}  run_id")
+    print(f"{'name':20s} {'kind':9s} {args.metric:>14s} {'version':>7s}  {'started':16s}  {'run_id':32s}  differs")
     for row in rows:
-        print(f"{row['name']:24s} {row['kind']:10s} {row[args.metric]:16.4f}  {row['run_id']}")
+        version = f"v{row['version']}" if row["version"] is not None else "-"
+        differs = " ".join(f"{key}={value}" for key, value in row["differs"].items())
+        print(
+            f"{row['name']:20s} {row['kind']:9s} {row[args.metric]:14.4f} {version:>7s}  {row['started']:16s}  "
+            f"{row['run_id']:32s}  {differs}".rstrip()
+        )
     return 0
 
 
