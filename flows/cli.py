@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     reference.add_argument("--write", action="store_true", help="write ./docs/params.md instead of printing")
     ui = commands.add_parser("ui", help="open the MLflow UI on 127.0.0.1")
     ui.add_argument("--port", type=int, default=5000)
-    commands.add_parser("methods", help="list the registered merge methods")
+    commands.add_parser("methods", help="the registered merge methods: summary, inputs and options")
+    commands.add_parser("algorithms", help="the registered federated algorithms: summary and options")
     serve = commands.add_parser("serve", help="deploy the pipeline on a schedule and serve it (needs a Prefect server)")
     serve.add_argument("--cron", help='cron schedule, e.g. "0 3 * * *"')
     serve.add_argument("--interval", type=float, help="seconds between runs")
@@ -126,7 +127,9 @@ def _serve(args: argparse.Namespace) -> int:
     configure()
     from flows.schedule import serve
 
-    serve(Path(args.params), args.overrides, Path.cwd(), cron=args.cron, interval=args.interval, name=args.name)
+    if serve(Path(args.params), args.overrides, Path.cwd(), cron=args.cron, interval=args.interval, name=args.name):
+        # A stop request, not a failure: exit 0, as service managers (systemd, docker stop) expect.
+        print("mergeflow: serve: stopped on SIGTERM; a run in flight, if any, was cancelled")
     return 0
 
 
@@ -187,11 +190,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _serve(args)
     if args.command == "best":
         return _best(args)
-    if args.command == "methods":
-        from mergeflow.merge import METHODS
+    if args.command in ("methods", "algorithms"):
+        from flows.catalog import render_algorithms, render_methods
 
-        for method in METHODS.values():
-            print(f"{method.name:18s} {method.summary}")
+        sys.stdout.write(render_methods() if args.command == "methods" else render_algorithms())
         return 0
     return _ui(args.port)
 
@@ -208,9 +210,14 @@ def _best(args: argparse.Namespace) -> int:
     from tasks.tracking import best_runs
 
     rows = best_runs(Path.cwd(), experiment, args.metric, args.top)
-    print(f"{'name':24s} {'kind':10s} {args.metric:>16s}  run_id")
+    print(f"{'name':20s} {'kind':9s} {args.metric:>14s} {'version':>7s}  {'started':16s}  {'run_id':32s}  differs")
     for row in rows:
-        print(f"{row['name']:24s} {row['kind']:10s} {row[args.metric]:16.4f}  {row['run_id']}")
+        version = f"v{row['version']}" if row["version"] is not None else "-"
+        differs = " ".join(f"{key}={value}" for key, value in row["differs"].items())
+        print(
+            f"{row['name']:20s} {row['kind']:9s} {row[args.metric]:14.4f} {version:>7s}  {row['started']:16s}  "
+            f"{row['run_id']:32s}  {differs}".rstrip()
+        )
     return 0
 
 

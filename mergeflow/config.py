@@ -10,12 +10,13 @@ import copy
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mergeflow.errors import ConfigError, first_problem
+from mergeflow.errors import ConfigError, closest, did_you_mean, first_problem
 from mergeflow.schema.data_source import Modality
 from mergeflow.schema.deprecation import deprecated
 from mergeflow.schema.families import DECLARED as FAMILY_DECLARATIONS
@@ -109,7 +110,9 @@ class DataConfig(_Section):
     @classmethod
     def _registered(cls, source: str) -> str:
         if source not in SOURCES:
-            raise ValueError(f"unknown data source {source!r}; known: {', '.join(SOURCES)}")
+            raise ValueError(
+                f"unknown data source {source!r}{did_you_mean(source, SOURCES)}; known: {', '.join(SOURCES)}"
+            )
         return source
 
     @model_validator(mode="after")
@@ -372,7 +375,9 @@ def _check_variants(
         kind = chosen.get(kind_key, name)
         if kind not in known:
             key = f"options.{name}.{kind_key}" if kind_key in chosen else f"options.{name}"
-            raise ValueError(f"{key}: unknown {kind_key} {kind!r}; known: {', '.join(known)}")
+            raise ValueError(
+                f"{key}: unknown {kind_key} {kind!r}{did_you_mean(kind, known)}; known: {', '.join(known)}"
+            )
         try:
             validate(kind, _resolve_variant(options, name, kind_key)[1])
         except ConfigError as error:
@@ -381,7 +386,8 @@ def _check_variants(
     for i, name in enumerate(entries):
         if name not in known and name not in options:
             raise ValueError(
-                f"{list_key}[{i}]: unknown {kind_key} {name!r}; known: {', '.join(known)} "
+                f"{list_key}[{i}]: unknown {kind_key} {name!r}{did_you_mean(name, [*known, *options])}; "
+                f"known: {', '.join(known)} "
                 f"(or declare a variant under {error_prefix} with a '{kind_key}' key)"
             )
     if len(set(entries)) != len(entries):
@@ -746,7 +752,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return result
 
 
-def _error_lines(error: ValidationError, source: str) -> list[str]:
+def _error_lines(error: ValidationError, source: str, raw: dict[str, Any]) -> list[str]:
     lines = []
     for item in error.errors():
         key = ".".join(str(p) for p in item["loc"])
@@ -757,11 +763,80 @@ def _error_lines(error: ValidationError, source: str) -> list[str]:
             message = subkey.group(2)
         if item["type"] == "extra_forbidden":
             message = "unknown key"
+        if message == "unknown key":
+            message += _suggested_key(key.split("."), raw)
         scalar = not isinstance(item["input"], dict | list) and item["type"] != "extra_forbidden"
         shown = f" (got {json.dumps(item['input'], default=str)})" if scalar else ""
         where = f"{key}: " if key else ""
         lines.append(f"{source}: {where}{message}{shown}")
     return lines
+
+
+def _suggested_key(parts: list[str], raw: dict[str, Any]) -> str:
+    """``; did you mean a.b.c?`` for the known key beside an unknown one that it most looks like."""
+    match = closest(parts[-1], _keys_below(parts[:-1], raw))
+    return f"; did you mean {'.'.join([*parts[:-1], match])}?" if match else ""
+
+
+def _keys_below(parts: list[str], raw: Any) -> list[str]:
+    """The keys the schema allows right below the dotted key ``parts`` ([] where it cannot tell): the fields
+    of the section's model, a data source's options, or a merge or federated entry's options by its kind."""
+    for kinds, kind_key, extra in (
+        ("merge", "method", ("method",)),
+        ("federated", "algorithm", ("algorithm", "local")),
+    ):
+        if len(parts) == 3 and parts[:2] == [kinds, "options"]:
+            entry = _raw_at(raw, parts)
+            kind = entry.get(kind_key, parts[2]) if isinstance(entry, dict) else parts[2]
+            declared = _declared_options(kinds)
+            return [*extra, *declared[kind].model_fields] if kind in declared else list(extra)
+    if parts == ["data"]:
+        return [*DataConfig.model_fields, *SOURCES]
+    if len(parts) == 2 and parts[0] == "data" and parts[1] in (*SOURCES, *SOURCE_ALIASES):
+        return list(SOURCES[SOURCE_ALIASES.get(parts[1], parts[1])].Options.model_fields)
+    if len(parts) == 4 and parts[:2] == ["federated", "options"] and parts[3] == "local":
+        return list(TrainOverride.model_fields)
+    node: Any = Params
+    for part in parts:
+        node = _child_type(node, part)
+    return next((list(option.model_fields) for option in _members(node) if _is_model(option)), [])
+
+
+def _child_type(annotation: Any, part: str) -> Any:
+    """The type of ``part`` below a value of type ``annotation`` (a model's field, a dict's or list's item)."""
+    for option in _members(annotation):
+        if _is_model(option):
+            field = option.model_fields.get(part)
+            return field.annotation if field else None
+        if get_origin(option) in (dict, list):
+            return get_args(option)[-1]
+    return None
+
+
+def _members(annotation: Any) -> tuple[Any, ...]:
+    """The types of a union (``X | None``), or the one type."""
+    return get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _raw_at(raw: Any, parts: list[str]) -> Any:
+    for part in parts:
+        raw = raw.get(part) if isinstance(raw, dict) else None
+    return raw
+
+
+def _declared_options(kinds: str) -> dict[str, type[BaseModel]]:
+    """The options model of each declared merge method (``kinds`` merge) or federated algorithm."""
+    if kinds == "merge":
+        from mergeflow.schema.merge import DECLARED
+
+        return {name: declaration.options for name, declaration in DECLARED.items()}
+    from mergeflow.schema.federated import DECLARED as ALGORITHMS
+
+    return dict(ALGORITHMS)
 
 
 def validate_params(raw: dict[str, Any], source: str = "params") -> Params:
@@ -771,7 +846,7 @@ def validate_params(raw: dict[str, Any], source: str = "params") -> Params:
     try:
         return Params.model_validate(raw)
     except ValidationError as error:
-        raise ConfigError(_error_lines(error, source)) from None
+        raise ConfigError(_error_lines(error, source, raw)) from None
 
 
 def load_params(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> Params:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -36,3 +38,15 @@ def first_problem(key: str, error: ValidationError) -> str:
     # pydantic names its model class ("a valid dictionary or instance of TrainOverride"): not the user's word
     why = "unknown key" if first["type"] == "extra_forbidden" else re.sub(r" or instance of \w+", "", first["msg"])
     return f"{'.'.join([key, *(str(part) for part in first['loc'])])}: {why}"
+
+
+def closest(word: str, known: Iterable[str]) -> str | None:
+    """The known name most like ``word`` (a likely misspelling of it), or None when none is close."""
+    matches = difflib.get_close_matches(word, [str(name) for name in known], n=1)
+    return matches[0] if matches else None
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the known name closest to ``word``, or an empty string."""
+    match = closest(word, known)
+    return f" (did you mean {match!r}?)" if match else ""

@@ -528,7 +528,10 @@ _LOWER_IS_BETTER = ("nll", "ece", "mse", "loss", "residual", "barrier")
 def best_runs(root: Path, experiment: str, metric: str, top: int = 5) -> list[dict[str, Any]]:
     """The best merged and federated models of an experiment by ``metric`` (NLL-like: lowest first).
 
-    Each model (by checkpoint sha256) counts once, with its latest run.
+    Each model (by checkpoint sha256) counts once, with its latest run. Each row has the model's
+    ``name`` and ``kind``, the metric, ``run_id``, ``started`` (local time, to the minute), ``version``
+    (its version in the Model Registry, or None) and ``differs``: for rows of the same name, the params
+    (the run's own and its pipeline's) whose values differ between them, else nothing.
     """
     import mlflow
 
@@ -536,24 +539,69 @@ def best_runs(root: Path, experiment: str, metric: str, top: int = 5) -> list[di
     if mlflow.get_experiment_by_name(experiment) is None:
         raise MergeflowError(f"tracking.experiment: no MLflow experiment {experiment!r} at {tracking_uri(root)}")
     ascending = any(word in metric for word in _LOWER_IS_BETTER)
-    runs = mlflow.search_runs(experiment_names=[experiment])
+    every = mlflow.search_runs(experiment_names=[experiment])
     column = f"metrics.{metric}"
-    if runs.empty or column not in runs.columns:
+    if every.empty or column not in every.columns:
         raise MergeflowError(f"--metric: no run of experiment {experiment!r} has a metric {metric!r}")
-    runs = runs[runs["tags.mergeflow.kind"].isin(["merge", "federated"]) & runs[column].notna()]
+    runs = every[every["tags.mergeflow.kind"].isin(["merge", "federated"]) & every[column].notna()]
     # The same model is logged again by every later pipeline run: keep its latest run only.
     runs = runs.sort_values("start_time", ascending=False).drop_duplicates("tags.mergeflow.checkpoint_sha256")
     runs = runs.sort_values(column, ascending=ascending, kind="stable").head(top)
-    return [
-        {
-            "name": row.get(f"tags.mergeflow.{row['tags.mergeflow.kind']}"),
-            "kind": row["tags.mergeflow.kind"],
-            metric: float(row[column]),
-            "run_id": row["run_id"],
-            "started": str(row["start_time"]),
-        }
-        for _, row in runs.iterrows()
-    ]
+    by_id = every.set_index("run_id")
+    rows, params = [], []
+    for _, row in runs.iterrows():
+        name = row.get(f"tags.mergeflow.{row['tags.mergeflow.kind']}")
+        rows.append(
+            {
+                "name": name,
+                "kind": row["tags.mergeflow.kind"],
+                metric: float(row[column]),
+                "run_id": row["run_id"],
+                "started": row["start_time"].to_pydatetime().astimezone().strftime("%Y-%m-%d %H:%M"),
+                "version": _registered_version(mlflow, experiment, row),
+            }
+        )
+        parent = (
+            by_id.loc[row["tags.mlflow.parentRunId"]] if row.get("tags.mlflow.parentRunId") in by_id.index else None
+        )
+        params.append(_run_params(row, parent))
+    for row, differs in zip(rows, _differences([row["name"] for row in rows], params), strict=True):
+        row["differs"] = differs
+    return rows
+
+
+def _run_params(run: Any, parent: Any) -> dict[str, str]:
+    """A model run's params (a row of ``search_runs``, one column per param of any run) with its pipeline run's,
+    but for the pipeline's merges and algorithms: the model run logs its own options."""
+    inherited = {} if parent is None else _logged_params(parent)
+    inherited = {key: value for key, value in inherited.items() if not key.startswith(("merge.", "federated."))}
+    return inherited | _logged_params(run)
+
+
+def _logged_params(run: Any) -> dict[str, str]:
+    return {
+        key.removeprefix("params."): v for key, v in run.items() if key.startswith("params.") and isinstance(v, str)
+    }
+
+
+def _differences(names: list[str | None], params: list[dict[str, str]]) -> list[dict[str, str]]:
+    """For each row, the params whose values differ among the rows of its name (``unset`` where absent)."""
+    differs: list[dict[str, str]] = []
+    for name, mine in zip(names, params, strict=True):
+        same = [other for other_name, other in zip(names, params, strict=True) if other_name == name]
+        keys = sorted({key for other in same for key in other if len({o.get(key) for o in same}) > 1})
+        differs.append({key: mine.get(key, "unset") for key in keys})
+    return differs
+
+
+def _registered_version(mlflow, experiment: str, run: Any) -> int | None:
+    """The Model Registry version that holds a merge run's checkpoint (by sha256), if it was registered."""
+    if run["tags.mergeflow.kind"] != "merge":
+        return None
+    name = registered_model_name(experiment, run["tags.mergeflow.merge"])
+    digest = run["tags.mergeflow.checkpoint_sha256"]
+    versions = mlflow.tracking.MlflowClient().search_model_versions(f"name='{name}'")
+    return next((int(v.version) for v in versions if v.tags.get("mergeflow.checkpoint_sha256") == digest), None)
 
 
 def log_reproduction(

@@ -178,11 +178,12 @@ def test_table_noncontiguous_int_labels_are_remapped(tmp_path):
 def test_table_missing_column_and_file_raise(tmp_path):
     path = tmp_path / "t.csv"
     _table().to_csv(path, index=False)
-    with pytest.raises(DataError, match="label column 'target' not found.*a, b, species, site"):
+    expected = "^data.table.label_column: no column 'target' in the table; columns: a, b, species, site$"
+    with pytest.raises(DataError, match=expected):
         load_table_source("csv", data_files=str(path), label_column="target")
-    with pytest.raises(DataError, match="feature column 'zz'"):
+    with pytest.raises(DataError, match="data.table.feature_columns: no column 'zz'"):
         load_table_source("csv", data_files=str(path), label_column="species", feature_columns=["a", "zz"])
-    with pytest.raises(DataError, match="group column 'region'"):
+    with pytest.raises(DataError, match="data.table.group_column: no column 'region'"):
         load_table_source("csv", data_files=str(path), label_column="species", group_column="region")
     with pytest.raises(DataError, match="nope.csv"):
         load_table_source("csv", data_files=str(tmp_path / "nope.csv"))

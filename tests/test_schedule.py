@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 import urllib.request
@@ -69,3 +70,33 @@ def test_a_scheduled_run_executes_the_pipeline(tmp_path, cli_env, prefect_api):
     assert 0 <= metrics["merged/average"]["accuracy"] <= 1
     record = json.loads((path / ".mergeflow/last_run.json").read_text())
     assert any(step["name"] == "merge/average" for step in record["steps"])
+
+
+def test_sigterm_stops_serving_cleanly_with_a_run_in_flight(tmp_path, cli_env, prefect_api):
+    path = make_workspace(tmp_path / "ws", fast_params(federated={"algorithms": []}))
+    log = (tmp_path / "serve.log").open("w")
+    serving = subprocess.Popen(
+        [str(BIN / "mergeflow"), "serve", "--interval", "5", "--name", "test-sigterm"],
+        cwd=path,
+        env=cli_env,
+        start_new_session=True,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+
+        def running_scheduled_run() -> list[dict]:
+            body = {"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}}
+            return [run for run in _post(f"{prefect_api}/flow_runs/filter", body) if run.get("deployment_id")]
+
+        _wait(running_scheduled_run, time.monotonic() + 300, "a scheduled run in flight")
+        time.sleep(3)  # into the pipeline's steps
+        serving.send_signal(signal.SIGTERM)
+        code = serving.wait(timeout=120)
+    finally:
+        stop(serving)
+        log.close()
+    output = (tmp_path / "serve.log").read_text()
+    assert code == 0, output[-3000:]
+    assert "Traceback" not in output and "never awaited" not in output, output[-3000:]
+    assert output.rstrip().endswith("mergeflow: serve: stopped on SIGTERM; a run in flight, if any, was cancelled")

@@ -46,7 +46,7 @@ def test_text_csv_maps_string_labels_and_names_a_missing_column(topics, tmp_path
     assert info["class_names"] == ["animal", "food", "sport", "weather"]
     assert set(ds.column_names) == {"text", "y"} and ds.num_rows == 200
     path = write_topic_csv(tmp_path / "t.csv", rows=20)
-    with pytest.raises(DataError, match="text column 'body' not found.*sentence"):
+    with pytest.raises(DataError, match="data.text.text_column: no column 'body' in the table; columns: .*sentence"):
         load_text_source("csv", data_files=str(path), text_column="body", label_column="topic")
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from mergeflow.data.errors import DataError
+from mergeflow.errors import did_you_mean
 from mergeflow.schema.sources import SOURCES, canonical_name
 
 if TYPE_CHECKING:  # datasets and scikit-learn load where they are used: `mergeflow validate` needs neither
@@ -180,8 +181,10 @@ def _check_local_files(data_files: str | list[str] | dict | None) -> None:
             raise DataError(f"data file {name!r} does not exist")
 
 
-def _missing_column(kind: str, column: str, present: list[str]) -> DataError:
-    return DataError(f"{kind} column {column!r} not found in data; columns are: {', '.join(present)}")
+def _missing_column(key: str, column: str, present: list[str]) -> DataError:
+    """The one line for a column the table lacks, naming the option that asks for it (``data.table.label_column``)."""
+    hint = did_you_mean(column, present)
+    return DataError(f"{key}: no column {column!r} in the table{hint}; columns: {', '.join(present)}")
 
 
 def _looks_like_regression(uniques: np.ndarray, rows: int) -> bool:
@@ -284,16 +287,16 @@ def load_table_raw(
     raw = load_table(path, name=name, data_files=data_files, split=split)
     present = list(raw.column_names)
     if label_column not in present:
-        raise _missing_column("label", label_column, present)
+        raise _missing_column("data.table.label_column", label_column, present)
     if group_column is not None and group_column not in present:
-        raise _missing_column("group", group_column, present)
+        raise _missing_column("data.table.group_column", group_column, present)
     if feature_columns is None:
         feature_columns = [c for c in present if c not in (label_column, group_column)]
     if not feature_columns:
         raise DataError(f"dataset {path!r} has no feature columns besides the label")
     for column in feature_columns:
         if column not in present:
-            raise _missing_column("feature", column, present)
+            raise _missing_column("data.table.feature_columns", column, present)
     loaded = raw.num_rows
     source_rows = np.arange(loaded)
     if missing == "drop_rows":

@@ -43,9 +43,10 @@ LEXNAMES = (
 _POS_NUMBER = {"noun": 1, "verb": 2, "adj": 3, "adv": 4}
 
 
-def _text_column(raw: datasets.Dataset, column: str, kind: str) -> pa.Array:
+def _text_column(raw: datasets.Dataset, column: str, option: str) -> pa.Array:
     if column not in raw.column_names:
-        raise _missing_column(kind, column, list(raw.column_names))
+        raise _missing_column(f"data.text.{option}", column, list(raw.column_names))
+    kind = option.removesuffix("_column").replace("_", " ")
     values = raw.data.column(column).combine_chunks()
     if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
         raise DataError(f"{kind} column {column!r} has type {values.type}; it must hold strings")
@@ -90,13 +91,13 @@ def load_text_source(
     """
     raw = load_table(path, name=name, data_files=data_files, split=split)
     if label_column not in raw.column_names:
-        raise _missing_column("label", label_column, list(raw.column_names))
-    texts = _text_column(raw, text_column, "text")
-    pairs = _text_column(raw, text_pair_column, "text pair") if text_pair_column else None
+        raise _missing_column("data.text.label_column", label_column, list(raw.column_names))
+    texts = _text_column(raw, text_column, "text_column")
+    pairs = _text_column(raw, text_pair_column, "text_pair_column") if text_pair_column else None
     groups = None
     if group_column is not None:
         if group_column not in raw.column_names:
-            raise _missing_column("group", group_column, list(raw.column_names))
+            raise _missing_column("data.text.group_column", group_column, list(raw.column_names))
         groups = [str(g) for g in raw.data.column(group_column).to_pylist()]
     y, class_names = _labels(raw.data.table, label_column, "classification", raw.features[label_column])
     num_classes = len(class_names) if class_names else int(y.max()) + 1

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from mergeflow.errors import ConfigError, first_problem
+from mergeflow.errors import ConfigError, did_you_mean, first_problem
 from mergeflow.schema.deprecation import deprecated
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ def canonical_name(name: str) -> str:
         new = ALIASES[name]
         deprecated(f"data.source {name!r} is now {new!r} (and data.{name} is data.{new})")
         return new
-    raise ValueError(f"unknown data source {name!r}; known: {', '.join(SOURCES)}")
+    raise ValueError(f"unknown data source {name!r}{did_you_mean(name, SOURCES)}; known: {', '.join(SOURCES)}")
 
 
 def get_source(name: str) -> DataSource:

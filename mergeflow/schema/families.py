@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from mergeflow.errors import ConfigError
+from mergeflow.errors import ConfigError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,8 @@ def family_of_arch(arch: str) -> FamilyDeclaration:
     for declaration in DECLARED.values():
         if arch in declaration.archs or arch in declaration.aliases:
             return declaration
-    known = ", ".join(arch for family in DECLARED.values() for arch in family.archs)
-    raise ConfigError([f"model.arch: {arch!r} is unknown; known: {known}"])
+    known = [arch for family in DECLARED.values() for arch in family.archs]
+    raise ConfigError([f"model.arch: {arch!r} is unknown{did_you_mean(arch, known)}; known: {', '.join(known)}"])
 
 
 def _transformers_objective(model: Any) -> str | None:

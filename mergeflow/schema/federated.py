@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mergeflow.errors import ConfigError
+from mergeflow.errors import ConfigError, did_you_mean
 
 
 class StrictOptions(BaseModel):
@@ -98,7 +98,8 @@ def validate_options(name: str, options: BaseModel | Mapping[str, Any] | None = 
         ConfigError: on an unknown algorithm, or naming the algorithm and the offending key.
     """
     if name not in DECLARED:
-        raise ConfigError([f"federated algorithm {name!r} is unknown; known: {', '.join(DECLARED)}"])
+        hint = did_you_mean(name, DECLARED)
+        raise ConfigError([f"federated algorithm {name!r} is unknown{hint}; known: {', '.join(DECLARED)}"])
     model = DECLARED[name]
     if isinstance(options, model):
         return options

@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mergeflow.errors import ConfigError
+from mergeflow.errors import ConfigError, did_you_mean
 
 NEEDS = ("base", "sizes", "fishers", "factors", "grams", "scorer")
 PriorMean = Literal["auto", "base", "zero"]
@@ -169,7 +169,8 @@ declare("ssf", SSFOptions, needs=("fishers",), uses=("factors", "base"))
 def validate_options(method: str, options: Mapping[str, object]) -> BaseModel:
     """Parse a method's options, raising ConfigError that names the method and key."""
     if method not in DECLARED:
-        raise ConfigError([f"merge method {method!r} is unknown; known: {', '.join(DECLARED)}"])
+        hint = did_you_mean(method, DECLARED)
+        raise ConfigError([f"merge method {method!r} is unknown{hint}; known: {', '.join(DECLARED)}"])
     try:
         return DECLARED[method].options.model_validate(dict(options))
     except ValidationError as error:
