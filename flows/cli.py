@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     reference.add_argument("--write", action="store_true", help="write ./docs/params.md instead of printing")
     ui = commands.add_parser("ui", help="open the MLflow UI on 127.0.0.1")
     ui.add_argument("--port", type=int, default=5000)
+    ui.add_argument("--params", default="params.yaml", help="whose tracking.experiment to open")
+    ui.add_argument("--print-url", action="store_true", help="print the runs page's URL and exit")
     commands.add_parser("methods", help="the registered merge methods: summary, inputs and options")
     commands.add_parser("algorithms", help="the registered federated algorithms: summary and options")
     serve = commands.add_parser("serve", help="deploy the pipeline on a schedule and serve it (needs a Prefect server)")
@@ -133,12 +135,19 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ui(port: int) -> int:
-    from tasks.tracking import tracking_uri
+def _ui(args: argparse.Namespace) -> int:
+    """Serve the MLflow UI and print the URL of the experiment's runs (MLflow 3 opens on GenAI traces)."""
+    from mergeflow.config import load_params
+    from tasks.tracking import runs_url, tracking_uri
 
+    experiment = load_params(args.params).tracking.experiment if Path(args.params).is_file() else "mergeflow"
+    url = runs_url(Path.cwd(), experiment, f"http://127.0.0.1:{args.port}")
+    if args.print_url:
+        print(url)
+        return 0
     command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(Path.cwd())]
-    command += ["--host", "127.0.0.1", "--port", str(port)]
-    print(f"MLflow UI on http://127.0.0.1:{port}")
+    command += ["--host", "127.0.0.1", "--port", str(args.port)]
+    print(f"MLflow UI on http://127.0.0.1:{args.port}; the runs of {experiment!r}: {url}")
     return subprocess.call(command)
 
 
@@ -195,7 +204,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         sys.stdout.write(render_methods() if args.command == "methods" else render_algorithms())
         return 0
-    return _ui(args.port)
+    return _ui(args)
 
 
 def _best(args: argparse.Namespace) -> int:
