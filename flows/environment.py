@@ -1,7 +1,7 @@
 """Environment defaults applied before Prefect, MLflow or DVC is imported.
 
 Embedded, offline-friendly defaults: no telemetry, a patient ephemeral Prefect server on
-slow machines. Anything the user has already set wins.
+slow machines, a quiet console. Anything the user has already set wins.
 """
 
 from __future__ import annotations
@@ -12,6 +12,11 @@ DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
     "PREFECT_LOGGING_LOG_PRINTS": "true",
+    # The console gets warnings and a line per stage (tasks.runner); Prefect's UI and API get every
+    # log record, and .mergeflow/last_run.json every step.
+    "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+    "MLFLOW_LOGGING_LEVEL": "WARNING",
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "FLWR_TELEMETRY_ENABLED": "0",
     "DVC_NO_ANALYTICS": "1",

@@ -75,6 +75,10 @@ def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
         f"{outcome.name:<32} {'cached' if outcome.cached else f'ran {outcome.seconds:5.1f}s'}" for outcome in outcomes
     ]
     log.info("%s: %d steps\n%s", stage.name, len(outcomes), "\n".join(lines))
+    ran = [outcome for outcome in outcomes if not outcome.cached]
+    seconds = sum(outcome.seconds for outcome in ran)
+    # Written, not printed: the flow logs prints (PREFECT_LOGGING_LOG_PRINTS), and the console shows no INFO.
+    sys.stderr.write(f"mergeflow: {stage.name}: {len(outcomes)} steps, {len(ran)} ran ({seconds:.1f}s)\n")
     return outcomes
 
 

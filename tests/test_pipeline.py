@@ -156,6 +156,8 @@ def test_aligning_reruns_only_align_merge_and_evaluate_and_logs_barriers(workspa
 
     done = run_cli(["run", "-S", "align.method=weights", "-S", "align.reference=0"], workspace, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
+    # The console: a line per stage and the summary; Prefect's INFO records go to its API, not here.
+    assert "mergeflow: align: 1 steps, 1 ran" in done.stderr and "Finished in state" not in done.stderr
     ran = ran_steps(workspace)
     # Clients fine-tuned from one base align to the identity: the merges re-run on the new
     # aligned files (their metadata names the reference) but give the same weights, so
