@@ -145,9 +145,9 @@ def test_a_tiny_gpt2_pretrained_as_a_language_model_and_fine_tuned_with_lora_run
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"data": {"text": {"text_column": "body"}}}, "text column 'body' not found"),
-        ({"data": {"text": {"label_column": "subject"}}}, "label column 'subject' not found"),
-        ({"data": {"text": {"group_column": "site"}}}, "group column 'site' not found"),
+        ({"data": {"text": {"text_column": "body"}}}, "data.text.text_column: no column 'body' in the table"),
+        ({"data": {"text": {"label_column": "subject"}}}, "data.text.label_column: no column 'subject' in the table"),
+        ({"data": {"text": {"group_column": "site"}}}, "data.text.group_column: no column 'site' in the table"),
         (
             {"model": {"transformers": {"config": {**BERT, "vocab_size": 200}}}},
             "model.transformers.config.vocab_size: 200 embeddings",
