@@ -123,9 +123,9 @@ def test_a_large_regression_target_is_standardised_and_every_number_is_reported_
 
     from mergeflow.metrics import regression_metrics
     from mergeflow.objectives import get_objective
+    from mergeflow.predictor import TablePredictor
 
     in_target_units = get_objective("regression").in_target_units
-    from mergeflow.predictor import TablePredictor
 
     rng = np.random.default_rng(0)
     frame = pd.DataFrame({"a": rng.normal(size=200), "b": rng.normal(size=200)})
@@ -153,6 +153,21 @@ def test_a_large_regression_target_is_standardised_and_every_number_is_reported_
     np.testing.assert_allclose(
         predictor.predict(frame[["a", "b"]])["prediction"], outputs * scale["std"] + scale["mean"], atol=1e-3
     )
+
+
+@pytest.mark.parametrize("classes", [[0, 1, 2], [3, 7, 9]])
+def test_a_served_model_answers_with_labels_of_the_datas_type(tmp_path, classes):
+    import torch
+
+    from mergeflow.predictor import TablePredictor
+
+    rng = np.random.default_rng(0)
+    frame = pd.DataFrame({"a": rng.normal(size=90), "label": np.repeat(classes, 30)})
+    frame.to_csv(tmp_path / "t.csv", index=False)
+    raw = load_table_raw("csv", data_files=str(tmp_path / "t.csv"), label_column="label")
+    info = encode_splits(raw, test_fraction=0.25, seed=0)[1]
+    predicted = TablePredictor(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(1, 3)), info).predict(frame)
+    assert set(predicted["label"]) <= set(classes) and all(isinstance(v, int | np.integer) for v in predicted["label"])
 
 
 # --- the sanity check --------------------------------------------------------------------------

@@ -99,7 +99,7 @@ def load_digits_source() -> tuple[datasets.Dataset, dict[str, Any]]:
     bunch = load_digits()
     ds = make_dataset(bunch.data / 16.0, bunch.target.astype(np.int64))
     names = [str(c) for c in range(10)]
-    return ds, _classification_info("digits", 10, [1, 8, 8], names)
+    return ds, _classification_info("digits", 10, [1, 8, 8], names) | {"class_values": list(range(10))}
 
 
 def load_wine_source() -> tuple[datasets.Dataset, dict[str, Any]]:
@@ -328,6 +328,9 @@ def load_table_raw(
     if task == "classification":
         info["num_classes"] = len(class_names) if class_names else int(y.max()) + 1
         info["class_names"] = class_names
+        column = table.column(label_column)
+        if class_names and (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
+            info["class_values"] = np.unique(column.to_numpy()).tolist()  # numbers, as the labels were
     return RawData(features, y, group, info, source_rows)
 
 

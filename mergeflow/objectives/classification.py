@@ -39,10 +39,13 @@ class Classification(Objective):
         return outputs.argmax(axis=1)
 
     def served_columns(self, outputs: np.ndarray, info: dict[str, Any]) -> dict[str, Any]:
-        """``label`` (the class name), ``score`` and one ``probability_<class>`` column each."""
-        names = info.get("class_names") or [str(c) for c in range(outputs.shape[1])]
+        """``label`` (the class as the data had it: a number for numeric labels, else its name), ``score`` and
+        one ``probability_<class name>`` column each."""
+        count = outputs.shape[1]
+        names = info.get("class_names") or [str(c) for c in range(count)]
+        labels = info.get("class_values") or info.get("class_names") or list(range(count))
         probabilities = softmax(outputs)
-        columns = {"label": [names[i] for i in probabilities.argmax(axis=1)], "score": probabilities.max(axis=1)}
+        columns = {"label": [labels[i] for i in probabilities.argmax(axis=1)], "score": probabilities.max(axis=1)}
         return columns | {f"probability_{name}": probabilities[:, i] for i, name in enumerate(names)}
 
     def baseline(self, y_train: np.ndarray, y_test: np.ndarray, predictions: dict[str, np.ndarray]) -> Baseline:
