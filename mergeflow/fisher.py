@@ -221,17 +221,17 @@ def _functorch_squared_grads(
         return loss_fn(out, t[None])
 
     try:
-        zeros = torch.zeros(*X.shape, module.weight.shape[1], dtype=module.weight.dtype)
+        zeros = torch.zeros(*X.shape, module.weight.shape[1], dtype=module.weight.dtype, device=X.device)
         grads, token_grads = vmap(grad(single, argnums=(0, 1)), in_dims=(None, 0, 0, 0))(params, zeros, X, target)
     finally:
         handle.remove()
     squares = {k: _weighted_sum(g**2, weight) for k, g in grads.items()}
     vocab = module.weight.shape[0]
-    keys = (torch.arange(len(X))[:, None] * vocab + X).reshape(-1)
+    keys = (torch.arange(len(X), device=X.device)[:, None] * vocab + X).reshape(-1)
     rows, inverse = torch.unique(keys, return_inverse=True)
     if weight is not None:
         token_grads = token_grads * weight.sqrt().reshape(-1, 1, 1)
-    per_text = torch.zeros(len(rows), token_grads.shape[-1], dtype=token_grads.dtype)
+    per_text = torch.zeros(len(rows), token_grads.shape[-1], dtype=token_grads.dtype, device=token_grads.device)
     per_text.index_add_(0, inverse, token_grads.reshape(-1, token_grads.shape[-1]))
     table = torch.zeros_like(module.weight).index_add_(0, rows % vocab, per_text**2)
     return {name: squares[name] if name != table_name else table for name, _ in model.named_parameters()}

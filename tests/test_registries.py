@@ -12,7 +12,7 @@ from mergeflow.config import validate_params
 from mergeflow.errors import ConfigError
 from mergeflow.evaluation import best_model, evaluate_outputs
 from mergeflow.models import FAMILIES, ModelFamily, build_from_spec, register_family
-from mergeflow.objectives import OBJECTIVES, Objective, register_objective
+from mergeflow.objectives import OBJECTIVES, Baseline, Objective, register_objective
 from mergeflow.schema import families, objectives
 from mergeflow.training import predict, train
 
@@ -78,6 +78,13 @@ def absolute():
 
         def ensemble(self, outputs_list):
             return np.median(np.stack(outputs_list), axis=0)
+
+        def baseline(self, y_train, y_test, predictions):
+            scores = -np.abs(y_test - np.median(y_train))
+            return Baseline(scores, {"baseline": "training median"}, "the training median", lambda s: f"{-s:.3g}")
+
+        def row_scores(self, predicted, y_test):
+            return -np.abs(np.asarray(predicted).reshape(len(y_test), -1)[:, 0] - y_test)
 
     yield Absolute
     OBJECTIVES.pop("absolute")

@@ -10,6 +10,7 @@ family of ``model.arch`` or of a spec's ``arch``; none of it tests an arch's nam
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,7 +22,7 @@ from mergeflow.registry import Registry
 from mergeflow.schema.families import DECLARED, FamilyDeclaration, family_of_arch
 
 
-class ModelFamily:
+class ModelFamily(ABC):
     """Interface of a model family; members subclass it and are registered with :func:`register_family`."""
 
     name: ClassVar[str]
@@ -31,6 +32,7 @@ class ModelFamily:
         """The torch-free declaration (archs, inputs, what the family supports)."""
         return DECLARED[self.name]
 
+    @abstractmethod
     def build_base(
         self, model: dict[str, Any], info: dict[str, Any], output_dim: int, seed: int
     ) -> tuple[nn.Module, dict[str, Any]]:
@@ -42,18 +44,17 @@ class ModelFamily:
             output_dim: outputs per example the objective needs (classes, or 1).
             seed: seed of the initialisation.
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def from_spec(self, spec: dict[str, Any]) -> nn.Module:
         """The architecture a checkpoint's spec describes, deterministically initialised."""
-        raise NotImplementedError
 
     def export(
         self, spec: dict[str, Any], state: dict[str, torch.Tensor], directory: Path, inputs: dict[str, Path]
     ) -> None:
         """Write a directory the family's own ecosystem loads, for a family declared with ``exports``
         (``inputs``: its declared extra inputs by name)."""
-        raise NotImplementedError
+        raise TypeError(f"model family {self.name!r} is not declared with exports: its checkpoint is the model")
 
 
 FAMILIES: Registry[ModelFamily] = Registry("model family")

@@ -8,6 +8,7 @@ code, the trainers, the Fishers and the barrier ask the objective; none of them 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -39,7 +40,7 @@ class Baseline:
     describe: Callable[[float], str]
 
 
-class Objective:
+class Objective(ABC):
     """Interface of an objective; members subclass it and are registered with :func:`register_objective`.
 
     Tensor methods get tensors on the model's device; array methods get float64 numpy arrays of
@@ -54,13 +55,13 @@ class Objective:
         return declared_objective(self.name)
 
     # Training.
+    @abstractmethod
     def targets(self, y: np.ndarray | torch.Tensor, inputs: torch.Tensor, model: nn.Module) -> torch.Tensor:
         """The training targets of ``inputs`` with labels ``y``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean loss training minimises."""
-        raise NotImplementedError
 
     def outputs(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
         """What prediction keeps of a batch: the model's raw outputs."""
@@ -75,9 +76,9 @@ class Objective:
         return 1
 
     # Evaluation.
+    @abstractmethod
     def metrics(self, outputs: np.ndarray, y: np.ndarray | None, *, n_bins: int, noise_std: float) -> dict:
         """Test metrics of raw outputs."""
-        raise NotImplementedError
 
     def in_target_units(self, metrics: dict, std: float) -> dict:
         """Metrics of a model trained on a standardised target, in the target's own units (unchanged here)."""
@@ -101,13 +102,13 @@ class Objective:
         """The training and test targets the input-blind baseline is fitted to and scored on."""
         return train[1], test[1]
 
+    @abstractmethod
     def baseline(self, y_train: np.ndarray, y_test: np.ndarray, predictions: dict[str, np.ndarray]) -> Baseline:
         """The model that ignores its input, fitted on ``y_train`` and scored on ``y_test``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def row_scores(self, predicted: np.ndarray, y_test: np.ndarray) -> np.ndarray:
         """A model's higher-is-better score on each test row (same scale as :attr:`Baseline.scores`)."""
-        raise NotImplementedError
 
     def versus(self, result: dict, reference: dict) -> dict:
         """Metrics comparing a combined model with the centralized one (none here)."""
@@ -120,7 +121,7 @@ class Objective:
 
     def summed_loss(self) -> nn.Module:
         """The negative log-likelihood summed over examples, up to :meth:`score_scale`."""
-        raise NotImplementedError
+        raise ValueError(f"a {self.name} objective has no Fisher information (no likelihood to differentiate)")
 
     def loss_target(self, y: torch.Tensor) -> torch.Tensor:
         """Labels shaped for :meth:`summed_loss`."""
@@ -130,7 +131,7 @@ class Objective:
         self, model: nn.Module, X: Tensor, y: Tensor, kind: str, noise_std: float, rng: Generator
     ) -> Tensor:
         """Targets of the ``empirical`` (the data's) and ``sampled`` (drawn from the model) Fishers."""
-        raise NotImplementedError
+        raise ValueError(f"a {self.name} objective has no Fisher information (no likelihood to sample)")
 
     def exact_targets(self, model: nn.Module, X: torch.Tensor, noise_std: float) -> list[FisherTarget]:
         """(target, weight per example) pairs whose weighted squared scores sum to the exact Fisher."""
