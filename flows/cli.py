@@ -93,6 +93,9 @@ def _run(args: argparse.Namespace, stages: list[str] | None) -> int:
     print(f"mergeflow: {len(outcomes)} steps in {elapsed:.1f}s: {len(ran)} ran, {len(outcomes) - len(ran)} cached")
     if ran:
         print("  ran: " + step_summary(ran))
+    registered = [v for o in outcomes if not o["cached"] for v in o["summary"].get("registered", [])]
+    if registered:
+        print("  registered: " + ", ".join(registered))
     warnings: list[str] = []
     if stages is None or "federated" in stages:
         from tasks.reports import run_warnings

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlflow.pyfunc
+import pandas as pd
 
 CHECKPOINT = "checkpoint"
 INFO = "info"
@@ -19,7 +18,10 @@ class RawRowsModel(mlflow.pyfunc.PythonModel):
 
         self.predictor = TablePredictor.from_files(context.artifacts[CHECKPOINT], context.artifacts[INFO])
 
-    def predict(self, context: mlflow.pyfunc.PythonModelContext, model_input, params: dict | None = None) -> Any:
-        """Predictions for raw rows (see ``TablePredictor.predict``); ``model_input`` has no type hint,
-        which MLflow would take for a schema of its own."""
+    def predict(
+        self, context: mlflow.pyfunc.PythonModelContext, model_input: pd.DataFrame, params: dict | None = None
+    ) -> pd.DataFrame:
+        """Predictions for raw rows (see ``TablePredictor.predict``). A DataFrame hint is one MLflow
+        derives no schema from: the logged signature says what is checked, and arrays of features
+        (built-in sources) pass through as they are."""
         return self.predictor.predict(model_input)

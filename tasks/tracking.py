@@ -7,14 +7,16 @@ while pointing at a new tracking server logs the results there.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import os
 import re
 import subprocess
+import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +193,7 @@ def step_times(root: Path) -> dict[tuple[str, str], tuple[int, int]]:
     return times
 
 
-@contextmanager
+@contextlib.contextmanager
 def _child_run(mlflow, name: str, tags: dict[str, str], times: tuple[int, int] | None) -> Iterator[Any]:
     """A nested run; with ``times``, it spans the step that made what it logs, not the logging."""
     if times is None:
@@ -247,17 +249,20 @@ def _log_selection(mlflow, selection: dict[str, Any]) -> None:
     mlflow.set_tags({"mergeflow.selected_on": selection["split"], "mergeflow.select_by": selection["select_by"]})
 
 
-def _register(mlflow, model_uri: str, name: str, tags: dict[str, str]) -> None:
-    """A new version of ``name`` unless a version already holds the same checkpoint (by sha256).
+def _register(mlflow, model_uri: str, name: str, tags: dict[str, str]) -> str | None:
+    """A new version of ``name`` unless a version already holds the same checkpoint (by sha256); says which.
 
     The logging step re-runs as a whole when any merge changed; this keeps the unchanged
-    merges from gaining identical versions.
+    merges from gaining identical versions. MLflow's own two lines per version, printed straight to
+    stderr, are kept off the console: the run's summary names the new versions instead.
     """
     client = mlflow.tracking.MlflowClient()
     digest = tags["mergeflow.checkpoint_sha256"]
     if any(v.tags.get("mergeflow.checkpoint_sha256") == digest for v in client.search_model_versions(f"name='{name}'")):
-        return
-    mlflow.register_model(model_uri, name, tags=tags)
+        return None
+    with contextlib.redirect_stderr(io.StringIO()):
+        version = mlflow.register_model(model_uri, name, tags=tags)
+    return f"{name} version {version.version}"
 
 
 def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, context: dict[str, Any]) -> None:
@@ -301,7 +306,8 @@ def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, 
                 "mergeflow.method": meta["method"],
                 "mergeflow.run_id": run.info.run_id,
             }
-            _register(mlflow, model_uri, registered_model_name(context["experiment"], name), version_tags)
+            registered = _register(mlflow, model_uri, registered_model_name(context["experiment"], name), version_tags)
+            context["registered"] += [registered] if registered else []
 
 
 def _earlier_merge_run(mlflow, run, name: str, digest: str) -> str | None:
@@ -368,15 +374,32 @@ def _log_raw_rows_model(
 
     code = project_root_of_code()
     requirements += [f"pandas=={pandas.__version__}", f"pyarrow=={pyarrow.__version__}"]
+    info_file = root / PREPARED / "info.json"
     return mlflow.pyfunc.log_model(
         name=name,
         tags=tags,
         python_model=str(code / "tasks" / "pyfunc_model.py"),
-        artifacts={CHECKPOINT: str(path), INFO: str(root / PREPARED / "info.json")},
+        artifacts={CHECKPOINT: str(path), INFO: str(info_file)},
         code_paths=[str(code / "mergeflow"), str(code / "tasks")],
         input_example=example,
+        signature=_raw_rows_signature(path, info_file, example),
         pip_requirements=requirements,
     )
+
+
+def _raw_rows_signature(path: Path, info_file: Path, example):
+    """The model's signature: the columns it answers with, and the raw columns it takes (doubles for numbers,
+    so whole numbers and gaps pass). Built-in sources take arrays of any float type: no input schema, since
+    MLflow's tensor specs would refuse every dtype but one."""
+    import pandas
+    from mlflow.models import infer_signature
+
+    from mergeflow.predictor import TablePredictor
+
+    outputs = TablePredictor.from_files(path, info_file).predict(example)
+    with warnings.catch_warnings():  # its hint on integer columns concerns inputs; a label column has no gaps
+        warnings.filterwarnings("ignore", message=".*Inferred schema contains integer column")
+        return infer_signature(example if isinstance(example, pandas.DataFrame) else None, outputs)
 
 
 FLAVOURS = {"transformers": _log_pipeline, "pyfunc": _log_raw_rows_model}  # by a family's declared flavour
@@ -415,7 +438,7 @@ def _log_rounds(mlflow, rounds: list[dict]) -> None:
     mlflow.tracking.MlflowClient().log_batch(mlflow.active_run().info.run_id, metrics=history)
 
 
-@contextmanager
+@contextlib.contextmanager
 def _tracking_lock(root: Path) -> Iterator[None]:
     """One MLflow writer per project at a time: concurrent first use of a SQLite store breaks its
     schema migration, and two pipelines may finish together (schedules, parallel experiments)."""
@@ -436,18 +459,17 @@ def track(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
 
 
 def _input_example(root: Path, info: dict[str, Any]):
-    """Two raw rows as a logged model takes them (MLflow infers the model's input schema from them): a
-    DataFrame of the source's columns, or token ids for text; None for a built-in source's arrays."""
+    """Two raw rows as a logged model takes them: a DataFrame of the source's columns, or an array of
+    features (a built-in source's, or token ids for text)."""
     import numpy as np
     import pandas as pd
 
     from tasks.data import read_arrays
 
     raw = info.get("raw_example")
-    if raw is None:
-        return read_arrays(root / PREPARED / "test.parquet", info)[0][:2]
-    if list(raw) == ["x"]:
-        return None  # MLflow would enforce its dtype exactly: float32 arrays would refuse float64 ones
+    if raw is None or list(raw) == ["x"]:
+        features = read_arrays(root / PREPARED / "test.parquet", info)[0][:2]
+        return features.reshape(len(features), -1).astype(np.float64)
     frame = pd.DataFrame(raw)
     numbers = frame.select_dtypes("number").columns  # as doubles, so that whole-number columns also take 1.5 or NaN
     return frame.astype({column: np.float64 for column in numbers})
@@ -511,6 +533,7 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
             "params_hash": tags["mergeflow.params_hash"],
             "info": info,
             "times": step_times(root),
+            "registered": [],
         }
         for client in range(config["partition"]["num_clients"]):
             _log_client(mlflow, root, client, metrics, context)
@@ -519,7 +542,7 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
         rounds = json.loads((root / FEDERATED_METRICS).read_text())
         for name in config["federated"]["algorithms"]:
             _log_federated(mlflow, root, name, config, rounds[name], metrics[f"federated/{name}"])
-    return {"run_id": parent.info.run_id, "experiment_id": experiment_id}
+    return {"run_id": parent.info.run_id, "experiment_id": experiment_id, "registered": context["registered"]}
 
 
 _LOWER_IS_BETTER = ("nll", "ece", "mse", "loss", "residual", "barrier")
