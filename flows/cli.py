@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--port", type=int, default=5000)
     ui.add_argument("--params", default="params.yaml", help="whose tracking.experiment to open")
     ui.add_argument("--print-url", action="store_true", help="print the runs page's URL and exit")
+    export = commands.add_parser("export-lora", help="a merged transformer as a PEFT LoRA adapter over the base")
+    export.add_argument("merge", help="an entry of merge.methods (models/merged/MERGE.safetensors)")
+    size = export.add_mutually_exclusive_group(required=True)
+    size.add_argument("--rank", type=int, help="each module's LoRA rank")
+    size.add_argument("--energy", type=float, help="each module keeps this share of its squared singular values")
+    export.add_argument("--out", type=Path, help="the adapter's directory (default: models/adapters/MERGE)")
     commands.add_parser("methods", help="the registered merge methods: summary, inputs and options")
     commands.add_parser("algorithms", help="the registered federated algorithms: summary and options")
     serve = commands.add_parser("serve", help="deploy the pipeline on a schedule and serve it (needs a Prefect server)")
@@ -200,6 +206,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "serve":
         return _serve(args)
+    if args.command == "export-lora":
+        from flows.export import export_lora
+
+        export_lora(Path.cwd(), args.merge, args.out, args.rank, args.energy)
+        return 0
     if args.command == "best":
         return _best(args)
     if args.command in ("methods", "algorithms"):

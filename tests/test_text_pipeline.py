@@ -112,6 +112,28 @@ def test_a_merged_transformer_reloads_with_from_pretrained_from_its_directory(be
     assert (animal, weather) == ("animal", "weather")
 
 
+def test_export_lora_gives_a_peft_adapter_that_is_the_merged_model_at_full_rank(bert_run, cli_env):
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from mergeflow.checkpoints import load_model
+
+    too_large = run_cli(["export-lora", "fisher", "--rank", "100000"], bert_run, cli_env)
+    assert too_large.returncode == 2 and "larger than module" in too_large.stderr
+    assert not (bert_run / "models/adapters").exists() or not any((bert_run / "models/adapters").iterdir())
+    done = run_cli(["export-lora", "fisher", "--energy", "1"], bert_run, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = bert_run / "models/adapters/fisher"
+    base = AutoModelForSequenceClassification.from_pretrained(out / "base")
+    adapted = PeftModel.from_pretrained(base, out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out / "base")
+    encoded = tokenizer(["the whale and the tiger", "bread cheese and soup"], padding=True, return_tensors="pt")
+    ours = load_model(bert_run / "models/merged/fisher.safetensors")(encoded["input_ids"])
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(**encoded).logits, ours, atol=1e-4, rtol=1e-4)
+    assert json.loads((out / "adapter_config.json").read_text())["rank_pattern"]  # a rank per module
+
+
 def test_a_tiny_gpt2_pretrained_as_a_language_model_and_fine_tuned_with_lora_runs_through_the_pipeline(
     tmp_path, cli_env
 ):
