@@ -54,8 +54,7 @@ def merge_inputs(method: str, device: torch.device | str = "cpu", clients: int =
         inputs["fishers"] = [{name: positive(state[name]) for name in floating} for state in states]
     if "factors" in wanted:
         inputs["factors"] = [
-            torch.randn((2, width), generator=generator, dtype=torch.float64).to(device, torch.float32)
-            for _ in states
+            torch.randn((2, width), generator=generator, dtype=torch.float64).to(device, torch.float32) for _ in states
         ]
     if "grams" in wanted:
         grams = []

@@ -8,9 +8,8 @@ would on CUDA. Code that makes its tensors on its data's device passes.
 from __future__ import annotations
 
 import pytest
-import torch
-
 from device_cases import SPARSE, merge_cases, merge_inputs, strict_devices
+
 from mergeflow.merge import run_merge
 
 SPARSE_MARK = pytest.mark.xfail(strict=False, reason="fixed on the sparse branch")

@@ -124,7 +124,8 @@ def woodbury_inverse(
             last = min(first + strip, rows)
             torch.mm(scaled[first:last], scaled[:last].T, out=product[: last - first, :last])
             capacitance[first:last, :last] += product[: last - first, :last]
-    capacitance = capacitance.tril() + capacitance.tril(-1).T + torch.eye(rows, dtype=torch.float64, device=diagonal.device)
+    identity = torch.eye(rows, dtype=torch.float64, device=diagonal.device)
+    capacitance = capacitance.tril() + capacitance.tril(-1).T + identity
     cholesky = torch.linalg.cholesky(capacitance)
 
     def apply(v: torch.Tensor) -> torch.Tensor:

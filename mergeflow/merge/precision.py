@@ -112,8 +112,9 @@ def client_precisions(x: ModelInputs, *, by_size: bool) -> list[ClientPrecision]
     out = []
     for k, state in enumerate(x.states):
         scale = float(x.sizes[k]) if by_size else 1.0
-        diagonal = x.flatten(x.fishers[k]) if x.fishers is not None else torch.zeros(dim, dtype=torch.float64, device=device)
-        factors = x.factors[k] if x.factors is not None else torch.zeros((0, dim), dtype=torch.float64, device=device)
+        none = torch.zeros((0, dim), dtype=torch.float64, device=device)
+        diagonal = x.flatten(x.fishers[k]) if x.fishers is not None else none.new_zeros(dim)
+        factors = x.factors[k] if x.factors is not None else none
         if factors.shape[-1] != dim:
             raise MergeflowError(f"client {k} factors have {factors.shape[-1]} columns, the model has {dim} parameters")
         residual = (diagonal - _squared_column_sums(factors, scratch)).clamp_min(0)

@@ -38,7 +38,8 @@ def _masks(
     """(J, m) masked and (J, w − m) conditioning coordinates, fresh for every step, on ``device`` (drawn on
     the CPU, so a seed draws the same masks on every device)."""
     window, masked = _mask_sizes(dim, options)
-    draws = [torch.randperm(dim, generator=generator, device=generator.device)[:window] for _ in range(options.masks_per_step)]
+    steps = range(options.masks_per_step)
+    draws = [torch.randperm(dim, generator=generator, device=generator.device)[:window] for _ in steps]
     order = torch.stack(draws).to(device)
     return order[:, :masked], order[:, masked:]
 
