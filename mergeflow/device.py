@@ -95,6 +95,15 @@ def use_deterministic(device: torch.device) -> None:
     torch.backends.cudnn.benchmark = False
 
 
+def host_tensor(values: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``values`` as a tensor: a tensor stays where it is; numpy arrays and lists become CPU tensors (data
+    stay on the CPU, whatever torch's default device, and move to the compute device a batch at a time)."""
+    import torch
+
+    tensor = values if isinstance(values, torch.Tensor) else torch.as_tensor(values, device="cpu")
+    return tensor if dtype is None else tensor.to(dtype)
+
+
 def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A batch on ``device``: a CPU batch bound for a GPU is pinned and copied without blocking."""
     if batch.device == device:

@@ -7,15 +7,23 @@ would on CUDA. Code that makes its tensors on its data's device passes.
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
-from device_cases import SPARSE, merge_cases, merge_inputs, strict_devices
+from device_cases import SPARSE, merge_cases, merge_inputs, strict_devices, tiny_classifier, tiny_data
 
 from mergeflow.config import validate_params
 from mergeflow.device import device_problem
 from mergeflow.errors import ConfigError
+from mergeflow.federated import ALGORITHMS, ClientData, LocalTraining
+from mergeflow.federated.loop import run_rounds
+from mergeflow.fisher import diagonal_fisher, fisher_factors, fisher_sketch
+from mergeflow.grams import linear_input_grams
 from mergeflow.merge import run_merge
 from mergeflow.preflight import check_model
+from mergeflow.training import predict, train
 
 SPARSE_MARK = pytest.mark.xfail(strict=False, reason="fixed on the sparse branch")
 
@@ -64,3 +72,42 @@ def test_a_device_or_precision_the_machine_lacks_is_one_line_naming_the_key(
     (line,) = caught.value.lines
     assert line.startswith(f"params.yaml: {needle}")
     assert device_problem("cpu") is None and device_problem("auto") is None
+
+
+def test_a_training_step_and_prediction_make_their_tensors_on_the_models_device():
+    model, (X, y) = tiny_classifier(), tiny_data()
+    before = [p.detach().clone() for p in model.parameters()]
+    with strict_devices():
+        result = train(model, X, y, task="classification", epochs=1, lr=0.1, batch_size=8, optimizer="adam")
+        outputs = predict(model, X, task="classification")
+    assert len(result.losses) == 3 and outputs.shape == (24, 3)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("backend", ["functorch", "backpack"])
+@pytest.mark.parametrize("kind", ["empirical", "sampled", "exact"])
+def test_fisher_paths_make_their_tensors_on_the_models_device(kind, backend):
+    model, (X, y) = tiny_classifier(), tiny_data()
+    options = {"kind": kind, "task": "classification", "backend": backend, "batch_size": 10}
+    with strict_devices():
+        diagonal = diagonal_fisher(model, X, y, **options)
+        factors = fisher_factors(model, X, y, **options)
+        sketch, _ = fisher_sketch(model, X, y, rows=4, **options)
+        grams = linear_input_grams(model, X, batch_size=10)
+    assert {t.device.type for t in [*diagonal.values(), factors, sketch, *grams.values()]} == {"cpu"}
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_a_federated_round_makes_its_tensors_on_the_models_device(algorithm):
+    if algorithm == "bayes_admm":
+        pytest.importorskip("ivon")
+    X, y = tiny_data(rows=32)
+    clients = [ClientData(torch.as_tensor(X[i::2]), torch.as_tensor(y[i::2])) for i in range(2)]
+    template = tiny_classifier()  # built outside: a builder makes its model on the CPU
+    with strict_devices():
+        run = run_rounds(
+            algorithm, lambda: copy.deepcopy(template), clients, 1, train=LocalTraining(epochs=1, batch_size=8)
+        )
+    assert len(run.metrics) == 2 and math.isfinite(run.metrics[-1]["train_loss"])
+    tensors = [*run.global_state.values(), *run.server.values()]
+    assert tensors and {t.device.type for t in tensors} == {"cpu"}

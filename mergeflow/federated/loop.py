@@ -16,6 +16,7 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
+from mergeflow.device import host_tensor
 from mergeflow.evaluation import evaluate_outputs
 from mergeflow.federated.base import (
     ClientData,
@@ -87,7 +88,8 @@ def predictive_metrics(
         # Sorted names: the same draws whether the state came from memory or from safetensors.
         draw = {
             name: means[name]
-            + torch.randn(means[name].shape, generator=generator, dtype=torch.float64) / precisions[name].sqrt()
+            + torch.randn(means[name].shape, generator=generator, dtype=torch.float64).to(means[name].device)
+            / precisions[name].sqrt()
             for name in sorted(means)
         }
         load_parameters(model, draw)
@@ -121,8 +123,8 @@ def global_scores(
 
 def _concatenate(clients_data: Sequence[ClientData]) -> ClientData:
     return ClientData(
-        torch.cat([torch.as_tensor(d.X) for d in clients_data]),
-        torch.cat([torch.as_tensor(d.y) for d in clients_data]),
+        torch.cat([host_tensor(d.X) for d in clients_data]),
+        torch.cat([host_tensor(d.y) for d in clients_data]),
         clients_data[0].task,
     )
 
