@@ -14,6 +14,9 @@ import pytest
 import torch
 from device_cases import SPARSE, merge_cases, merge_inputs, strict_devices, tiny_classifier, tiny_data
 
+from mergeflow.align.barrier import loss_barrier, make_loss_fn, make_metric_fn
+from mergeflow.align.matching import align_models
+from mergeflow.align.trace import permutation_spec
 from mergeflow.config import validate_params
 from mergeflow.device import device_problem
 from mergeflow.errors import ConfigError
@@ -111,3 +114,17 @@ def test_a_federated_round_makes_its_tensors_on_the_models_device(algorithm):
     assert len(run.metrics) == 2 and math.isfinite(run.metrics[-1]["train_loss"])
     tensors = [*run.global_state.values(), *run.server.values()]
     assert tensors and {t.device.type for t in tensors} == {"cpu"}
+
+
+@pytest.mark.parametrize("method", ["weights", "activations"])
+def test_alignment_and_barriers_make_their_tensors_on_the_models_device(method):
+    model, (X, y) = tiny_classifier(), tiny_data()
+    spec = permutation_spec(model, [4])
+    reference, other = tiny_classifier(1).state_dict(), tiny_classifier(2).state_dict()
+    with strict_devices():
+        ((aligned, perms),) = align_models(spec, reference, [other], method=method, inputs=X, model=model)
+        result = loss_barrier(
+            make_loss_fn(model, X, y), reference, aligned, n_points=3, metric_fn=make_metric_fn(model, X, y)
+        )
+    assert {t.device.type for t in [*aligned.values(), *perms.values()]} == {"cpu"}
+    assert len(result.losses) == 3 and math.isfinite(result.barrier)
