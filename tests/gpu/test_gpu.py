@@ -176,13 +176,13 @@ def test_every_stage_runs_on_the_device_and_scores_as_the_cpu(tmp_path):
     raw["finetune"] |= {"epochs": 2}
     raw["federated"] |= {"rounds": 2}
     raw["merge"]["options"]["ssf"] |= {"steps": 20}
-    scores = {}
-    for device in ("cpu", str(DEVICE)):
+    scores = []
+    for run, device in enumerate(("cpu", str(DEVICE))):
         raw["orchestration"]["device"] = device
-        root = tmp_path / device.replace(":", "_")
+        root = tmp_path / f"run{run}"
         root.mkdir()
-        scores[device] = _run_stages(validate_params(raw), root)
-    gpu, cpu = scores[str(DEVICE)], scores["cpu"]
+        scores.append(_run_stages(validate_params(raw), root))
+    cpu, gpu = scores
     compared = [name for name, value in cpu.items() if isinstance(value, dict) and "accuracy" in value]
     assert {"base", "centralized"} <= set(compared) and any(name.startswith("merged/") for name in compared)
     for name in compared:
