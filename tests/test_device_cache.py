@@ -53,3 +53,42 @@ def test_a_run_reusing_results_made_on_another_device_warns_once(tmp_path, capsy
     same = [StepOutcome("a", True, 0.0, device="cpu"), StepOutcome("b", False, 1.0, device="cpu")]
     warn_mixed_devices(same)
     assert capsys.readouterr().err == ""
+
+
+def test_gpu_steps_share_the_gpu_within_gpu_workers_and_ask_dask_for_a_gpu(monkeypatch):
+    import threading
+    import time
+
+    import dask
+    import torch
+
+    import mergeflow.device
+    from tasks.devices import dask_annotation, dask_resources, gpu_slot
+
+    monkeypatch.setattr(mergeflow.device, "resolve_device", lambda setting: torch.device("cuda", 0))
+    settings = device_settings(validate_params({"orchestration": {"device": "cuda", "gpu_workers": 2}}))
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def step() -> None:
+        with gpu_slot(settings):
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.2)
+            with lock:
+                running[0] -= 1
+
+    threads = [threading.Thread(target=step) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most[0] == 2
+    cuda, auto, cpu, data = _step("a", "cuda:1"), _step("b", "auto"), _step("c", "cpu"), _step("d", None)
+    assert dask_resources([cuda, data]) == {"GPU": 1}
+    assert dask_resources([auto]) == dask_resources([cpu, data]) == {}  # auto: any worker, its GPU if it has one
+    with dask_annotation([cuda]):
+        assert dask.get_annotations() == {"resources": {"GPU": 1}}
+    with dask_annotation([cpu]):
+        assert dask.get_annotations() == {}
