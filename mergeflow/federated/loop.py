@@ -57,7 +57,7 @@ def evaluate_global(
     """Load ``params`` into ``model`` and return :func:`mergeflow.evaluation.evaluate_outputs` on ``data``."""
     load_parameters(model, params)
     outputs = predict(model, data.X, task=data.task)
-    return evaluate_outputs(outputs, data.y.numpy(), task=data.task, noise_std=noise_std)
+    return evaluate_outputs(outputs, data.y.cpu().numpy(), task=data.task, noise_std=noise_std)
 
 
 def predictive_metrics(
@@ -94,7 +94,8 @@ def predictive_metrics(
         }
         load_parameters(model, draw)
         outputs.append(predict(model, data.X, task=objective))
-    scores = objective.metrics(objective.ensemble(outputs), data.y.numpy(), n_bins=15, noise_std=noise_std)
+    labels = data.y.cpu().numpy()
+    scores = objective.metrics(objective.ensemble(outputs), labels, n_bins=15, noise_std=noise_std)
     return {f"bma_{key}": value for key, value in scores.items()}
 
 
