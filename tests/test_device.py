@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 from device_cases import SPARSE, merge_cases, merge_inputs, strict_devices, tiny_classifier, tiny_data
@@ -128,3 +129,15 @@ def test_alignment_and_barriers_make_their_tensors_on_the_models_device(method):
         )
     assert {t.device.type for t in [*aligned.values(), *perms.values()]} == {"cpu"}
     assert len(result.losses) == 3 and math.isfinite(result.barrier)
+
+
+def test_mixed_precision_autocasts_the_forward_pass_and_keeps_float32_weights():
+    X, y = tiny_data(rows=32)
+    runs = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        model = tiny_classifier()
+        runs[precision] = train(model, X, y, task="classification", epochs=1, lr=0.1, batch_size=8, precision=precision)
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert runs["bf16"].losses != runs["fp32"].losses  # autocast ran the forward pass in bf16
+    np.testing.assert_allclose(runs["bf16"].losses, runs["fp32"].losses, rtol=0.02)
+    np.testing.assert_allclose(runs["fp16"].losses, runs["fp32"].losses, rtol=0.02)

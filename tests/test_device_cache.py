@@ -92,3 +92,14 @@ def test_gpu_steps_share_the_gpu_within_gpu_workers_and_ask_dask_for_a_gpu(monke
         assert dask.get_annotations() == {"resources": {"GPU": 1}}
     with dask_annotation([cpu]):
         assert dask.get_annotations() == {}
+
+
+def test_precision_keys_the_training_steps_only_when_it_is_not_fp32():
+    from tasks.training import plan_centralized, plan_finetune
+
+    def trained(precision: str) -> list[dict]:
+        params = validate_params({"finetune": {"precision": precision}})
+        return [step.params["train"] for step in [*plan_finetune(params), *plan_centralized(params)]]
+
+    assert all("precision" not in train for train in trained("fp32"))  # keys made before precision stay valid
+    assert all(train["precision"] == "bf16" for train in trained("bf16"))
