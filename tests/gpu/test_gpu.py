@@ -20,6 +20,7 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from device_cases import SPARSE, merge_cases, merge_inputs, tiny_classifier, tiny_data
@@ -190,3 +191,49 @@ def test_every_stage_runs_on_the_device_and_scores_as_the_cpu(tmp_path):
     print(
         "\n" + "\n".join(f"{n:<28} cpu {cpu[n]['accuracy']:.4f}  {DEVICE} {gpu[n]['accuracy']:.4f}" for n in compared)
     )
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_transformer_trains_and_its_fisher_runs_on_the_device_as_on_the_cpu(lora):
+    """A 1-layer BERT (no dropout), full or LoRA fine-tuning, then its diagonal Fisher: within 1e-3 of the CPU's."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from mergeflow.fisher import diagonal_fisher
+    from mergeflow.models.lora import lora as with_lora
+    from mergeflow.models.token_model import TokenModel
+    from mergeflow.training import train
+
+    config = BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=12,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    template = TokenModel(BertForSequenceClassification(config), pad_token_id=0)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 50, (32, 12))
+    ids[:, 9:] = 0
+    labels = rng.integers(0, 3, 32)
+    settings = {"r": 2, "alpha": 4.0, "dropout": 0.0, "target_modules": ["query", "value"]}
+    results = []
+    for device in ("cpu", DEVICE):
+        model = copy.deepcopy(template).to(device)
+        options = {"task": "classification", "epochs": 2, "lr": 1e-3, "optimizer": "adam", "batch_size": 8}
+        if lora:
+            with torch.random.fork_rng(devices=[]), with_lora(model, settings, seed=0):
+                run = train(model, ids, labels, **options)
+        else:
+            run = train(model, ids, labels, **options)
+        fisher = diagonal_fisher(model, ids, labels, kind="empirical", backend="functorch", batch_size=8)
+        results.append((run.losses, model.state_dict(), fisher))
+    (cpu_losses, cpu_state, cpu_fisher), (losses, state, fisher) = results
+    _close(losses, cpu_losses, 1e-3)
+    _states_close({k: v for k, v in state.items() if v.is_floating_point()},
+                  {k: v for k, v in cpu_state.items() if v.is_floating_point()}, 1e-3, 1e-5)  # fmt: skip
+    _states_close(fisher, cpu_fisher, 1e-3, 1e-9)
