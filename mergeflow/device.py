@@ -104,6 +104,20 @@ def host_tensor(values: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
     return tensor if dtype is None else tensor.to(dtype)
 
 
+# A split this small goes to an accelerator whole before training (batches are then cut there); a larger one
+# stays on the CPU and goes a batch at a time.
+RESIDENT_BYTES = 256 * 2**20
+
+
+def resident(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``tensors`` on ``device`` at once when they are on the CPU, bound for an accelerator and together
+    within :data:`RESIDENT_BYTES`; otherwise as they are (moved a batch at a time by :func:`to_device`)."""
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    if device.type == "cpu" or size > RESIDENT_BYTES:
+        return tensors
+    return tuple(t.to(device) for t in tensors)
+
+
 def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A batch on ``device``: a CPU batch bound for a GPU is pinned and copied without blocking."""
     if batch.device == device:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from mergeflow.device import autocast, grad_scaler, host_tensor, module_device, to_device
+from mergeflow.device import autocast, grad_scaler, host_tensor, module_device, resident, to_device
 from mergeflow.models.token_model import TokenModel
 from mergeflow.objectives import Objective, get_objective
 
@@ -168,6 +168,7 @@ def train(
     n = inputs.shape[0]
     lengths = token_lengths(model, inputs)
     device = module_device(model)
+    inputs, targets = resident((inputs, targets), device)  # a small split goes to the device whole
     scaler = grad_scaler(device, precision)
     result = TrainResult()
     bar = tqdm(range(epochs), desc=progress, leave=False, disable=None) if progress else None
@@ -175,6 +176,7 @@ def train(
     for epoch in bar if bar is not None else range(epochs):
         total = 0.0
         for step, idx in enumerate(minibatches(n, batch_size, gen, lengths)):
+            idx = idx.to(inputs.device)
             batch, batch_targets = to_device(inputs[idx], device), to_device(targets[idx], device)
             with autocast(device, precision):
                 loss = loss_fn(model(batch), batch_targets)

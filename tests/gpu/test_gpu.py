@@ -59,9 +59,13 @@ def test_every_merge_method_on_the_device_matches_the_cpu(method):
     _states_close(on_device.state, on_cpu.state, rtol=1e-5, atol=1e-6)
 
 
-def test_a_training_step_trains_on_the_device_and_matches_the_cpu():
+@pytest.mark.parametrize("whole_split", [True, False])
+def test_a_training_step_trains_on_the_device_and_matches_the_cpu(whole_split, monkeypatch):
+    import mergeflow.device
     from mergeflow.training import predict, train
 
+    if not whole_split:  # the data stay on the CPU and go a batch at a time (pinned, non-blocking)
+        monkeypatch.setattr(mergeflow.device, "RESIDENT_BYTES", 0)
     X, y = tiny_data(rows=64)
     cpu_model, device_model = tiny_classifier(), tiny_classifier().to(DEVICE)
     cpu = train(cpu_model, X, y, task="classification", epochs=3, lr=0.1, batch_size=16)
