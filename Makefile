@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: run test repro lint install
+.PHONY: run test repro lint install gpu-check
 
 install: $(STAMP)
 
@@ -31,3 +31,10 @@ repro: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# The GPU suite (tests/gpu): every stage and merge method on CUDA against the CPU. It needs only the
+# library's own dependencies and pytest, not the venv: on a bare GPU machine, `make gpu-check PYTHON=python3`.
+# MERGEFLOW_TEST_DEVICE=cpu checks the suite itself where there is no GPU.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+gpu-check:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu

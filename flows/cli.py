@@ -168,10 +168,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "validate":
         from mergeflow.config import load_params
         from mergeflow.data.check import check_inputs
-        from mergeflow.preflight import check_paths
+        from mergeflow.preflight import check_device, check_paths
 
         params = load_params(args.params, args.overrides)
         check_paths(params, args.params)
+        check_device(params, args.params)  # imports torch only for a named accelerator or a reduced precision
         check_inputs(params)
         print(f"{args.params}: ok")
         return 0

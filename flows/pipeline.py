@@ -17,7 +17,7 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from mergeflow.config import OrchestrationConfig, Params, validate_params
 from mergeflow.stages import STAGES, get_stage
-from tasks.runner import run_stage
+from tasks.runner import run_stage, warn_mixed_devices
 from tasks.steps import StepOutcome
 
 
@@ -29,6 +29,7 @@ def pipeline(params: dict[str, Any], root: str, stages: list[str] | None = None)
     outcomes: list[StepOutcome] = []
     for stage in selected:
         outcomes += run_stage(stage, config, Path(root))
+    warn_mixed_devices(outcomes)
     return [asdict(outcome) for outcome in outcomes]
 
 

@@ -16,6 +16,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mergeflow.device import device_setting_problem
 from mergeflow.errors import ConfigError, closest, did_you_mean, first_problem
 from mergeflow.schema.data_source import Modality
 from mergeflow.schema.deprecation import deprecated
@@ -296,10 +297,14 @@ class FinetuneConfig(TrainConfig):
     """Per-client training. ``init: independent`` starts every client from its own random init
     (seeded per client) instead of the shared base model: the setting where alignment matters.
     A client whose loss or weights become NaN or infinite is recorded as diverged; with
-    ``on_divergence: fail`` the pipeline stops there, with ``exclude`` the merges leave it out."""
+    ``on_divergence: fail`` the pipeline stops there, with ``exclude`` the merges leave it out.
+    ``precision``: ``bf16`` or ``fp16`` run the forward pass and loss under autocast (fp16 with a
+    gradient scaler), for the clients and the centralized oracle; the weights, the stored
+    checkpoints, Fishers and merges keep the model's dtype (float32) and their float64 sums."""
 
     init: Literal["shared", "independent"] = "shared"
     on_divergence: Literal["fail", "exclude"] = "fail"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     lora: LoraSettings | None = None
     clients: dict[int, TrainOverride] = {}
 
@@ -527,6 +532,14 @@ class OrchestrationConfig(_Section):
     (federated rounds) starts as one chain of its waves in one task run, keying each wave after the
     one before it is in place, and goes on wave by wave once its steps turn out long
     (:meth:`runs_waves_together`).
+
+    ``device``: where steps that compute (training, Fisher, alignment, merges, federated rounds,
+    evaluation) run: ``auto`` (CUDA when torch sees a GPU, else the CPU), ``cpu``, ``cuda``,
+    ``cuda:N`` or ``mps``. It is not part of a step's cache key (a result does not depend on the
+    device beyond rounding): each step record and MLflow run notes the device that made it, and a
+    run whose results come from more than one device says so. ``gpu_workers``: at most this many
+    steps use the GPU at once in this process (threads); on Dask, steps that compute ask for a
+    ``GPU`` worker resource when the device is a GPU (``dask worker --resources GPU=1``).
     """
 
     task_runner: Literal["threads", "dask"] = "threads"
@@ -535,6 +548,16 @@ class OrchestrationConfig(_Section):
     steps_per_task: int | Literal["auto"] = Field("auto")
     dask_address: str | None = None
     dask_workers: int = Field(2, ge=1)
+    device: str = "auto"
+    gpu_workers: int = Field(1, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        problem = device_setting_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     def batch_size(self, uncached: int, typical_seconds: float | None = None) -> int:
         """Uncached steps per Prefect task run, for a wave with ``uncached`` of them, after steps of the

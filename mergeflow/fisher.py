@@ -14,6 +14,9 @@ example is a text: its score is the gradient of the summed log-likelihood of its
 data's for ``empirical``, drawn from the model at every position for ``sampled``); ``exact``
 would sum over the vocabulary at every position and is refused.
 
+The Fisher runs on the model's device: the data stay on the CPU and move there a chunk at a time;
+sampled labels are drawn from a CPU generator (the same draws on every device) and moved.
+
 ``fisher_factors`` returns U (rows × D, over the flattened parameters) with F ≈ UᵀU, so a
 low-rank-plus-diagonal precision can be used without ever forming D × D.
 """
@@ -29,6 +32,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from mergeflow.device import module_device, to_device
 from mergeflow.models.token_model import TokenModel, trim_padding
 from mergeflow.objectives import Objective, get_objective
 from mergeflow.training import as_inputs, token_lengths
@@ -159,8 +163,9 @@ def diagonal_fisher(
     generator = torch.Generator().manual_seed(seed)
     use_backpack = _use_backpack(model, backend)
     totals = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    device = module_device(model)
     for rows in _batches(len(X), batch_size):
-        xb, yb = _chunk(model, X[rows]), y[rows]
+        xb, yb = to_device(_chunk(model, X[rows]), device), to_device(y[rows], device)
         if kind == "exact" and use_backpack:
             from backpack.extensions import DiagGGNExact
 
@@ -270,8 +275,9 @@ def _score_blocks(
     X, y = _by_length(model, *_as_tensors(model, X, y, objective))
     generator = torch.Generator().manual_seed(seed)
     use_backpack = _use_backpack(model, backend)
+    device = module_device(model)
     for rows in _batches(len(X), batch_size):
-        xb, yb = _chunk(model, X[rows]), y[rows]
+        xb, yb = to_device(_chunk(model, X[rows]), device), to_device(y[rows], device)
         if kind == "exact" and use_backpack:
             from backpack.extensions import SqrtGGNExact
 
@@ -348,7 +354,8 @@ def fisher_sketch(
     from mergeflow.sketch import FrequentDirections
 
     dim = sum(p.numel() for p in model.parameters())
-    sketch = FrequentDirections(rows, dim, dtype=next(model.parameters()).dtype)
+    first = next(model.parameters())
+    sketch = FrequentDirections(rows, dim, dtype=first.dtype, device=first.device)
     options = {"kind": kind, "task": task, "noise_std": noise_std, "seed": seed, "backend": backend}
     trace = 0.0
     for block in _score_blocks(model, X, y, batch_size=min(batch_size, rows), **options):

@@ -8,7 +8,8 @@ name outside themselves is checked here, each problem one line that names its ke
   WordNet database), a pretrained model's directory (or, for a hub name, its cache or the Hub); no
   torch, so ``mergeflow validate`` stays fast;
 - :func:`check_model`: LoRA target modules against the model's architecture, built on the meta
-  device (it imports torch and transformers, so ``mergeflow run`` does it and ``validate`` does not).
+  device (it imports torch and transformers, so ``mergeflow run`` does it and ``validate`` does not),
+  and the device and precision the params ask for (:func:`check_device`).
 
 The reading of the user's table itself (columns, labels, missing values) is
 :func:`mergeflow.data.check.check_inputs`'s.
@@ -42,8 +43,9 @@ def check_model(params: Params, source: str = "params") -> None:
     """LoRA's target modules name modules of the model (built on the meta device: no weights, no memory).
 
     Raises:
-        ConfigError: naming ``finetune.lora.target_modules``.
+        ConfigError: naming ``finetune.lora.target_modules``, ``orchestration.device`` or ``finetune.precision``.
     """
+    check_device(params, source)
     if params.finetune.lora is None:  # the schema allows LoRA only for a family of language models
         return
     from mergeflow.models.lora import missing_modules
@@ -52,6 +54,21 @@ def check_model(params: Params, source: str = "params") -> None:
     missing = missing_modules(hf.pretrained, hf.model_config_fields(), params.finetune.lora.target_modules, hf.task)
     if missing:
         raise ConfigError([f"{source}: finetune.lora.target_modules: {missing} match no module of the model"])
+
+
+def check_device(params: Params, source: str = "params") -> None:
+    """This machine has the device ``orchestration.device`` names (``cuda:3`` on a one-GPU machine does not),
+    and it supports ``finetune.precision`` (bf16 on a GPU without it does not). Imports torch only for an
+    accelerator or a reduced precision.
+
+    Raises:
+        ConfigError: one line naming the key.
+    """
+    from mergeflow.device import device_problem
+
+    problem = device_problem(params.orchestration.device, params.finetune.precision)
+    if problem:
+        raise ConfigError([f"{source}: {problem}"])
 
 
 def pretrained_problem(name: str) -> str | None:

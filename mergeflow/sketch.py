@@ -25,11 +25,13 @@ class FrequentDirections:
         seen: rows inserted so far.
     """
 
-    def __init__(self, rows: int, dim: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, rows: int, dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> None:
         if rows < 1:
             raise ValueError(f"a Frequent Directions sketch needs at least one row, got {rows}")
         self.rows = rows
-        self._buffer = torch.zeros(2 * rows, dim, dtype=dtype)
+        self._buffer = torch.zeros(2 * rows, dim, dtype=dtype, device=device)
         self._filled = 0
         self.shrinkage = 0.0
         self.seen = 0
@@ -50,7 +52,7 @@ class FrequentDirections:
         # The SVD through the small side: eigenvectors of the 2ℓ × 2ℓ Gram of the buffered rows, in
         # float64, widening a block of columns at a time so no float64 copy of the buffer is made.
         buffer = self._buffer[: self._filled]
-        gram = torch.zeros(len(buffer), len(buffer), dtype=torch.float64)
+        gram = torch.zeros(len(buffer), len(buffer), dtype=torch.float64, device=buffer.device)
         for columns in torch.split(buffer, _COLUMNS, dim=1):
             wide = columns.to(torch.float64)
             gram += wide @ wide.T

@@ -2,7 +2,9 @@
 
 Shuffling uses an explicit :class:`torch.Generator` seeded from ``seed``; the
 global torch RNG is never touched, so concurrent trainings in different
-threads stay bit-reproducible.
+threads stay bit-reproducible. Training and prediction run on the model's device: the data stay
+on the CPU and each batch moves there as it is used (pinned, without blocking, on a GPU); the
+shuffling generator stays on the CPU, so a seed draws the same batches on every device.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from mergeflow.device import autocast, grad_scaler, host_tensor, module_device, resident, to_device
 from mergeflow.models.token_model import TokenModel
 from mergeflow.objectives import Objective, get_objective
 
@@ -70,7 +73,7 @@ def make_optimizer(
 
 def as_inputs(X: np.ndarray | torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Model inputs as a tensor: features in ``dtype``, token ids (integers) as int64."""
-    inputs = torch.as_tensor(X)
+    inputs = host_tensor(X)
     is_ids = not (inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool)
     return inputs.to(torch.long if is_ids else dtype)
 
@@ -95,7 +98,7 @@ def minibatches(
     the permutation is sorted by length before it is cut, and the batches are then shuffled, so a
     batch of short texts is not padded to the longest text of the epoch.
     """
-    order = torch.randperm(n, generator=generator)
+    order = torch.randperm(n, generator=generator, device=generator.device)
     if lengths is None:
         for start in range(0, n, batch_size):
             yield order[start : start + batch_size]
@@ -106,7 +109,7 @@ def minibatches(
         chunk = order[start : start + window]
         chunk = chunk[torch.argsort(lengths[chunk], stable=True)]
         batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
-    for i in torch.randperm(len(batches), generator=generator).tolist():
+    for i in torch.randperm(len(batches), generator=generator, device=generator.device).tolist():
         yield batches[i]
 
 
@@ -125,6 +128,7 @@ def train(
     seed: int = 0,
     progress: str | None = None,
     on_epoch: Callable[[int], None] | None = None,
+    precision: str = "fp32",
 ) -> TrainResult:
     """Train ``model`` in place with mini-batches reshuffled every epoch.
 
@@ -146,6 +150,8 @@ def train(
         seed: seed of the shuffling generator.
         progress: if given, show a tqdm bar over epochs with this description.
         on_epoch: called with the epoch's index after each epoch (e.g. to score the model on validation).
+        precision: ``fp32``, or ``bf16``/``fp16`` autocast of the forward pass and loss (fp16 with a
+            gradient scaler); the weights keep their dtype.
 
     Returns:
         The per-step and per-epoch loss history.
@@ -161,19 +167,30 @@ def train(
     gen = torch.Generator().manual_seed(int(seed))
     n = inputs.shape[0]
     lengths = token_lengths(model, inputs)
+    device = module_device(model)
+    inputs, targets = resident((inputs, targets), device)  # a small split goes to the device whole
+    scaler = grad_scaler(device, precision)
     result = TrainResult()
     bar = tqdm(range(epochs), desc=progress, leave=False, disable=None) if progress else None
     model.train()
     for epoch in bar if bar is not None else range(epochs):
         total = 0.0
         for step, idx in enumerate(minibatches(n, batch_size, gen, lengths)):
-            loss = loss_fn(model(inputs[idx]), targets[idx])
+            idx = idx.to(inputs.device)
+            batch, batch_targets = to_device(inputs[idx], device), to_device(targets[idx], device)
+            with autocast(device, precision):
+                loss = loss_fn(model(batch), batch_targets)
             value = loss.item()
             if not math.isfinite(value):
                 raise DivergenceError(f"non-finite training loss {value} at epoch {epoch}, step {step}")
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
             result.losses.append(value)
             total += value * len(idx)
         result.epoch_losses.append(total / n)
@@ -195,10 +212,13 @@ def predict(
     """
     inputs = as_inputs(X)
     forward = functools.partial(get_objective(task).outputs, model) if task is not None else model
+    device = module_device(model)
     was_training = model.training
     model.eval()
     try:
-        outputs = [forward(inputs[i : i + batch_size]) for i in range(0, inputs.shape[0], batch_size)]
+        outputs = [
+            forward(to_device(inputs[i : i + batch_size], device)).cpu() for i in range(0, inputs.shape[0], batch_size)
+        ]
     finally:
         model.train(was_training)
     return torch.cat(outputs).to(torch.float64).numpy()

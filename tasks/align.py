@@ -36,6 +36,7 @@ from mergeflow.models import build_from_spec, parameter_names
 from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_barriers
 from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
+from tasks.devices import device_settings, on_cpu, on_device, step_device
 from tasks.fisher import factors_file, fisher_file, grams_file, statistics_files, statistics_read
 from tasks.steps import Step
 from tasks.training import client_checkpoint
@@ -82,7 +83,9 @@ def plan_align(params: Params) -> list[Step]:
         "checkpoints": bool(params.merge.methods),
         "seed": params.seed,
     }
-    return [Step("align", "tasks.align:align_clients", step_params, inputs=tuple(inputs))]
+    return [
+        Step("align", "tasks.align:align_clients", step_params, inputs=tuple(inputs), settings=device_settings(params))
+    ]
 
 
 def _reference(choice: int | str, sizes: list[int], diverged: list[int]) -> int:
@@ -135,8 +138,9 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     diverged = _diverged(loaded, params["on_divergence"])
     reference = _reference(settings["reference"], [meta["num_examples"] for _, meta in loaded], diverged)
     spec_json = loaded[reference][1]["spec"]
-    model = build_from_spec(spec_json)
-    states = [state for state, _ in loaded]
+    device = step_device(params)
+    model = build_from_spec(spec_json).to(device)
+    states = [on_device(state, device) for state, _ in loaded]  # matched and measured on the device
     names = parameter_names(spec_json)
     if settings["method"] == "none":
         permuted = _permuted
@@ -217,4 +221,4 @@ def _mean_barrier(curves: dict[str, Any]) -> float | None:
 
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     with atomic_path(path) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        save_file(on_cpu(tensors), str(tmp))

@@ -17,6 +17,7 @@ from mergeflow.plots import plot_comparison, plot_selection
 from mergeflow.schema.sources import SOURCES
 from mergeflow.training import predict
 from tasks.data import PREPARED, read_arrays, read_groups, read_info
+from tasks.devices import device_settings, step_device
 from tasks.federated import final_checkpoint
 from tasks.merging import merged_checkpoint
 from tasks.reports import METRICS, SANITY
@@ -55,6 +56,7 @@ def plan_evaluate(params: Params) -> list[Step]:
                 *merged,
                 *federated.values(),
             ),
+            settings=device_settings(params),
         )
     ]
 
@@ -84,8 +86,11 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
 
     predictions: dict[str, np.ndarray] = {}  # for the sanity check: class ids, values in the target's units, NLLs
 
+    device = step_device(params)
+
     def outputs_of(path: str, name: str) -> np.ndarray:
-        outputs = predict(load_model(root / path), X, task=objective, batch_size=settings["batch_size"])
+        model = load_model(root / path).to(device)
+        outputs = predict(model, X, task=objective, batch_size=settings["batch_size"])
         predictions[name] = objective.predictions(outputs, scale)
         return outputs
 

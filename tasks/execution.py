@@ -21,6 +21,7 @@ from prefect.settings import get_current_settings
 
 from mergeflow.files import private_directory
 from mergeflow.import_graph import third_party_versions
+from tasks.devices import dask_annotation, device_record, gpu_slot, made_on, uses_device
 from tasks.steps import Step, StepOutcome, read_record, resolve, step_key, typical_seconds, write_record
 from tasks.store import ArtifactStore
 
@@ -115,13 +116,15 @@ def run_waves(
     them, unless ``short_below`` stopped the chain), their outputs in place."""
     steps = [step for wave in waves for step in wave]
     label = f"{steps[0].name} … {steps[-1].name} ({len(steps)} steps)"
-    records = execute_waves.submit(label, waves, str(root), torch_threads, ran_before, short_below).result()
+    with dask_annotation(steps):
+        records = execute_waves.submit(label, waves, str(root), torch_threads, ran_before, short_below).result()
     return [_outcome(step, record, record["cached"]) for step, record in zip(steps, records, strict=False)]
 
 
 def _outcome(step: Step, record: dict[str, Any], cached: bool) -> StepOutcome:
     seconds = 0.0 if cached else record["seconds"]
-    return StepOutcome(step.name, cached, seconds, record["files"], record["summary"], record["key"])
+    device = made_on(record) or ("cpu" if uses_device(step.settings) else None)
+    return StepOutcome(step.name, cached, seconds, record["files"], record["summary"], record["key"], device)
 
 
 def _run_step(step: Step, root: str, torch_threads: int, scratch: Path) -> dict[str, Any]:
@@ -131,7 +134,8 @@ def _run_step(step: Step, root: str, torch_threads: int, scratch: Path) -> dict[
     torch.set_num_threads(torch_threads)
     store = ArtifactStore(Path(root))
     began, started = time.time(), time.perf_counter()
-    summary = resolve(step.fn)({**step.params, **step.settings}, Path(root), scratch)
+    with gpu_slot(step.settings):
+        summary = resolve(step.fn)({**step.params, **step.settings}, Path(root), scratch)
     files = store.ingest(scratch)
     return {
         "files": files,
@@ -140,6 +144,8 @@ def _run_step(step: Step, root: str, torch_threads: int, scratch: Path) -> dict[
         "seconds": time.perf_counter() - started,
         "started": began,  # wall clock (epoch seconds): the MLflow run of what it made starts then
         "versions": third_party_versions(),  # not in the key (as in DVC): the record says what made it
+        # nor is the device (results agree across devices up to rounding): the record says which made it
+        **device_record(step.settings, step.params.get("train", {}).get("precision", "fp32")),
     }
 
 
@@ -208,14 +214,16 @@ def _submit(
     pending: dict[int, Callable[[], dict[str, Any]]] = {}
     if steps_per_task == 1:
         for index, step, key in missing:
-            pending[index] = execute_step.submit(step, key, str(root), torch_threads).result
+            with dask_annotation([step]):
+                pending[index] = execute_step.submit(step, key, str(root), torch_threads).result
         return pending
     for start in range(0, len(missing), steps_per_task):
         batch = missing[start : start + steps_per_task]
         names = [step.name for _, step, _ in batch]
         label = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]} ({len(names)} steps)"
         steps, keys = [step for _, step, _ in batch], [key for _, _, key in batch]
-        future = execute_steps.submit(label, steps, keys, str(root), torch_threads)
+        with dask_annotation(steps):
+            future = execute_steps.submit(label, steps, keys, str(root), torch_threads)
         for position, (index, _, _) in enumerate(batch):
             pending[index] = functools.partial(_nth_result, future, position)
     return pending

@@ -44,6 +44,7 @@ from mergeflow.plots import plot_rounds
 from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError
 from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
+from tasks.devices import device_settings, on_cpu, step_device
 from tasks.reports import FEDERATED, FEDERATED_INDEX
 from tasks.steps import Step
 from tasks.training import BASE
@@ -169,6 +170,7 @@ def plan_federated(params: Params) -> list[list[Step]]:
                 "tasks.federated:init_rounds",
                 {**_settings(params, name), **_evaluation_settings(params)},
                 evaluation,
+                settings=device_settings(params),
             )
             for name in names
         ]
@@ -189,7 +191,11 @@ def plan_federated(params: Params) -> list[list[Step]]:
                 step_params = {**settings, "round": r, "client": k, "state_round": step.state_rounds[k]}
                 clients.append(
                     Step(
-                        f"federated/{name}/r{r:03d}/client_{k:03d}", "tasks.federated:client_round", step_params, inputs
+                        f"federated/{name}/r{r:03d}/client_{k:03d}",
+                        "tasks.federated:client_round",
+                        step_params,
+                        inputs,
+                        settings=device_settings(params),
                     )
                 )
             messages = tuple(message_file(name, r, k) for k in step.participants)
@@ -199,6 +205,7 @@ def plan_federated(params: Params) -> list[list[Step]]:
                     "tasks.federated:server_round",
                     {**settings, **_evaluation_settings(params), "round": r, "participants": step.participants},
                     (*evaluation, server_file(name, r - 1), PARTITION_METRICS, *messages),
+                    settings=device_settings(params),
                 )
             )
         waves += [clients, servers]
@@ -214,7 +221,7 @@ def plan_federated(params: Params) -> list[list[Step]]:
 
 def _save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     with atomic_path(path) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        save_file(on_cpu(tensors), str(tmp), metadata=metadata)
 
 
 def _save_state(path: Path, state: dict[str, torch.Tensor]) -> None:
@@ -222,9 +229,9 @@ def _save_state(path: Path, state: dict[str, torch.Tensor]) -> None:
         _save(path, state)
 
 
-def _load_state(path: Path) -> dict[str, torch.Tensor]:
-    """A client's state as ``_save_state`` left it: an empty one has no file."""
-    return load_file(path) if path.is_file() else {}
+def _load_state(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """A client's state as ``_save_state`` left it (an empty one has no file), on ``device``."""
+    return load_file(path, device=device) if path.is_file() else {}
 
 
 def _test_data(root: Path) -> tuple[ClientData, float | None]:
@@ -269,7 +276,7 @@ def _write_global(root: Path, out: Path, params: dict[str, Any], server: dict, r
     spec = load_checkpoint_meta(root / BASE)["spec"]
     meta = {"spec": spec, "role": "federated", "algorithm": params["algorithm"], "round": round_index}
     save_checkpoint(out / global_checkpoint(params["name"], round_index), weights, meta)
-    model = federated_model(root, params)
+    model = federated_model(root, params).to(step_device(params))  # scored on the device
     data, noise = _test_data(root)
     noise_std, samples, seed = noise or params["noise_std"], params["predictive_samples"], params["seed"]
     validation = validation_data(root) if params["validation"] else None
@@ -301,11 +308,12 @@ def client_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     algorithm = get_algorithm(params["algorithm"])
     info = read_info(root, PARTITIONS)
     X, y = read_arrays(root / client_file(k), info)
+    device = step_device(params)  # the model, server and client states on it; the data move by batches
     message, state, metrics = client_step(
         algorithm,
-        federated_model(root, params),
-        load_file(root / server_file(name, r - 1)),
-        _load_state(root / client_state_file(name, params["state_round"], k)),
+        federated_model(root, params).to(device),
+        load_file(root / server_file(name, r - 1), device=str(device)),
+        _load_state(root / client_state_file(name, params["state_round"], k), str(device)),
         ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"]),
         LocalTraining(**params["local"]),
         algorithm.parse_options(params["options"]),

@@ -23,6 +23,7 @@ from mergeflow.grams import linear_input_grams
 from mergeflow.schema.merge import DECLARED
 from mergeflow.seeding import derive_seed
 from tasks.data import PARTITIONS, client_file, read_arrays, read_info
+from tasks.devices import device_settings, on_cpu, step_device
 from tasks.steps import Step
 from tasks.training import client_checkpoint
 
@@ -82,6 +83,7 @@ def plan_fisher(params: Params) -> list[Step]:
             "tasks.fisher:client_fisher",
             {**settings, "client": client},
             inputs=(client_checkpoint(client), client_file(client), f"{PARTITIONS}/info.json"),
+            settings=device_settings(params),
         )
         for client in range(params.partition.num_clients)
     ]
@@ -99,7 +101,7 @@ def client_fisher(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     settings, client, statistics = params["fisher"], params["client"], params["statistics"]
     info = read_info(root, PARTITIONS)
     X, y = read_arrays(root / client_file(client), info)
-    model = load_model(root / client_checkpoint(client))
+    model = load_model(root / client_checkpoint(client)).to(step_device(params))
     seed = derive_seed(params["seed"], "fisher", client)
     common = {
         "kind": settings["kind"],
@@ -114,16 +116,16 @@ def client_fisher(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     if "fishers" in statistics:
         diagonal = diagonal_fisher(model, X[rows], y[rows], **common)
         with atomic_path(out / fisher_file(client)) as tmp:
-            save_file({k: v.contiguous() for k, v in diagonal.items()}, str(tmp))
+            save_file(on_cpu(diagonal), str(tmp))
     if "grams" in statistics:
         # RegMean's statistic on the same rows, scaled to the client's whole data (its weight in the merge).
         grams = linear_input_grams(model, X[rows], batch_size=settings["batch_size"])
         with atomic_path(out / grams_file(client)) as tmp:
-            save_file({k: (v * len(y) / len(rows)).contiguous() for k, v in grams.items()}, str(tmp))
+            save_file(on_cpu({k: v * len(y) / len(rows) for k, v in grams.items()}), str(tmp))
     if "factors" in statistics:
         factors, sketch = _factors(model, X, y, rows, settings, common, seed)
         with atomic_path(out / factors_file(client)) as tmp:
-            save_file({"U": factors.contiguous()}, str(tmp))
+            save_file(on_cpu({"U": factors}), str(tmp))
         summary["factor_rows"] = int(factors.shape[0])
         summary |= {f"sketch_{key}": value for key, value in sketch.items()}
     return summary

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import load_file
 
 from mergeflow.checkpoints import checkpoint_header, load_checkpoint, load_checkpoint_meta, save_checkpoint
@@ -21,6 +22,7 @@ from mergeflow.models import family_of, parameter_names
 from mergeflow.schema.search import HIGHER_IS_BETTER, candidate_id, choose, search_grid, searched_keys
 from tasks.align import aligned_checkpoint, aligned_factors, aligned_fisher, aligned_grams
 from tasks.data import PREPARED, TOKENIZER
+from tasks.devices import device_settings, on_cpu, step_device
 from tasks.scoring import split_metrics
 from tasks.steps import Step
 from tasks.training import BASE
@@ -78,7 +80,7 @@ def _merge_step(params: Params, name: str, method: str, options: dict[str, Any],
             "select_by": params.merge.selection_metric(params.task),
         }
         inputs += _VALIDATION
-    settings = {"stream_above_mb": params.merge.stream_above_mb}
+    settings = {"stream_above_mb": params.merge.stream_above_mb} | device_settings(params)
     if not candidate:
         return Step(f"merge/{name}", "tasks.merging:merge_clients", step_params, inputs, settings=settings)
     step_params["path"] = candidate_checkpoint(name, options)
@@ -151,25 +153,31 @@ def _merge_into(
         return state, meta
     # Factor columns follow the model's parameter order; the files list tensors alphabetically.
     order = parameter_names(base_meta["spec"])
+    device = str(step_device(params))
+
+    def load(relative: str) -> dict[str, torch.Tensor]:  # read straight onto the merge's device
+        return load_file(root / relative, device=device)
+
     fishers = None
     if "fishers" in uses:
-        fishers = [{n: f[n] for n in order} for f in (load_file(root / aligned_fisher(c)) for c in clients)]
+        fishers = [{n: f[n] for n in order} for f in (load(aligned_fisher(c)) for c in clients)]
     result = run_merge(
         method,
-        [load_file(root / aligned_checkpoint(c)) for c in clients],
-        base=load_file(root / BASE) if with_base else None,
+        [load(aligned_checkpoint(c)) for c in clients],
+        base=load(BASE) if with_base else None,
         weights=weights,
         fishers=fishers,
-        factors=[load_file(root / aligned_factors(c))["U"] for c in clients] if params["factors"] else None,
-        grams=[load_file(root / aligned_grams(c)) for c in clients] if "grams" in uses else None,
+        factors=[load(aligned_factors(c))["U"] for c in clients] if params["factors"] else None,
+        grams=[load(aligned_grams(c)) for c in clients] if "grams" in uses else None,
         scorer=_validation_scorer(params, root, base_meta["spec"]) if "scorer" in uses else None,
         **params["options"],
     )
     meta |= {"curves": result.curves, "summary": result.summary}
     if scored:
         meta["validation"] = split_metrics(root, "validation", meta["spec"], result.state, params["noise_std"])
-    save_checkpoint(path, result.state, meta)
-    return result.state, meta
+    state = on_cpu(result.state)
+    save_checkpoint(path, state, meta)
+    return state, meta
 
 
 def _streams(params: dict[str, Any], root: Path, clients: list[int]) -> bool:

@@ -102,7 +102,18 @@ def cached_run(stages: Sequence[Stage], params: Params, root: Path) -> list[Step
         _prune(stage, stage_outcomes, root)
         write_stage_records(root, stage, stage_outcomes)
         outcomes += stage_outcomes
+    warn_mixed_devices(outcomes)
     return outcomes
+
+
+def warn_mixed_devices(outcomes: Sequence[StepOutcome]) -> None:
+    """Say once, on stderr, when the run's outcomes were made on more than one device
+    (:func:`tasks.devices.mixed_devices_warning`)."""
+    from tasks.devices import mixed_devices_warning
+
+    warning = mixed_devices_warning((outcome.name, outcome.device) for outcome in outcomes)
+    if warning:
+        sys.stderr.write(warning + "\n")
 
 
 def _plan_stage(stage: Stage, params: Params) -> list[list[Step]]:

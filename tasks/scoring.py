@@ -31,6 +31,6 @@ def split_metrics(
     """Accuracy/NLL/ECE (or MSE/NLL, in the target's units) of ``state`` on ``data/prepared/<split>.parquet``."""
     info = read_info(root)
     X, y = read_arrays(root / PREPARED / f"{split}.parquet", info)
-    model = build_from_spec(spec)
+    model = build_from_spec(spec).to(next(iter(state.values())).device)  # where the state is
     model.load_state_dict(state)
     return score_outputs(predict(model.eval(), X, task=info["task"]), y, info, noise_std)

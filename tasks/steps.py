@@ -65,6 +65,7 @@ class StepOutcome:
     files: dict[str, str] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     key: str = ""
+    device: str | None = None  # the device that made it (``tasks.devices.made_on``); None for no device step
 
 
 def project_root_of_code() -> Path:
@@ -167,7 +168,17 @@ def cached_outcomes(steps: list[Step], root: Path, code_hashes: CodeHashes | Non
         hits.append(hit)
     for hit in hits:
         store.materialise(hit["files"])
+    from tasks.devices import made_on, uses_device
+
     return [
-        StepOutcome(step.name, True, 0.0, hit["files"], hit["summary"], hit["key"])
+        StepOutcome(
+            step.name,
+            True,
+            0.0,
+            hit["files"],
+            hit["summary"],
+            hit["key"],
+            made_on(hit) or ("cpu" if uses_device(step.settings) else None),
+        )
         for step, hit in zip(steps, hits, strict=True)
     ]

@@ -193,6 +193,31 @@ def step_times(root: Path) -> dict[tuple[str, str], tuple[int, int]]:
     return times
 
 
+def step_devices(root: Path) -> dict[tuple[str, str], dict[str, str]]:
+    """What made each output: ``{(path, sha256): {"device", "device_name"[, "precision"]}}`` from the records of
+    the steps that computed on a device (the device is not in the cache key: the runs say which made what)."""
+    from tasks.steps import results_dir
+
+    devices = {}
+    for path in results_dir(root).glob("*"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(record, dict) or "device" not in record:
+            continue
+        facts = {key: str(record[key]) for key in ("device", "device_name", "precision") if key in record}
+        devices |= {(name, digest): facts for name, digest in record.get("files", {}).items()}
+    return devices
+
+
+def _device_tags(root: Path, context: dict[str, Any], relative: str) -> dict[str, str]:
+    """``mergeflow.device``, ``mergeflow.device_name`` (and ``mergeflow.precision``) of the step that made
+    ``relative`` as it is now; none when no record says."""
+    facts = context["devices"].get((relative, sha256_file(root / relative)), {})
+    return {f"mergeflow.{key}": value for key, value in facts.items()}
+
+
 @contextlib.contextmanager
 def _child_run(mlflow, name: str, tags: dict[str, str], times: tuple[int, int] | None) -> Iterator[Any]:
     """A nested run; with ``times``, it spans the step that made what it logs, not the logging."""
@@ -222,6 +247,7 @@ def _log_client(mlflow, root: Path, client: int, metrics: dict[str, Any], contex
     info = context["info"]
     _, meta = load_checkpoint(root / client_checkpoint(client))
     tags = {"mergeflow.kind": "client", "mergeflow.diverged": str(bool(meta.get("diverged"))).lower()}
+    tags |= _device_tags(root, context, client_checkpoint(client))
     name = f"client_{client:03d}"
     with _child_run(mlflow, name, tags, _made_when(root, context, client_checkpoint(client))):
         mlflow.set_tag("mergeflow.client", str(client))
@@ -277,6 +303,7 @@ def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, 
         "mergeflow.merge": name,
         "mergeflow.checkpoint_sha256": digest,
     }
+    tags |= _device_tags(root, context, merged_checkpoint(name))
     with _child_run(mlflow, f"merge_{name}", tags, _made_when(root, context, merged_checkpoint(name))) as run:
         # What it was scored on (test), and what chose its settings (validation, for a searched merge).
         _log_dataset(mlflow, root, f"{PREPARED}/test.parquet", context["info"], "evaluation")
@@ -534,7 +561,11 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
             "info": info,
             "times": step_times(root),
             "registered": [],
+            "devices": step_devices(root),
         }
+        made_on = sorted({facts.get("device_name", facts["device"]) for facts in context["devices"].values()})
+        if made_on:  # the devices this run's models were made on (several: a run that reused other devices' steps)
+            mlflow.set_tag("mergeflow.devices", ", ".join(made_on))
         for client in range(config["partition"]["num_clients"]):
             _log_client(mlflow, root, client, metrics, context)
         for name in config["merge"]["methods"]:

@@ -16,12 +16,14 @@ from mergeflow.objectives import get_objective
 from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError, TrainResult, predict, train
 from tasks.data import CORPUS, PARTITIONS, PREPARED, client_file, read_arrays, read_info
+from tasks.devices import device_settings, step_device
 from tasks.steps import Step
 
 BASE = "models/base/base.safetensors"
 CLIENTS = "models/clients"
 CENTRALIZED = "models/centralized/centralized.safetensors"
 _TRAIN_KEYS = ("epochs", "lr", "optimizer", "momentum", "weight_decay", "batch_size")
+_FP32 = "fp32"
 
 
 def client_checkpoint(client: int) -> str:
@@ -39,8 +41,9 @@ def _fit(
     label: str,
     on_epoch: Callable[[int], None] | None = None,
 ):
-    """Train with ``settings``; with a ``lora`` entry, LoRA adapters and the head only, folded in afterwards."""
-    train_settings = {k: settings[k] for k in _TRAIN_KEYS}
+    """Train with ``settings`` (in their ``precision``, fp32 by default); with a ``lora`` entry, LoRA adapters and
+    the head only, folded in afterwards."""
+    train_settings = {k: settings[k] for k in _TRAIN_KEYS} | {"precision": settings.get("precision", _FP32)}
     if not settings.get("lora"):
         return train(model, X, y, task=task, seed=seed, progress=label, on_epoch=on_epoch, **train_settings)
     from mergeflow.models.lora import lora
@@ -52,13 +55,16 @@ def _fit(
 def plan_pretrain(params: Params) -> list[Step]:
     """One step: the shared base model."""
     step_params = {"seed": params.seed, "model": params.section("model"), "pretrain": params.section("pretrain")}
-    return [Step("pretrain", "tasks.training:pretrain", step_params, inputs=(PREPARED,))]
+    return [
+        Step("pretrain", "tasks.training:pretrain", step_params, inputs=(PREPARED,), settings=device_settings(params))
+    ]
 
 
 def pretrain(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     """Initialise the base model from the shared seed and train it on the server split if enabled."""
     info = read_info(root)
     model, spec = _base_model(params["model"], info, derive_seed(params["seed"], "init"))
+    model.to(step_device(params))
     settings = params["pretrain"]
     losses: list[float] = []
     meta: dict[str, Any] = {"spec": spec, "role": "base"}
@@ -113,7 +119,14 @@ def _client_settings(params: Params, client: int) -> dict[str, Any]:
     """A client's training settings (with its overrides), and the LoRA settings when set."""
     override = params.finetune.clients.get(client)
     settings = params.finetune.with_override(override).model_dump(include=set(_TRAIN_KEYS))
-    return settings | ({"lora": params.section("finetune.lora")} if params.finetune.lora else {})
+    return settings | _precision(params) | ({"lora": params.section("finetune.lora")} if params.finetune.lora else {})
+
+
+def _precision(params: Params) -> dict[str, str]:
+    """``finetune.precision`` for a training step's params (and so its key), left out at fp32: the keys of
+    steps made before precision was a setting stay valid."""
+    precision = params.finetune.precision
+    return {"precision": precision} if precision != _FP32 else {}
 
 
 def plan_finetune(params: Params) -> list[Step]:
@@ -129,19 +142,21 @@ def plan_finetune(params: Params) -> list[Step]:
                 "train": _client_settings(params, client),
             },
             inputs=(BASE, client_file(client), f"{PARTITIONS}/info.json"),
+            settings=device_settings(params),
         )
         for client in range(params.partition.num_clients)
     ]
 
 
-def _start_model(root: Path, init_seed: int | None = None):
-    """The base model, or a fresh random init of its architecture with ``init_seed``; and its spec."""
+def _start_model(root: Path, init_seed: int | None = None, device: torch.device | None = None):
+    """The base model, or a fresh random init of its architecture with ``init_seed``, on ``device`` (the
+    CPU by default); and its spec."""
     state, meta = load_checkpoint(root / BASE)
     spec = meta["spec"] if init_seed is None else {**meta["spec"], "seed": init_seed}
     model = build_from_spec(spec)
     if init_seed is None:
         model.load_state_dict(state)
-    return model, spec
+    return model.to(device or "cpu"), spec
 
 
 def _train_from_base(
@@ -152,10 +167,11 @@ def _train_from_base(
     seed: int,
     label: str,
     init_seed: int | None = None,
+    device: torch.device | None = None,
 ):
-    """Train from the start model (see ``_start_model``)."""
+    """Train from the start model (see ``_start_model``) on ``device``."""
     info = read_info(root, PARTITIONS)
-    model, spec = _start_model(root, init_seed)
+    model, spec = _start_model(root, init_seed, device)
     result = _fit(model, X, y, info["task"], settings, seed, label)
     return model, spec, result
 
@@ -168,7 +184,8 @@ def finetune_client(params: dict[str, Any], root: Path, out: Path) -> dict[str, 
     seed = derive_seed(params["seed"], "finetune", client)
     init_seed = derive_seed(params["seed"], "init", client) if params["init"] == "independent" else None
     try:
-        model, spec, result = _train_from_base(root, X, y, params["train"], seed, f"client {client}", init_seed)
+        device = step_device(params)
+        model, spec, result = _train_from_base(root, X, y, params["train"], seed, f"client {client}", init_seed, device)
         if not all(torch.isfinite(p).all() for p in model.parameters()):
             raise DivergenceError("non-finite weights after training")
     except DivergenceError as error:
@@ -203,6 +220,7 @@ def plan_centralized(params: Params) -> list[Step]:
         settings["epochs"] = params.centralized.epochs
     if params.finetune.lora:
         settings["lora"] = params.section("finetune.lora")
+    settings |= _precision(params)
     files = tuple(client_file(c) for c in range(params.partition.num_clients))
     best = params.centralized.keep == "best_validation"
     step_params = {"seed": params.seed, "train": settings, "num_clients": params.partition.num_clients}
@@ -219,6 +237,7 @@ def plan_centralized(params: Params) -> list[Step]:
             "tasks.training:centralized",
             step_params,
             inputs=(BASE, f"{PARTITIONS}/info.json", *files, *validation),
+            settings=device_settings(params),
         )
     ]
 
@@ -232,7 +251,7 @@ def centralized(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]
     X = np.concatenate([a[0] for a in arrays])
     y = np.concatenate([a[1] for a in arrays])
     seed = derive_seed(params["seed"], "centralized")
-    model, spec = _start_model(root)
+    model, spec = _start_model(root, device=step_device(params))
     best = params.get("keep") == "best_validation"
     tracker = _BestEpoch(root, model, params["select_by"], params["noise_std"]) if best else None
     result = _fit(model, X, y, info["task"], params["train"], seed, "centralized", tracker)

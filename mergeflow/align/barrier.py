@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mergeflow.device import host_tensor
 from mergeflow.objectives import Objective, get_objective
 from mergeflow.training import as_inputs
 
@@ -92,7 +93,7 @@ def _outputs_fn(model: nn.Module, X, batch_size: int, objective: Objective) -> C
     gradients, on a copy): logits, predictions, or a causal LM's per-row summed token NLL and token count."""
     probe = copy.deepcopy(model).eval()
     param = next(probe.parameters())
-    inputs = as_inputs(torch.as_tensor(X), param.dtype).to(param.device)
+    inputs = as_inputs(X, param.dtype).to(param.device)  # the barrier's few rows, on the device at once
 
     @torch.no_grad()
     def outputs(state: State) -> torch.Tensor:
@@ -112,7 +113,7 @@ def make_loss_fn(
     next-token cross-entropy for a causal LM)."""
     objective = get_objective(task)
     outputs = _outputs_fn(model, X, batch_size, objective)
-    targets = torch.as_tensor(y)
+    targets = host_tensor(y)
 
     def loss_fn(state: State) -> float:
         return float(objective.outputs_loss(outputs(state), targets))

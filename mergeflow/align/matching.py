@@ -17,6 +17,7 @@ from torch import nn
 
 from mergeflow.align.permute import apply_permutation, permute_tensor
 from mergeflow.align.spec import PermutationSpec
+from mergeflow.device import host_tensor, module_device, to_device
 
 State = Mapping[str, torch.Tensor]
 METRICS = ("correlation", "l2")
@@ -49,11 +50,11 @@ def _units(tensor: torch.Tensor, axis: int, n: int) -> torch.Tensor:
 def _solve(score: torch.Tensor) -> torch.Tensor:
     """The permutation maximising Σ_i score[i, p[i]]."""
     _, cols = linear_sum_assignment(score.detach().cpu().numpy(), maximize=True)
-    return torch.as_tensor(cols, dtype=torch.long)
+    return host_tensor(cols, torch.long)
 
 
 def _matched(score: torch.Tensor, perm: torch.Tensor) -> float:
-    return float(score[torch.arange(len(perm)), perm.to(score.device)].sum())
+    return float(score[torch.arange(len(perm), device=score.device), perm.to(score.device)].sum())
 
 
 def _float64(state: State, keys: Sequence[str], which: str) -> dict[str, torch.Tensor]:
@@ -166,7 +167,7 @@ def activation_matching(
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; expected one of {METRICS}")
     param = next(model_ref.parameters())
-    x_all = torch.as_tensor(inputs).to(param.device, param.dtype)
+    x_all = host_tensor(inputs).to(dtype=param.dtype)  # on the CPU: a batch at a time goes to the device
     sums: dict[str, dict[str, torch.Tensor | float]] = {}
     modes = model_ref.training, model_other.training
     model_ref.eval()
@@ -174,7 +175,7 @@ def activation_matching(
     try:
         with torch.no_grad():
             for start in range(0, len(x_all), batch_size):
-                x = x_all[start : start + batch_size]
+                x = to_device(x_all[start : start + batch_size], module_device(model_ref))
                 acts_a, acts_b = _record(model_ref, spec, x), _record(model_other, spec, x)
                 for name in spec.groups:
                     a, b = acts_a[name], acts_b[name]
@@ -192,7 +193,7 @@ def activation_matching(
     for name in spec.groups:
         score = _similarity(sums[name], metric)
         perms[name] = _solve(score)
-        before += _matched(score, torch.arange(spec.groups[name].size))
+        before += _matched(score, torch.arange(spec.groups[name].size, device=score.device))
         after += _matched(score, perms[name])
     return MatchResult(perms, [before, after], True)
 

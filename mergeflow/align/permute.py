@@ -1,4 +1,7 @@
-"""Applying permutations to state dicts, diagonal Fishers and flattened factor matrices."""
+"""Applying permutations to state dicts, diagonal Fishers and flattened factor matrices.
+
+Permutations are CPU integer tensors (their assignment problems are solved on the CPU); each is
+moved to the device of the tensor it permutes."""
 
 from __future__ import annotations
 
@@ -8,16 +11,17 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from mergeflow.align.spec import PermutationSpec
+from mergeflow.device import host_tensor
 
 Perms = Mapping[str, torch.Tensor]
 
 
 def block_index(perm: torch.Tensor, block: int) -> torch.Tensor:
     """Indices along an axis of ``len(perm) * block`` entries that move whole blocks by ``perm``."""
-    perm = torch.as_tensor(perm, dtype=torch.long)
+    perm = host_tensor(perm, torch.long)
     if block == 1:
         return perm
-    return (perm[:, None] * block + torch.arange(block)).reshape(-1)
+    return (perm[:, None] * block + torch.arange(block, device=perm.device)).reshape(-1)
 
 
 def permute_tensor(tensor: torch.Tensor, axis: int, perm: torch.Tensor, block: int = 1) -> torch.Tensor:
@@ -74,18 +78,20 @@ def permute_grams(spec: PermutationSpec, grams: Mapping[str, torch.Tensor], perm
 
 def invert_permutation(perms: Perms) -> dict[str, torch.Tensor]:
     """The inverse of every permutation: ``apply_permutation`` with it undoes one with ``perms``."""
-    return {name: torch.argsort(torch.as_tensor(p, dtype=torch.long)) for name, p in perms.items()}
+    return {name: torch.argsort(host_tensor(p, torch.long)) for name, p in perms.items()}
 
 
 def compose_permutations(first: Perms, second: Perms) -> dict[str, torch.Tensor]:
     """Permutations equal to applying ``first`` and then ``second``."""
-    return {name: torch.as_tensor(first[name])[torch.as_tensor(second[name])] for name in first}
+    return {
+        name: host_tensor(first[name])[host_tensor(second[name]).to(host_tensor(first[name]).device)] for name in first
+    }
 
 
 def random_permutation(spec: PermutationSpec, seed: int | torch.Generator = 0) -> dict[str, torch.Tensor]:
     """A uniformly random permutation of every group, from an explicit generator."""
     gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(int(seed))
-    return {name: torch.randperm(group.size, generator=gen) for name, group in spec.groups.items()}
+    return {name: torch.randperm(group.size, generator=gen, device=gen.device) for name, group in spec.groups.items()}
 
 
 def flat_column_index(
@@ -101,7 +107,7 @@ def flat_column_index(
     pieces, offset = {}, 0
     for name, shape in zip(names, shapes, strict=True):
         size = math.prod(shape)
-        pieces[name] = torch.arange(offset, offset + size).reshape(tuple(shape))
+        pieces[name] = torch.arange(offset, offset + size, device="cpu").reshape(tuple(shape))
         offset += size
     permuted = apply_permutation(spec, pieces, perms)
     return torch.cat([permuted[name].reshape(-1) for name in names])

@@ -67,7 +67,7 @@ class PermutationSpec:
 
     def identity(self) -> dict[str, torch.Tensor]:
         """The identity permutation of every group."""
-        return {name: torch.arange(group.size) for name, group in self.groups.items()}
+        return {name: torch.arange(group.size, device="cpu") for name, group in self.groups.items()}
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable form; :meth:`from_dict` reverses it."""

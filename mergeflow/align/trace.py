@@ -70,7 +70,8 @@ def _dummy(model: nn.Module, input_shape: Sequence[int], dtype: torch.dtype | No
     device = first.device if first is not None else torch.device("cpu")
     dtype = dtype or (first.dtype if first is not None else torch.float32)
     gen = torch.Generator().manual_seed(0)
-    return torch.randn((3, *[int(d) for d in input_shape]), generator=gen, dtype=torch.float64).to(device, dtype)
+    shape = (3, *[int(d) for d in input_shape])
+    return torch.randn(shape, generator=gen, dtype=torch.float64, device=gen.device).to(device, dtype)
 
 
 def _trace(model: nn.Module, input_shape: Sequence[int]) -> list[_Call]:

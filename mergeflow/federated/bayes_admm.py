@@ -52,6 +52,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from mergeflow.device import module_device, to_device
 from mergeflow.federated.base import (
     MEAN,
     PRECISION,
@@ -103,15 +104,15 @@ class BayesADMM(FederatedAlgorithm):
             server[PRIOR_MEAN + name] = mean.clone() if options.prior_mean == "init" else torch.zeros_like(mean)
             server[DUAL_MEAN_SUM + name] = torch.zeros_like(mean)
             server[DUAL_PREC_SUM + name] = torch.zeros_like(mean)
-        server[SERVER_ROUNDS] = torch.zeros((), dtype=torch.float64)
+        server[SERVER_ROUNDS] = torch.zeros((), dtype=torch.float64, device=mean.device)
         return server
 
     def init_client(self, global_state, options: BayesADMMOptions) -> ClientState:
         """v_k = V_k = 0."""
         state: ClientState = {}
         for name, value in global_state.items():
-            state[DUAL_MEAN + name] = torch.zeros(value.shape, dtype=torch.float64)
-            state[DUAL_PREC + name] = torch.zeros(value.shape, dtype=torch.float64)
+            state[DUAL_MEAN + name] = torch.zeros_like(value, dtype=torch.float64)
+            state[DUAL_PREC + name] = torch.zeros_like(value, dtype=torch.float64)
         return state
 
     @staticmethod
@@ -166,6 +167,7 @@ class BayesADMM(FederatedAlgorithm):
         if IVON_STEPS in client:
             opt.set_momentum(flat(client, IVON_MOMENTUM), int(client[IVON_STEPS]))
         inputs, targets, loss_fn = prepared(data, model)
+        device = module_device(model)
         n = inputs.shape[0]
         lengths = token_lengths(model, inputs)
         epoch_loss, steps = float("nan"), 0
@@ -177,7 +179,7 @@ class BayesADMM(FederatedAlgorithm):
                 for _ in range(options.mc_samples):
                     with opt.sampled_params(train=True):
                         opt.zero_grad(set_to_none=True)
-                        loss = loss_fn(model(inputs[idx]), targets[idx])
+                        loss = loss_fn(model(to_device(inputs[idx], device)), to_device(targets[idx], device))
                         loss.backward()
                     value += loss.item() / options.mc_samples
                 check_finite(value, epoch, step)
@@ -206,7 +208,7 @@ class BayesADMM(FederatedAlgorithm):
         }
         state = self.dual_step(server, client, message, options) | guard
         momentum, ivon_steps = opt.get_momentum()
-        state[IVON_STEPS] = torch.tensor(float(ivon_steps), dtype=torch.float64)
+        state[IVON_STEPS] = torch.tensor(float(ivon_steps), dtype=torch.float64, device=momentum.device)
         offset = 0
         for name, p in exchanged_parameters(model):
             size = p.numel()

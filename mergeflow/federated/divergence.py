@@ -54,8 +54,9 @@ def guard_runaway(
     if window == 0:
         return {}
     if FIRST_DISTANCE not in client:
-        first = torch.tensor(distance, dtype=torch.float64)
-        return {FIRST_DISTANCE: first, DISTANCES: torch.zeros(0, dtype=torch.float64)}
+        # Bookkeeping scalars, on the CPU whatever device the model trains on.
+        first = torch.tensor(distance, dtype=torch.float64, device="cpu")
+        return {FIRST_DISTANCE: first, DISTANCES: torch.zeros(0, dtype=torch.float64, device="cpu")}
     history = client[DISTANCES]
     if len(history) >= min(2, window):
         reference = max(float(history.min()), float(client[FIRST_DISTANCE]), scale)
@@ -66,7 +67,7 @@ def guard_runaway(
                 f"(the largest: {reference:.3g}); raise the algorithm's rho or lower its lr "
                 "(docs/results.md: IVON-ADMM's stable region)"
             )
-    appended = torch.cat([history, torch.tensor([distance], dtype=torch.float64)])
+    appended = torch.cat([history.cpu(), torch.tensor([distance], dtype=torch.float64, device="cpu")])
     return {DISTANCES: appended[-window:]}
 
 

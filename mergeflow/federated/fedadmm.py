@@ -60,7 +60,7 @@ class FedADMM(FederatedAlgorithm):
 
     def init_client(self, global_state, options: FedADMMOptions) -> ClientState:
         """v_k = 0."""
-        return {DUAL + k: torch.zeros(v.shape, dtype=torch.float64) for k, v in global_state.items()}
+        return {DUAL + k: torch.zeros_like(v, dtype=torch.float64) for k, v in global_state.items()}
 
     def client_update(
         self,

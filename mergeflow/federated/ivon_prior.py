@@ -88,6 +88,14 @@ class IVONWithPrior(ivon.IVON):
 
     # --------------------------------------------------------------------------- accessors
 
+    def _init_buffers(self) -> None:
+        # ivon's adds a CPU scalar tensor to its buffers; these are made where the parameters are.
+        for group in self.param_groups:
+            group["momentum"] = torch.zeros(group["numel"], device=self._device, dtype=self._dtype)
+            group["hess"] = torch.full(
+                (group["numel"],), float(group["hess_init"]), device=self._device, dtype=self._dtype
+            )
+
     def _flat(self, value: float | Tensor) -> Tensor:
         """A flat vector over all parameters (a scalar is broadcast) in the parameters' dtype."""
         out = torch.zeros(self._numel, device=self._device, dtype=self._dtype)
@@ -153,7 +161,10 @@ class IVONWithPrior(ivon.IVON):
         """θ = m + ε with ε ~ N(0, 1/(ess·(h + wd))) drawn from ``self.generator``."""
         group = self.param_groups[0]
         noise = (
-            torch.randn(self._numel, generator=self.generator, device=self._device, dtype=self._dtype)
+            # drawn where the generator is (the CPU: the same draws on every device), then moved
+            torch.randn(self._numel, generator=self.generator, device=self.generator.device, dtype=self._dtype).to(
+                self._device
+            )
             / (group["ess"] * (group["hess"] + group["weight_decay"])).sqrt()
         )
         means = []

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from mergeflow.device import module_device, to_device
 from mergeflow.federated.base import ClientData, LocalTraining, exchanged_parameters
 from mergeflow.objectives import get_objective
 from mergeflow.training import DivergenceError, as_inputs, make_optimizer, minibatches, token_lengths
@@ -53,12 +54,13 @@ def local_train(
     )
     n = inputs.shape[0]
     lengths = token_lengths(model, inputs)
+    device = module_device(model)
     epoch_loss, steps = float("nan"), 0
     model.train()
     for epoch in range(train.epochs):
         total = 0.0
         for step, idx in enumerate(minibatches(n, train.batch_size, generator, lengths)):
-            loss = loss_fn(model(inputs[idx]), targets[idx])
+            loss = loss_fn(model(to_device(inputs[idx], device)), to_device(targets[idx], device))
             value = loss.item()
             check_finite(value, epoch, step)
             objective = loss if penalty is None else loss + penalty()

@@ -16,6 +16,7 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
+from mergeflow.device import host_tensor
 from mergeflow.evaluation import evaluate_outputs
 from mergeflow.federated.base import (
     ClientData,
@@ -56,7 +57,7 @@ def evaluate_global(
     """Load ``params`` into ``model`` and return :func:`mergeflow.evaluation.evaluate_outputs` on ``data``."""
     load_parameters(model, params)
     outputs = predict(model, data.X, task=data.task)
-    return evaluate_outputs(outputs, data.y.numpy(), task=data.task, noise_std=noise_std)
+    return evaluate_outputs(outputs, data.y.cpu().numpy(), task=data.task, noise_std=noise_std)
 
 
 def predictive_metrics(
@@ -87,12 +88,14 @@ def predictive_metrics(
         # Sorted names: the same draws whether the state came from memory or from safetensors.
         draw = {
             name: means[name]
-            + torch.randn(means[name].shape, generator=generator, dtype=torch.float64) / precisions[name].sqrt()
+            + torch.randn(means[name].shape, generator=generator, dtype=torch.float64).to(means[name].device)
+            / precisions[name].sqrt()
             for name in sorted(means)
         }
         load_parameters(model, draw)
         outputs.append(predict(model, data.X, task=objective))
-    scores = objective.metrics(objective.ensemble(outputs), data.y.numpy(), n_bins=15, noise_std=noise_std)
+    labels = data.y.cpu().numpy()
+    scores = objective.metrics(objective.ensemble(outputs), labels, n_bins=15, noise_std=noise_std)
     return {f"bma_{key}": value for key, value in scores.items()}
 
 
@@ -121,8 +124,8 @@ def global_scores(
 
 def _concatenate(clients_data: Sequence[ClientData]) -> ClientData:
     return ClientData(
-        torch.cat([torch.as_tensor(d.X) for d in clients_data]),
-        torch.cat([torch.as_tensor(d.y) for d in clients_data]),
+        torch.cat([host_tensor(d.X) for d in clients_data]),
+        torch.cat([host_tensor(d.y) for d in clients_data]),
         clients_data[0].task,
     )
 

@@ -109,9 +109,9 @@ def woodbury_inverse(
     inverse_a = 1.0 / diagonal.clamp_min(1e-30)
     root_inverse = inverse_a.sqrt().to(build_dtype)
     rows = sum(len(c.factors) for c in clients)
-    capacitance = torch.zeros(rows, rows, dtype=torch.float64)
-    block = torch.empty(rows, min(columns, diagonal.numel()), dtype=build_dtype)
-    product = torch.empty(min(strip, rows), rows, dtype=build_dtype)
+    capacitance = torch.zeros(rows, rows, dtype=torch.float64, device=diagonal.device)
+    block = torch.empty(rows, min(columns, diagonal.numel()), dtype=build_dtype, device=diagonal.device)
+    product = torch.empty(min(strip, rows), rows, dtype=build_dtype, device=diagonal.device)
     for start in range(0, diagonal.numel(), columns):
         stop = min(start + columns, diagonal.numel())
         scaled = block[:, : stop - start]
@@ -124,7 +124,8 @@ def woodbury_inverse(
             last = min(first + strip, rows)
             torch.mm(scaled[first:last], scaled[:last].T, out=product[: last - first, :last])
             capacitance[first:last, :last] += product[: last - first, :last]
-    capacitance = capacitance.tril() + capacitance.tril(-1).T + torch.eye(rows, dtype=torch.float64)
+    identity = torch.eye(rows, dtype=torch.float64, device=diagonal.device)
+    capacitance = capacitance.tril() + capacitance.tril(-1).T + identity
     cholesky = torch.linalg.cholesky(capacitance)
 
     def apply(v: torch.Tensor) -> torch.Tensor:

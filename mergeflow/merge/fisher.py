@@ -14,11 +14,11 @@ def fisher(x: TensorInputs, options: FisherOptions) -> torch.Tensor:
     """θ* = Σ λ_k F_k θ_k / Σ λ_k F_k, elementwise."""
     assert x.fishers is not None
     count = len(x.tensors)
-    lam = torch.ones(count, dtype=torch.float64)
+    lam = torch.ones(count, dtype=torch.float64, device=x.weights.device)
     if options.coefficients is not None:
         if len(options.coefficients) != count:
             raise MergeflowError(f"fisher coefficients: {len(options.coefficients)} given for {count} models")
-        lam = torch.as_tensor(options.coefficients, dtype=torch.float64)
+        lam = torch.as_tensor(options.coefficients, dtype=torch.float64, device=x.weights.device)
     if options.by_size:
         lam = lam * x.weights
     if options.normalize:

@@ -30,7 +30,7 @@ class _Scratch:
         if rows.dtype == torch.float64:
             return rows
         if self._buffer is None or self._buffer.numel() < rows.numel():
-            self._buffer = torch.empty(rows.numel(), dtype=torch.float64)
+            self._buffer = torch.empty(rows.numel(), dtype=torch.float64, device=rows.device)
         return self._buffer[: rows.numel()].view(rows.shape).copy_(rows)
 
 
@@ -64,7 +64,7 @@ class ClientPrecision:
 
     def project(self, v: torch.Tensor) -> torch.Tensor:
         """√s · U v in float64 (one length-``rows`` vector), widening a block of rows at a time."""
-        out = torch.empty(len(self.factors), dtype=torch.float64)
+        out = torch.empty(len(self.factors), dtype=torch.float64, device=v.device)
         for start in range(0, len(self.factors), _ROW_BLOCK):
             rows = self.factors[start : start + _ROW_BLOCK]
             torch.mv(self.scratch.widened(rows), v, out=out[start : start + len(rows)])
@@ -90,7 +90,7 @@ class ClientPrecision:
 def _squared_column_sums(factors: torch.Tensor, scratch: _Scratch | None = None) -> torch.Tensor:
     """diag(UᵀU) in float64, squaring a block of rows at a time in a reused float64 buffer."""
     scratch = scratch or _Scratch()
-    total = torch.zeros(factors.shape[-1], dtype=torch.float64)
+    total = torch.zeros(factors.shape[-1], dtype=torch.float64, device=factors.device)
     for rows in torch.split(factors, _ROW_BLOCK):
         wide = scratch.widened(rows)
         if wide is rows:  # float64 factors are the caller's: square a copy
@@ -107,12 +107,14 @@ def client_precisions(x: ModelInputs, *, by_size: bool) -> list[ClientPrecision]
     if by_size and x.sizes is None:
         raise MergeflowError("by_size needs the clients' data sizes (weights=...)")
     dim = sum(x.states[0][n].numel() for n in x.names)
+    device = x.weights.device
     scratch = _Scratch()
     out = []
     for k, state in enumerate(x.states):
         scale = float(x.sizes[k]) if by_size else 1.0
-        diagonal = x.flatten(x.fishers[k]) if x.fishers is not None else torch.zeros(dim, dtype=torch.float64)
-        factors = x.factors[k] if x.factors is not None else torch.zeros((0, dim), dtype=torch.float64)
+        none = torch.zeros((0, dim), dtype=torch.float64, device=device)
+        diagonal = x.flatten(x.fishers[k]) if x.fishers is not None else none.new_zeros(dim)
+        factors = x.factors[k] if x.factors is not None else none
         if factors.shape[-1] != dim:
             raise MergeflowError(f"client {k} factors have {factors.shape[-1]} columns, the model has {dim} parameters")
         residual = (diagonal - _squared_column_sums(factors, scratch)).clamp_min(0)
@@ -127,4 +129,4 @@ def prior_mean(x: ModelInputs, choice: str) -> torch.Tensor:
         raise MergeflowError("prior_mean 'base' needs the base model (base=...)")
     if choice == "base" or (choice == "auto" and x.base is not None):
         return x.flatten(x.base)
-    return torch.zeros(sum(x.states[0][n].numel() for n in x.names), dtype=torch.float64)
+    return torch.zeros(sum(x.states[0][n].numel() for n in x.names), dtype=torch.float64, device=x.weights.device)

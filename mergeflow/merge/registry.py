@@ -220,16 +220,24 @@ def _check_compatible(states: Sequence[State]) -> None:
                 )
 
 
-def normalized_weights(sizes: Sequence[float] | None, count: int) -> torch.Tensor:
-    """Client weights n_k/N as float64 (uniform when no sizes are given)."""
+def normalized_weights(
+    sizes: Sequence[float] | None, count: int, device: torch.device | str | None = "cpu"
+) -> torch.Tensor:
+    """Client weights n_k/N as float64 on ``device`` (uniform when no sizes are given)."""
     if sizes is None:
-        return torch.full((count,), 1.0 / count, dtype=torch.float64)
+        return torch.full((count,), 1.0 / count, dtype=torch.float64, device=device)
     if len(sizes) != count:
         raise MergeflowError(f"got {len(sizes)} weights for {count} models")
-    w = torch.as_tensor(sizes, dtype=torch.float64)
-    if (w < 0).any() or w.sum() <= 0:
+    if any(s < 0 for s in sizes) or sum(sizes) <= 0:
         raise MergeflowError("merge weights must be non-negative with a positive sum")
+    w = torch.as_tensor(sizes, dtype=torch.float64, device=device)
     return w / w.sum()
+
+
+def states_device(states: Sequence[State]) -> torch.device:
+    """The device of the first model's tensors (the CPU for an empty state): where a merge computes."""
+    first = next(iter(states[0].values()), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def require_inputs(spec: MergeMethod, given: Mapping[str, object]) -> None:
@@ -339,7 +347,7 @@ def model_inputs(
     names = list(fisher_list[0]) if fisher_list else [k for k, v in states[0].items() if v.is_floating_point()]
     return ModelInputs(
         states=[dict(s) for s in states],
-        weights=normalized_weights(weights, len(states)),
+        weights=normalized_weights(weights, len(states), states_device(states)),
         sizes=list(weights) if weights is not None else None,
         base=dict(base) if base is not None else None,
         fishers=fisher_list,
@@ -351,7 +359,7 @@ def model_inputs(
 
 
 def _factor_tensor(u: torch.Tensor) -> torch.Tensor:
-    u = torch.as_tensor(u)
+    u = u if isinstance(u, torch.Tensor) else torch.as_tensor(u)  # a tensor stays on its device
     return u if u.dtype in (torch.float32, torch.float64) else u.to(torch.float64)
 
 
@@ -378,7 +386,7 @@ def run_merge(
     parsed = validate_options(method, options)
     if spec.scope == "tensor":
         _check_compatible([*states, base] if base is not None else states)
-        w = normalized_weights(weights, len(states))
+        w = normalized_weights(weights, len(states), states_device(states))
         fisher_list = [dict(f) for f in fishers] if fishers is not None else None
         return MergeResult(dict(merged_tensors(spec, states, base, w, fisher_list, parsed)))
     inputs = model_inputs(

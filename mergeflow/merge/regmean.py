@@ -16,6 +16,15 @@ def shrink(gram: torch.Tensor, alpha: float) -> torch.Tensor:
     return alpha * gram + (1 - alpha) * torch.diag(torch.diagonal(gram))
 
 
+def minimum_norm_solve(gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """The minimum-norm X of ``gram`` X = ``rhs`` for a symmetric PSD ``gram``, singular values below RCOND of the
+    largest dropped: LAPACK's SVD least squares (``gelsd``) on the CPU; on a GPU, whose ``lstsq`` has no such
+    driver, the same pseudo-inverse from the eigendecomposition (``pinv(hermitian=True)``)."""
+    if gram.device.type == "cpu":
+        return torch.linalg.lstsq(gram, rhs, rcond=RCOND, driver="gelsd").solution
+    return torch.linalg.pinv(gram, rtol=RCOND, hermitian=True) @ rhs
+
+
 @merge_method("regmean", scope="model")
 def regmean(x: ModelInputs, options: RegMeanOptions) -> MergeResult:
     """RegMean: W* = Σ_k W_k G_k (Σ_k G_k)⁻¹ per linear layer (G_k = X_kᵀX_k; ``nn.Linear`` and GPT-2's
@@ -31,6 +40,6 @@ def regmean(x: ModelInputs, options: RegMeanOptions) -> MergeResult:
         # (Σ G_k) W = Σ G_k W_k. Input directions the clients almost never take (eigenvalues below
         # RCOND of the largest, e.g. digits' border pixels) get the minimum-norm W, not amplified noise.
         rhs = sum(g @ w for g, w in zip(grams, weights, strict=True))
-        solution = torch.linalg.lstsq(sum(grams), rhs, rcond=RCOND, driver="gelsd").solution
+        solution = minimum_norm_solve(sum(grams), rhs)
         state[name] = solution.T if transposed else solution
     return MergeResult(state, summary={"regmean_layers": float(len(x.grams[0]))})

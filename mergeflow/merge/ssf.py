@@ -32,10 +32,15 @@ def _mask_sizes(dim: int, options: SSFOptions) -> tuple[int, int]:
     return window, max(1, round(options.mask_rate * window))
 
 
-def _masks(dim: int, options: SSFOptions, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(J, m) masked and (J, w − m) conditioning coordinates, fresh for every step."""
+def _masks(
+    dim: int, options: SSFOptions, generator: torch.Generator, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(J, m) masked and (J, w − m) conditioning coordinates, fresh for every step, on ``device`` (drawn on
+    the CPU, so a seed draws the same masks on every device)."""
     window, masked = _mask_sizes(dim, options)
-    order = torch.stack([torch.randperm(dim, generator=generator)[:window] for _ in range(options.masks_per_step)])
+    steps = range(options.masks_per_step)
+    draws = [torch.randperm(dim, generator=generator, device=generator.device)[:window] for _ in steps]
+    order = torch.stack(draws).to(device)
     return order[:, :masked], order[:, masked:]
 
 
@@ -151,7 +156,8 @@ def ssf_iterates(x: ModelInputs, options: SSFOptions) -> Iterator[tuple[torch.Te
     if options.start == "average":
         start = average.clone()
     else:
-        start = torch.randn(average.shape, generator=generator, dtype=average.dtype) * average.std()
+        start = torch.randn(average.shape, generator=generator, dtype=average.dtype, device=generator.device)
+        start = start.to(average.device) * average.std()
     theta = start.requires_grad_(True)
     optimizer = (
         torch.optim.SGD([theta], lr=options.lr, momentum=options.momentum)
@@ -169,7 +175,7 @@ def ssf_iterates(x: ModelInputs, options: SSFOptions) -> Iterator[tuple[torch.Te
     small = count * dim * dim * 8 <= _DENSE_MAX_BYTES
     dense = [_dense_precision(c, delta) if small and c.factors.shape[0] >= masked_count else None for c in clients]
     for _ in range(options.steps):
-        masked, rest = _masks(dim, options, generator)
+        masked, rest = _masks(dim, options, generator, theta.device)
         systems = [_masked_system(c, delta, masked, rest, d) for c, d in zip(clients, dense, strict=True)]
         optimizer.zero_grad()
         quadratic = sum(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mergeflow.device import module_device, to_device
 from mergeflow.models.hf import seeded
 from mergeflow.models.token_model import TokenModel
 from mergeflow.objectives.causal_lm import IGNORE_INDEX, next_token_labels, token_cross_entropy
@@ -38,12 +39,14 @@ def mask_tokens(
     """BERT's masking: ``(inputs, labels)`` with labels -100 everywhere but at the chosen tokens."""
     if special.mask is None:
         raise ValueError("masked-LM pre-training needs a tokenizer with a mask token")
-    candidates = ~torch.isin(ids, torch.tensor([special.pad, *special.never_masked]))
-    chosen = candidates & (torch.rand(ids.shape, generator=generator) < probability)
+    candidates = ~torch.isin(ids, torch.tensor([special.pad, *special.never_masked], device=ids.device))
+    on = {"device": generator.device}  # drawn where the generator is, then moved to the ids
+
+    chosen = candidates & (torch.rand(ids.shape, generator=generator, **on).to(ids.device) < probability)
     labels = torch.where(chosen, ids, torch.full_like(ids, IGNORE_INDEX))
-    draw = torch.rand(ids.shape, generator=generator)
+    draw = torch.rand(ids.shape, generator=generator, **on).to(ids.device)
     inputs = torch.where(chosen & (draw < 0.8), torch.full_like(ids, special.mask), ids)
-    random_tokens = torch.randint(vocab_size, ids.shape, generator=generator)
+    random_tokens = torch.randint(vocab_size, ids.shape, generator=generator, **on).to(ids.device)
     inputs = torch.where(chosen & (draw >= 0.8) & (draw < 0.9), random_tokens, inputs)
     return inputs, labels
 
@@ -76,6 +79,8 @@ def pretrain_language_model(
     head_class = AutoModelForMaskedLM if objective == "mlm" else AutoModelForCausalLM
     with seeded(seed):
         lm = head_class.from_config(classifier.model.config)
+    device = module_device(classifier)
+    lm.to(device)
     _copy_body(getattr(classifier.model, body_name), getattr(lm, body_name))
     head = _MaskedPositionsHead.install(lm) if objective == "mlm" else None
     # The classifier's wrapper builds the masks (padding, and causal for decoders) and returns the LM's logits.
@@ -94,6 +99,7 @@ def pretrain_language_model(
                 inputs, labels = mask_tokens(batch, special, vocab_size, generator, mask_probability)
             else:
                 inputs, labels = batch, next_token_labels(batch, special.pad)
+            inputs, labels = to_device(inputs, device), to_device(labels, device)
             predicted = int((labels != IGNORE_INDEX).sum())
             if predicted == 0:
                 continue

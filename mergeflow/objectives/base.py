@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Generator, Tensor, nn
 
+from mergeflow.device import host_tensor
 from mergeflow.registry import Registry
 from mergeflow.schema.objectives import ObjectiveDeclaration, declared_objective
 
@@ -69,7 +70,7 @@ class Objective(ABC):
 
     def outputs_loss(self, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The mean training loss from what :meth:`outputs` kept, against labels ``y`` (a loss barrier's)."""
-        return self.loss(outputs, torch.as_tensor(y).to(outputs.device).reshape(-1))
+        return self.loss(outputs, torch.as_tensor(y, device=outputs.device).reshape(-1))
 
     def output_dim(self, info: dict[str, Any]) -> int:
         """Outputs per example a model needs for the data ``info`` describes (one here)."""
@@ -117,7 +118,7 @@ class Objective(ABC):
     # Fisher information.
     def fisher_labels(self, y: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The data's labels as the Fisher's loss takes them (``dtype``: the model's)."""
-        return torch.as_tensor(y).to(torch.long)
+        return host_tensor(y, torch.long)
 
     def summed_loss(self) -> nn.Module:
         """The negative log-likelihood summed over examples, up to :meth:`score_scale`."""

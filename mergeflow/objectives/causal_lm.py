@@ -119,5 +119,6 @@ class CausalLM(Objective):
             return labels
         with torch.no_grad():
             probs = torch.softmax(model(X), dim=-1)
-        drawn = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=rng).reshape(labels.shape)
+        rows = probs.reshape(-1, probs.shape[-1]).to(rng.device)  # drawn where the generator is, then moved
+        drawn = torch.multinomial(rows, 1, generator=rng).reshape(labels.shape).to(labels.device)
         return torch.where(labels != IGNORE_INDEX, drawn, IGNORE_INDEX)

@@ -20,7 +20,7 @@ class Classification(Objective):
     name = "classification"
 
     def targets(self, y, inputs: torch.Tensor, model: nn.Module) -> torch.Tensor:
-        return torch.as_tensor(y).to(device=inputs.device, dtype=torch.long).reshape(-1)
+        return torch.as_tensor(y, device=inputs.device).to(torch.long).reshape(-1)
 
     def output_dim(self, info: dict[str, Any]) -> int:
         return int(info["num_classes"])
@@ -75,7 +75,8 @@ class Classification(Objective):
             return y
         with torch.no_grad():
             probs = torch.softmax(model(X), dim=1)
-        return torch.multinomial(probs, 1, generator=rng)[:, 0]
+        # drawn where the generator is (the CPU: the same labels on every device), then moved
+        return torch.multinomial(probs.to(rng.device), 1, generator=rng)[:, 0].to(probs.device)
 
     def exact_targets(self, model: nn.Module, X: torch.Tensor, noise_std: float) -> list[FisherTarget]:
         with torch.no_grad():

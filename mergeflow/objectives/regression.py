@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import Generator, Tensor, nn
 
+from mergeflow.device import host_tensor
 from mergeflow.metrics import regression_metrics
 from mergeflow.objectives.base import Baseline, FisherTarget, Objective, register_objective
 
@@ -26,7 +27,7 @@ class Regression(Objective):
     name = "regression"
 
     def targets(self, y, inputs: torch.Tensor, model: nn.Module) -> torch.Tensor:
-        return torch.as_tensor(y).to(device=inputs.device, dtype=torch.float32).reshape(-1)
+        return torch.as_tensor(y, device=inputs.device).to(torch.float32).reshape(-1)
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return 0.5 * torch.mean((outputs[:, 0] - targets) ** 2)
@@ -81,7 +82,7 @@ class Regression(Objective):
         return -((y_test - np.asarray(predicted, dtype=np.float64).reshape(len(y_test))) ** 2)
 
     def fisher_labels(self, y, dtype: torch.dtype) -> torch.Tensor:
-        return torch.as_tensor(y).to(dtype)
+        return host_tensor(y, dtype)
 
     def summed_loss(self) -> nn.Module:
         return nn.MSELoss(reduction="sum")
