@@ -738,7 +738,7 @@ class Params(_Section):
             if problem := aggregator.check_participants(n):
                 raise ValueError(problem)
         if dp is not None:
-            from mergeflow.privacy_check import check_dp
+            from mergeflow.accounting import check_dp
 
             if problem := check_dp(dp, clients, federated.fraction, federated.rounds):
                 raise ValueError(problem)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
+from mergeflow.accounting import Mechanism, epsilon, mechanism
 from mergeflow.federated.attacks import attack_message, attackers, flip_labels
 from mergeflow.federated.base import (
     MEAN,
@@ -34,7 +35,7 @@ from mergeflow.federated.base import (
     take_prefix,
     unflat,
 )
-from mergeflow.federated.privacy import CLIP_KEY, Mechanism, epsilon, mechanism, private_average
+from mergeflow.federated.privacy import CLIP_KEY, private_average
 from mergeflow.federated.robust import aggregate
 from mergeflow.federated.server_opt import server_optimizer_step
 from mergeflow.schema.federated import (
