@@ -52,6 +52,7 @@ def smallest_epsilon(delta: float) -> float:
         return float(get_privacy_spent(orders=orders, rdp=[0.0] * len(orders), delta=delta)[0])
 
 
+@functools.lru_cache(maxsize=16)
 def noise_for_target(target_epsilon: float, delta: float, sample_rate: float, rounds: int) -> float:
     """The least noise multiplier whose ε after ``rounds`` is at most ``target_epsilon`` (within 0.01),
     by Opacus' own search.

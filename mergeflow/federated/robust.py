@@ -38,7 +38,7 @@ def used_share(order: torch.Tensor, lo: int, hi: int, n: int) -> torch.Tensor:
 @_register("mean")
 def weighted_average(stack: torch.Tensor, weights: torch.Tensor, options: AggregatorOptions):
     """Σ_k w_k θ_k (the weights sum to one)."""
-    return weights.to(stack.dtype) @ stack, torch.ones(stack.shape[0], dtype=torch.float64)
+    return weights.to(stack.dtype) @ stack, torch.ones(stack.shape[0], dtype=torch.float64, device=stack.device)
 
 
 @_register("median")
@@ -68,8 +68,8 @@ def krum_scores(stack: torch.Tensor, f: int) -> torch.Tensor:
     return torch.topk(distances, nearest, dim=1, largest=False).values.sum(dim=1)
 
 
-def _selection(selected: list[int], n: int) -> torch.Tensor:
-    kept = torch.zeros(n, dtype=torch.float64)
+def _selection(selected: list[int], like: torch.Tensor) -> torch.Tensor:
+    kept = torch.zeros(like.shape[0], dtype=torch.float64, device=like.device)
     kept[selected] = 1.0
     return kept
 
@@ -78,7 +78,7 @@ def _selection(selected: list[int], n: int) -> torch.Tensor:
 def krum(stack: torch.Tensor, weights: torch.Tensor, options: AggregatorOptions):
     """Krum (Blanchard et al. 2017): the message with the least score."""
     best = int(torch.argmin(krum_scores(stack, options.f)))
-    return stack[best].clone(), _selection([best], stack.shape[0])
+    return stack[best].clone(), _selection([best], stack)
 
 
 @_register("multikrum")
@@ -87,7 +87,7 @@ def multikrum(stack: torch.Tensor, weights: torch.Tensor, options: AggregatorOpt
     n = stack.shape[0]
     m = options.m if options.m is not None else n - options.f
     chosen = torch.argsort(krum_scores(stack, options.f), stable=True)[:m].tolist()
-    return stack[chosen].mean(dim=0), _selection(chosen, n)
+    return stack[chosen].mean(dim=0), _selection(chosen, stack)
 
 
 @_register("bulyan")
@@ -105,7 +105,7 @@ def bulyan(stack: torch.Tensor, weights: torch.Tensor, options: AggregatorOption
     order = torch.argsort((picked - median).abs(), dim=0, stable=True)[:keep]
     aggregate = torch.gather(picked, 0, order).mean(dim=0)
     share = used_share(order, 0, keep, len(chosen))
-    kept = torch.zeros(n, dtype=torch.float64)
+    kept = torch.zeros(n, dtype=torch.float64, device=stack.device)
     kept[chosen] = share
     return aggregate, kept
 

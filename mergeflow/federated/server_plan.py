@@ -182,7 +182,8 @@ def planned_server_update(
             server, {AGGREGATE: add_prefix(MEAN, new_mean)}, {AGGREGATE: 1}, num_clients, options
         )
         if plan.dp.adaptive:
-            updated[CLIP_KEY] = torch.tensor(new_clip, dtype=torch.float64)
+            like = next(iter(mean.values()))
+            updated[CLIP_KEY] = torch.tensor(new_clip, dtype=torch.float64, device=like.device)
         sigma, delta = plan.noise.noise_multiplier, plan.dp.delta
         row |= metrics | {
             "epsilon": epsilon(sigma, plan.fraction, round_number, delta),
@@ -191,7 +192,7 @@ def planned_server_update(
     elif plan.aggregator.name != "mean" and messages:
         ids = sorted(messages)
         stack = torch.stack([flat({name: messages[k][MEAN + name] for name in mean}) for k in ids])
-        weights = torch.full((len(ids),), 1.0 / len(ids), dtype=torch.float64)
+        weights = torch.full((len(ids),), 1.0 / len(ids), dtype=torch.float64, device=stack.device)
         try:
             vector, shares = aggregate(stack.to(torch.float64), weights, plan.aggregator)
         except ValueError as error:
