@@ -721,17 +721,18 @@ class Params(_Section):
             algorithm = federated.resolve(name)[0]
             declared = DECLARED[algorithm]
             server, aggregator = federated.server_for(name), federated.aggregator_for(name)
-            if not server.is_identity and not declared.point_estimate:
+            if not server.is_identity and not getattr(declared, "point_estimate", False):
                 raise ValueError(
                     f"federated.server: {name!r} ({algorithm}) has no point-estimate global model to step on "
                     "(its server step is in natural parameters); use optimizer: sgd, lr: 1"
                 )
-            if aggregator.name != "mean" and not declared.averages_messages:
+            averages = getattr(declared, "averages_messages", False)
+            if aggregator.name != "mean" and not averages:
                 raise ValueError(
                     f"federated.aggregator: {name!r} ({algorithm}) does not average the clients' messages "
                     "(its server step sums duals or natural parameters); use name: mean"
                 )
-            if dp is not None and not declared.averages_messages:
+            if dp is not None and not averages:
                 raise ValueError(f"federated.dp: DP-FedAvg replaces an averaging server step; {name!r} is {algorithm}")
             if dp is not None and aggregator.name != "mean":
                 raise ValueError(f"federated.aggregator: {name!r}: DP-FedAvg's noised sum needs name: mean")

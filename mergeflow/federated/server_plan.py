@@ -106,11 +106,11 @@ class ServerPlan:
 
     def check(self, algorithm: FederatedAlgorithm) -> None:
         """Raise ValueError (one line, the key) when the algorithm's maths does not allow this plan."""
-        declared = algorithm.Options
-        if not self.server.is_identity and not declared.point_estimate:
+        declared = algorithm.Options  # a notebook algorithm's own options model may declare neither
+        if not self.server.is_identity and not getattr(declared, "point_estimate", False):
             raise ValueError(f"federated.server: {algorithm.name} has no point-estimate global model to step on")
         replaces = self.dp is not None or self.aggregator.name != "mean"
-        if replaces and not declared.averages_messages:
+        if replaces and not getattr(declared, "averages_messages", False):
             raise ValueError(f"federated.aggregator: {algorithm.name}'s server step does not average the messages")
         if self.dp is not None and self.aggregator.name != "mean":
             raise ValueError("federated.aggregator: DP-FedAvg's noised sum needs name: mean")
