@@ -1,4 +1,4 @@
-"""Side-by-side check of mergeflow's server optimizers against Flower's strategies.
+"""Side-by-side check of mergeflow's server optimizers and robust aggregators against Flower's strategies.
 
 Both sides get the same sequence of client updates: in round t client k sends θ̄_t + U[t, k] (U drawn
 once from a seed, θ̄_t each side's own global model), so any difference in a server rule compounds over
@@ -9,6 +9,9 @@ Usage (Flower in its own venv, never a mergeflow dependency)::
 
     python3 -m venv /tmp/flwr-venv && /tmp/flwr-venv/bin/pip install flwr==1.41.0
     PYTHONPATH=. .venv/bin/python bench/flower_server_optimizers.py [--flower-python /tmp/flwr-venv/bin/python]
+
+The robust rules (FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan) get, each round, 9 clients of equal
+size: 7 honest updates and 2 far-off ones, and both sides' aggregates are compared round by round.
 
 The Flower side is this file run with ``--flower SEQUENCE.npz RESULT.npz`` by the venv's Python (numpy
 and flwr only). Conventions matched: Flower starts v at 0 (mergeflow's default is the paper's τ²:
@@ -60,6 +63,32 @@ CASES = {
 }
 
 
+# name → (mergeflow aggregator options, Flower strategy class, its keyword arguments); 9 clients a round.
+ROBUST = {
+    "median": ({"name": "median"}, "FedMedian", {}),
+    "trimmed_mean": ({"name": "trimmed_mean", "beta": 0.2}, "FedTrimmedAvg", {"beta": 0.2}),
+    "krum": ({"name": "krum", "f": 2}, "Krum", {"num_malicious_nodes": 2}),
+    "multikrum": (
+        {"name": "multikrum", "f": 2, "m": 5},
+        "MultiKrum",
+        {"num_malicious_nodes": 2, "num_nodes_to_select": 5},
+    ),
+    "bulyan": ({"name": "bulyan", "f": 1}, "Bulyan", {"num_malicious_nodes": 1}),
+}
+ROBUST_CLIENTS = 9
+
+
+def robust_sequence(seed: int = 1) -> dict[str, np.ndarray]:
+    """Every round's client models: 7 near a shared centre, the last 2 far off (Byzantine)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in SHAPES.items():
+        models = rng.normal(size=(ROUNDS, 1, *shape)) + rng.normal(scale=0.1, size=(ROUNDS, ROBUST_CLIENTS, *shape))
+        models[:, -2:] += rng.normal(scale=5.0, size=(ROUNDS, 2, *shape))
+        out[f"robust/{name}"] = models
+    return out
+
+
 def sequence(seed: int = 0) -> dict[str, np.ndarray]:
     """The initial model and every round's client offsets U[t, k] (a drift shared by the clients plus noise)."""
     rng = np.random.default_rng(seed)
@@ -99,6 +128,31 @@ def run_mergeflow(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             for n in SHAPES:
                 history[n].append(state[f"mean.{n}"].numpy().copy())
         results |= {f"{case}/{n}": np.stack(h) for n, h in history.items()}
+    return results | robust_mergeflow(data)
+
+
+def robust_mergeflow(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each robust rule on every round's client models (all arrays flattened together, sorted by name)."""
+    import torch
+
+    from mergeflow.federated.base import flat, unflat
+    from mergeflow.federated.robust import aggregate
+    from mergeflow.schema.federated import AggregatorOptions
+
+    like = {n: torch.zeros(shape, dtype=torch.float64) for n, shape in SHAPES.items()}
+    weights = torch.full((ROBUST_CLIENTS,), 1.0 / ROBUST_CLIENTS, dtype=torch.float64)
+    results = {}
+    for case, (options, _, _) in ROBUST.items():
+        rule = AggregatorOptions.model_validate(options)
+        history = {n: [] for n in SHAPES}
+        for t in range(ROUNDS):
+            rows = [
+                flat({n: torch.from_numpy(data[f"robust/{n}"][t, k]) for n in SHAPES}) for k in range(ROBUST_CLIENTS)
+            ]
+            vector, _ = aggregate(torch.stack(rows), weights, rule)
+            for n, value in unflat(vector, like).items():
+                history[n].append(value.numpy().copy())
+        results |= {f"{case}/{n}": np.stack(h) for n, h in history.items()}
     return results
 
 
@@ -133,6 +187,19 @@ def run_flower(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             for n in SHAPES:
                 history[n].append(current[n])
         results |= {f"{case}/{n}": np.stack(h) for n, h in history.items()}
+    for case, (_, class_name, kwargs) in ROBUST.items():
+        strategy = getattr(strategies, class_name)(**kwargs)
+        history = {n: [] for n in SHAPES}
+        for t in range(ROUNDS):
+            replies = []
+            for k in range(ROBUST_CLIENTS):
+                arrays = ArrayRecord({n: Array(data[f"robust/{n}"][t, k]) for n in SHAPES})
+                content = RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 10})})
+                replies.append(Message(content=content, dst_node_id=k + 1, message_type="train"))
+            arrays, _ = strategy.aggregate_train(t + 1, replies)
+            for n in SHAPES:
+                history[n].append(arrays[n].numpy().copy())
+        results |= {f"{case}/{n}": np.stack(h) for n, h in history.items()}
     return results
 
 
@@ -147,7 +214,7 @@ def main() -> None:
             data = dict(f)
         np.savez(args.flower[1], **run_flower(data))
         return
-    data = sequence()
+    data = sequence() | robust_sequence()
     ours = run_mergeflow(data)
     with tempfile.TemporaryDirectory() as tmp:
         np.savez(Path(tmp) / "sequence.npz", **data)
@@ -167,6 +234,11 @@ def main() -> None:
         scale = max(float(np.abs(theirs[k]).max()) for k in keys)
         moved = max(float(np.abs(theirs[k][-1] - data[f"init/{k.split('/', 1)[1]}"]).max()) for k in keys)
         report["cases"][case] = {"max_abs_diff": diff, "max_abs_value": scale, "max_abs_change": moved}
+    for case in ROBUST:
+        keys = [f"{case}/{n}" for n in SHAPES]
+        diff = max(float(np.abs(ours[k] - theirs[k]).max()) for k in keys)
+        rounds_equal = sum(all(np.array_equal(ours[k][t], theirs[k][t]) for k in keys) for t in range(ROUNDS))
+        report["cases"][case] = {"max_abs_diff": diff, "rounds_bit_equal": rounds_equal}
     print(json.dumps(report, indent=2))
 
 
