@@ -472,7 +472,8 @@ def _split_note(params) -> str:
 
 
 def robustness(preset: Path, root: Path) -> Path:
-    """Each aggregator against 0–3 attackers of each kind; the server optimizers against FedAvg."""
+    """Each aggregator against 0–3 attackers of each kind (the preset's ``aggregators``), and the server
+    optimizers against FedAvg (its ``server_optimizers``): either part, or both."""
     from mergeflow.reproductions.robustness import (
         robustness_grid,
         robustness_tables,
@@ -481,15 +482,19 @@ def robustness(preset: Path, root: Path) -> Path:
     )
 
     spec, params, inputs = _loop_inputs(preset, root, "robustness")
-    records = robustness_grid(inputs, spec)
-    servers = server_optimizer_grid(inputs, spec)
-    text = (
-        f"{_split_note(params)}\n\n### Aggregators against attacks (final test accuracy; attacked messages kept / sent"
-    )
-    text += " over all rounds, a coordinate-wise rule counting the share of coordinates kept)\n"
-    text += robustness_tables(records, spec)
-    text += "\n### Server optimizers (3 seeds)\n\n" + server_optimizer_table(servers, spec["target_accuracy"])
-    return _write(root, "robustness", {"robustness": records, "server_optimizers": servers}, text)
+    text, data = f"{_split_note(params)}\n", {}
+    if spec.get("aggregators"):
+        data["robustness"] = records = robustness_grid(inputs, spec)
+        text += "\n### Aggregators against attacks (final test accuracy; attacked messages kept / sent over all"
+        text += " rounds, a coordinate-wise rule counting the share of coordinates kept)\n"
+        text += robustness_tables(records, spec)
+    if spec.get("server_optimizers"):
+        data["server_optimizers"] = servers = server_optimizer_grid(inputs, spec)
+        seeds = len(spec["server_seeds"])
+        text += f"\n### Server optimizers ({seeds} seeds)\n\n" + server_optimizer_table(
+            servers, spec["target_accuracy"]
+        )
+    return _write(root, preset.stem, data, text)
 
 
 def privacy(preset: Path, root: Path) -> Path:
