@@ -71,7 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     reproduce = commands.add_parser("reproduce", help="run a paper reproduction (results/NAME.md)")
     reproduce.add_argument(
         "name",
-        choices=("linear-gaussian", "pinwheel", "alignment", "federated", "participation", "merges", "averaging-laws"),
+        choices=(
+            *("linear-gaussian", "pinwheel", "alignment", "federated", "participation", "merges", "averaging-laws"),
+            *("robustness", "privacy"),
+        ),
     )
     reproduce.add_argument("--preset", help="experiment preset (default: experiments/<name>.yaml)")
     return parser

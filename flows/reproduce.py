@@ -17,6 +17,9 @@
 - ``averaging-laws``: FedAvg's accuracy gain over centralized training against each transformer's
   compute budget, IID and non-IID (one domain per client), full and partial participation, and
   seen against unseen domains (:mod:`mergeflow.reproductions.averaging_laws`).
+- ``robustness``: each aggregator against 0–3 attackers of each kind, and the adaptive server
+  optimizers against FedAvg; ``privacy``: DP-FedAvg's accuracy against ε
+  (:mod:`mergeflow.reproductions.robustness`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ PRESETS = {
     "participation": "experiments/participation.yaml",
     "merges": "experiments/merges.yaml",
     "averaging-laws": "experiments/averaging_laws.yaml",
+    "robustness": "experiments/robustness.yaml",
+    "privacy": "experiments/privacy.yaml",
 }
 
 
@@ -433,6 +438,78 @@ def _laws_report(root: Path, runs: list, facts: dict, spec: dict[str, Any], note
     return _write(root, "averaging_laws", data, text)
 
 
+def _loop_inputs(preset: Path, root: Path, name: str):
+    """The preset's spec and the plain loop's inputs, from a workspace whose data, partition and base
+    model the pipeline prepares (results/NAME-workspace)."""
+    from flows.pipeline import run_pipeline
+    from mergeflow.federated import LocalTraining
+    from mergeflow.reproductions.robustness import LoopInputs
+    from tasks.federated import loop_inputs, validation_data
+
+    spec = _read_yaml(preset)
+    params = validate_params(spec.get("params", {}), str(preset))
+    check_paths(params, str(preset))
+    check_model(params, str(preset))
+    workspace = root / "results" / f"{name}-workspace"
+    workspace.mkdir(parents=True, exist_ok=True)
+    run_pipeline(params, workspace, stages=["prepare", "partition", "pretrain"])
+    builder, clients, test = loop_inputs(workspace, params.partition.num_clients)
+    federated = params.federated
+    train = federated.local_for(federated.algorithms[0]).model_dump(mode="json")
+    inputs = LoopInputs(
+        builder, clients, test, validation_data(workspace), LocalTraining(**train), federated.rounds, federated.fraction
+    )
+    return spec, params, inputs
+
+
+def _split_note(params) -> str:
+    data, partition = params.data, params.partition
+    return (
+        f"digits ({data.source}), {partition.num_clients} clients, Dirichlet α = {partition.alpha}, "
+        f"{params.federated.rounds} rounds, test split {data.test_fraction}, validation {data.validation_fraction} "
+        "(settings chosen on validation; accuracies on test)"
+    )
+
+
+def robustness(preset: Path, root: Path) -> Path:
+    """Each aggregator against 0–3 attackers of each kind (the preset's ``aggregators``), and the server
+    optimizers against FedAvg (its ``server_optimizers``): either part, or both."""
+    from mergeflow.reproductions.robustness import (
+        robustness_grid,
+        robustness_tables,
+        server_optimizer_grid,
+        server_optimizer_table,
+    )
+
+    spec, params, inputs = _loop_inputs(preset, root, "robustness")
+    text, data = f"{_split_note(params)}\n", {}
+    if spec.get("aggregators"):
+        data["robustness"] = records = robustness_grid(inputs, spec)
+        text += "\n### Aggregators against attacks (final test accuracy; attacked messages kept / sent over all"
+        text += " rounds, a coordinate-wise rule counting the share of coordinates kept)\n"
+        text += robustness_tables(records, spec)
+    if spec.get("server_optimizers"):
+        data["server_optimizers"] = servers = server_optimizer_grid(inputs, spec)
+        seeds = len(spec["server_seeds"])
+        text += f"\n### Server optimizers ({seeds} seeds)\n\n" + server_optimizer_table(
+            servers, spec["target_accuracy"]
+        )
+    return _write(root, preset.stem, data, text)
+
+
+def privacy(preset: Path, root: Path) -> Path:
+    """DP-FedAvg's final test accuracy against ε (several noise levels, seeds)."""
+    from mergeflow.reproductions.robustness import privacy_grid, privacy_table
+
+    spec, params, inputs = _loop_inputs(preset, root, "privacy")
+    results = privacy_grid(inputs, spec)
+    text = f"{_split_note(params)}; Poisson sampling q = {params.federated.fraction}\n\n"
+    text += (
+        f"### DP-FedAvg (clip {results['clip']} chosen on validation; mean ± std over {len(spec['seeds'])} seeds)\n\n"
+    )
+    return _write(root, "privacy", results, text + privacy_table(results))
+
+
 def reproduce(name: str, root: Path, preset: str | None = None) -> Path:
     """Run one reproduction by name; return the path of its markdown table."""
     runners = {
@@ -443,6 +520,8 @@ def reproduce(name: str, root: Path, preset: str | None = None) -> Path:
         "participation": federated,
         "merges": merges,
         "averaging-laws": averaging_laws,
+        "robustness": robustness,
+        "privacy": privacy,
     }
     if name not in runners:
         raise ConfigError([f"reproduce: unknown experiment {name!r}; known: {', '.join(runners)}"])

@@ -22,6 +22,13 @@ from mergeflow.schema.data_source import Modality
 from mergeflow.schema.deprecation import deprecated
 from mergeflow.schema.families import DECLARED as FAMILY_DECLARATIONS
 from mergeflow.schema.families import FamilyDeclaration, family_of_arch
+from mergeflow.schema.federated import (
+    AggregatorOptions,
+    AttackOptions,
+    DPOptions,
+    ServerOptimizerOptions,
+    participants_per_round,
+)
 from mergeflow.schema.sources import ALIASES as SOURCE_ALIASES
 from mergeflow.schema.sources import SOURCES, DataSource, canonical_name
 
@@ -447,6 +454,9 @@ class LocalTrainConfig(TrainConfig):
     epochs: int = Field(2, ge=1)
 
 
+_ENTRY_SECTIONS = {"server": ServerOptimizerOptions, "aggregator": AggregatorOptions}
+
+
 class FederatedConfig(_Section):
     """Federated rounds beside the one-shot merges, each algorithm from the base model.
 
@@ -462,6 +472,10 @@ class FederatedConfig(_Section):
     ``exchange: adapters`` (transformers with ``finetune.lora``): clients train and send only LoRA
     adapters and the head; the body stays the base model's, and the global model folds the global
     adapters in (W + B̄·Ā). ``full`` trains and sends every parameter.
+    ``server`` (a server optimizer: FedAvgM, FedAdam, FedYogi, FedAdagrad) and ``aggregator`` (a
+    Byzantine-robust rule) apply to every entry, or to one entry under its own ``server`` /
+    ``aggregator`` key; ``attack`` makes some clients Byzantine; ``dp`` runs client-level DP
+    (DP-FedAvg) with Poisson-sampled participants (see :mod:`mergeflow.schema.federated`).
     """
 
     algorithms: list[str] = []
@@ -471,13 +485,28 @@ class FederatedConfig(_Section):
     on_divergence: Literal["fail", "exclude"] = "fail"
     predictive_samples: int = Field(32, ge=0)
     local: LocalTrainConfig = LocalTrainConfig()
+    server: ServerOptimizerOptions = ServerOptimizerOptions()
+    aggregator: AggregatorOptions = AggregatorOptions()
+    attack: AttackOptions | None = None
+    dp: DPOptions | None = None
     options: dict[str, dict[str, Any]] = {}
 
     def resolve(self, name: str) -> tuple[str, dict[str, Any]]:
         """The registered algorithm and its options for one entry of ``algorithms``."""
         algorithm, options = _resolve_variant(self.options, name, "algorithm")
-        options.pop("local", None)
+        for key in _ENTRY_SECTIONS:
+            options.pop(key, None)
         return algorithm, options
+
+    def server_for(self, name: str) -> ServerOptimizerOptions:
+        """The server optimizer of one entry: its own ``server``, else the section's."""
+        own = self.options.get(name, {}).get("server")
+        return self.server if own is None else ServerOptimizerOptions.model_validate(own)
+
+    def aggregator_for(self, name: str) -> AggregatorOptions:
+        """The aggregator of one entry: its own ``aggregator``, else the section's."""
+        own = self.options.get(name, {}).get("aggregator")
+        return self.aggregator if own is None else AggregatorOptions.model_validate(own)
 
     def local_for(self, name: str) -> LocalTrainConfig:
         """The local training of one entry: ``local`` with the entry's own ``local`` changes."""
@@ -489,13 +518,17 @@ class FederatedConfig(_Section):
         from mergeflow.schema.federated import DECLARED, validate_options
 
         for name, chosen in self.options.items():
-            try:
-                TrainOverride.model_validate(chosen.get("local", {}))
-            except ValidationError as error:
-                raise ValueError(first_problem(f"options.{name}.local", error)) from None
+            for key, model in (("local", TrainOverride), *_ENTRY_SECTIONS.items()):
+                try:
+                    model.model_validate(chosen.get(key, {}))
+                except ValidationError as error:
+                    raise ValueError(first_problem(f"options.{name}.{key}", error)) from None
         _check_variants(
             self.algorithms,
-            {name: {k: v for k, v in chosen.items() if k != "local"} for name, chosen in self.options.items()},
+            {
+                name: {k: v for k, v in chosen.items() if k != "local" and k not in _ENTRY_SECTIONS}
+                for name, chosen in self.options.items()
+            },
             list_key="algorithms",
             kind_key="algorithm",
             known=DECLARED,
@@ -634,6 +667,7 @@ class Params(_Section):
             where = f"data.{self.data.source}.group_column"
             raise ValueError(f"partition.method: 'natural' needs a group column; set {where}")
         regression = self.data.task == "regression"
+        self._check_federated()
         self._check_objective()
         self._check_family()
         if regression and self.partition.method in ("dirichlet", "pathological"):
@@ -692,6 +726,46 @@ class Params(_Section):
                 f"partition.num_clients: {self.partition.num_clients} clients but only {rows} training samples"
             )
         return self
+
+    def _check_federated(self) -> None:
+        """Server optimizers, aggregators, attacks and DP: what each entry's maths allows, and sizes."""
+        from mergeflow.schema.federated import DECLARED
+
+        federated, clients = self.federated, self.partition.num_clients
+        attack, dp = federated.attack, federated.dp
+        if attack is not None and attack.clients > clients:
+            raise ValueError(
+                f"federated.attack.clients: {attack.clients} attackers but partition.num_clients is {clients}"
+            )
+        if attack is not None and attack.kind == "label_flip" and self.task != "classification":
+            raise ValueError(f"federated.attack.kind: label_flip flips class labels, and the task is {self.task}")
+        n = participants_per_round(clients, federated.fraction)
+        for name in federated.algorithms:
+            algorithm = federated.resolve(name)[0]
+            declared = DECLARED[algorithm]
+            server, aggregator = federated.server_for(name), federated.aggregator_for(name)
+            if not server.is_identity and not getattr(declared, "point_estimate", False):
+                raise ValueError(
+                    f"federated.server: {name!r} ({algorithm}) has no point-estimate global model to step on "
+                    "(its server step is in natural parameters); use optimizer: sgd, lr: 1"
+                )
+            averages = getattr(declared, "averages_messages", False)
+            if aggregator.name != "mean" and not averages:
+                raise ValueError(
+                    f"federated.aggregator: {name!r} ({algorithm}) does not average the clients' messages "
+                    "(its server step sums duals or natural parameters); use name: mean"
+                )
+            if dp is not None and not averages:
+                raise ValueError(f"federated.dp: DP-FedAvg replaces an averaging server step; {name!r} is {algorithm}")
+            if dp is not None and aggregator.name != "mean":
+                raise ValueError(f"federated.aggregator: {name!r}: DP-FedAvg's noised sum needs name: mean")
+            if problem := aggregator.check_participants(n):
+                raise ValueError(problem)
+        if dp is not None:
+            from mergeflow.accounting import check_dp
+
+            if problem := check_dp(dp, clients, federated.fraction, federated.rounds):
+                raise ValueError(problem)
 
     def _check_objective(self) -> None:
         """The objective's own rules: the metrics it selects on, its Fisher kinds, language-model pre-training."""

@@ -79,15 +79,19 @@ def plot_rounds(curves: dict[str, list[dict]], path: str | Path) -> None:
     """
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10.0, 4.0))
-    axes = fig.subplots(1, 2)
     rows = [row for rows in curves.values() for row in rows]
     primary = next((key for key in ("accuracy", "mse", "perplexity") if rows and key in rows[0]), "nll")
-    for ax, key in zip(axes, (primary, "nll"), strict=True):
+    # A DP run's spent ε per round gets a third panel.
+    keys = (primary, "nll", "epsilon") if any("epsilon" in row for row in rows) else (primary, "nll")
+    fig = Figure(figsize=(5.0 * len(keys), 4.0))
+    axes = fig.subplots(1, len(keys))
+    for ax, key in zip(axes, keys, strict=True):
         for name, rows in curves.items():
-            ax.plot([r["round"] for r in rows], [r[key] for r in rows], marker="o", markersize=3, label=name)
+            points = [(r["round"], r[key]) for r in rows if key in r]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", markersize=3, label=name)
         ax.set_xlabel("round")
-        ax.set_title(f"test {key}")
+        ax.set_title("ε spent (δ fixed)" if key == "epsilon" else f"test {key}")
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)

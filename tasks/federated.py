@@ -35,8 +35,10 @@ from mergeflow.federated import (
     load_parameters,
     model_parameters,
 )
+from mergeflow.federated.attacks import attackers, flip_labels
 from mergeflow.federated.loop import global_scores
 from mergeflow.federated.rounds import client_step, round_schedule, server_step
+from mergeflow.federated.server_plan import ServerPlan
 from mergeflow.files import atomic_path, write_json
 from mergeflow.models import build_from_spec
 from mergeflow.objectives import get_objective
@@ -148,6 +150,53 @@ def _global_weights(root: Path, params: dict[str, Any], state: dict[str, torch.T
     return fold_adapters(model).state_dict()
 
 
+def _server_settings(params: Params, name: str) -> dict[str, Any]:
+    """What the server step of entry ``name`` does beyond the algorithm's own step (nothing by default,
+    so that plain runs keep their cache keys): its server optimizer, aggregator, attack and DP."""
+    federated = params.federated
+    server, aggregator = federated.server_for(name), federated.aggregator_for(name)
+    plan = {}
+    if not server.is_identity:
+        plan["server"] = server.model_dump(mode="json")
+    if aggregator.name != "mean":
+        plan["aggregator"] = aggregator.model_dump(mode="json")
+    if federated.attack is not None and federated.attack.clients > 0:
+        plan["attack"] = federated.attack.model_dump(mode="json")
+    if federated.dp is not None:
+        plan["dp"] = federated.dp.model_dump(mode="json")
+    if not plan:
+        return {}
+    return {"server_plan": plan | {"rounds": federated.rounds, "fraction": federated.fraction}}
+
+
+def _server_plan(params: dict[str, Any], num_classes: int | None = None) -> ServerPlan | None:
+    """The :class:`ServerPlan` of a step's ``server_plan`` settings (None without them)."""
+    plan = params.get("server_plan")
+    if plan is None:
+        return None
+    return ServerPlan.build(
+        params["num_clients"],
+        plan["rounds"],
+        plan["fraction"],
+        params["seed"],
+        server=plan.get("server"),
+        aggregator=plan.get("aggregator"),
+        attack=plan.get("attack"),
+        dp=plan.get("dp"),
+        num_classes=num_classes,
+    )
+
+
+def _label_flip(params: Params, client: int) -> dict[str, Any]:
+    """A label-flipping attacker's step setting (its number of classes); nothing for other clients."""
+    attack = params.federated.attack
+    if attack is None or attack.kind != "label_flip":
+        return {}
+    if client not in attackers(params.partition.num_clients, attack, params.seed):
+        return {}
+    return {"label_flip": True}
+
+
 def _evaluation_settings(params: Params) -> dict[str, Any]:
     """What only the init and server steps read: client updates do not depend on these."""
     return {
@@ -176,7 +225,11 @@ def plan_federated(params: Params) -> list[list[Step]]:
         ]
     ]
     federated = params.federated
-    for step in round_schedule(params.partition.num_clients, federated.rounds, federated.fraction, params.seed):
+    poisson = federated.dp is not None
+    schedule = round_schedule(
+        params.partition.num_clients, federated.rounds, federated.fraction, params.seed, poisson=poisson
+    )
+    for step in schedule:
         r, clients, servers = step.number, [], []
         for name in names:
             settings = _settings(params, name)
@@ -189,6 +242,7 @@ def plan_federated(params: Params) -> list[list[Step]]:
                     f"{PARTITIONS}/info.json",
                 )
                 step_params = {**settings, "round": r, "client": k, "state_round": step.state_rounds[k]}
+                step_params |= _label_flip(params, k)
                 clients.append(
                     Step(
                         f"federated/{name}/r{r:03d}/client_{k:03d}",
@@ -203,7 +257,13 @@ def plan_federated(params: Params) -> list[list[Step]]:
                 Step(
                     f"federated/{name}/r{r:03d}/server",
                     "tasks.federated:server_round",
-                    {**settings, **_evaluation_settings(params), "round": r, "participants": step.participants},
+                    {
+                        **settings,
+                        **_evaluation_settings(params),
+                        **_server_settings(params, name),
+                        "round": r,
+                        "participants": step.participants,
+                    },
                     (*evaluation, server_file(name, r - 1), PARTITION_METRICS, *messages),
                     settings=device_settings(params),
                 )
@@ -309,12 +369,15 @@ def client_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     info = read_info(root, PARTITIONS)
     X, y = read_arrays(root / client_file(k), info)
     device = step_device(params)  # the model, server and client states on it; the data move by batches
+    data = ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"])
+    if params.get("label_flip"):
+        data = flip_labels(data, int(info["num_classes"]))
     message, state, metrics = client_step(
         algorithm,
         federated_model(root, params).to(device),
         load_file(root / server_file(name, r - 1), device=str(device)),
         _load_state(root / client_state_file(name, params["state_round"], k), str(device)),
-        ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"]),
+        data,
         LocalTraining(**params["local"]),
         algorithm.parse_options(params["options"]),
         params["seed"],
@@ -337,10 +400,11 @@ def server_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     sent = {k: read_message(root / message_file(name, r, k)) for k in participants}
     sizes = dict(enumerate(json.loads((root / PARTITION_METRICS).read_text())["sizes"]))
     try:
+        plan = _server_plan(params, read_info(root).get("num_classes"))
         updated, row = server_step(
-            algorithm, server, sent, sizes, params["num_clients"], options, params["on_divergence"], r
+            algorithm, server, sent, sizes, params["num_clients"], options, params["on_divergence"], r, plan
         )
-    except DivergenceError as error:
+    except (DivergenceError, ValueError) as error:
         raise MergeflowError(f"federated.algorithms: {name}: {error}") from None
     _save(out / server_file(name, r), updated)
     _write_global(root, out, params, updated, r, row)

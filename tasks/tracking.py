@@ -445,9 +445,18 @@ def _log_federated(mlflow, root: Path, name: str, config: dict[str, Any], rounds
         tags["mergeflow.warning"] = rounds[0]["warning"]
     with mlflow.start_run(run_name=f"federated_{name}", nested=True, tags=tags):
         options = {k: v for k, v in config["federated"]["options"].get(name, {}).items() if k != "algorithm"}
-        _log_params(mlflow, {"algorithm": algorithm, **flatten(options, "option.")})
+        server_side = {k: config["federated"].get(k) for k in ("server", "aggregator", "attack", "dp")}
+        server_side = {k: v for k, v in server_side.items() if v is not None and k not in options}
+        _log_params(mlflow, {"algorithm": algorithm, **flatten(options, "option."), **flatten(server_side, "server.")})
         mlflow.log_metrics(_test_metrics(final))
         _log_rounds(mlflow, rounds)
+
+
+ROUND_METRICS = (
+    *("accuracy", "nll", "ece", "mse", "drift", "train_loss", "bma_accuracy", "bma_nll", "bma_ece"),
+    # Server-side: what the aggregator kept of the attackers' messages, DP's spent ε and its clip.
+    *("attacked_kept", "epsilon", "epsilon_round", "clip"),
+)
 
 
 def _log_rounds(mlflow, rounds: list[dict]) -> None:
@@ -457,7 +466,7 @@ def _log_rounds(mlflow, rounds: list[dict]) -> None:
     history = [
         Metric(f"round_{key}", float(row[key]), 0, int(row["round"]))
         for row in rounds
-        for key in ("accuracy", "nll", "ece", "mse", "drift", "train_loss", "bma_accuracy", "bma_nll", "bma_ece")
+        for key in ROUND_METRICS
         if key in row
     ]
     diverged = [Metric("round_diverged_clients", float(len(r["diverged"])), 0, int(r["round"])) for r in rounds[1:]]

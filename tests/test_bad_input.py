@@ -53,6 +53,13 @@ CASES = [
     (["federated.options={fedavg: {local: 3}}"], "federated.options.fedavg.local: "),
     (["federated.rounds=0"], "federated.rounds"),
     (["federated.fraction=1.5"], "federated.fraction"),
+    (["federated.algorithms=[fedavg]", "federated.aggregator={name: krum, f: 2}"], "federated.aggregator.f: krum"),
+    (["federated.aggregator={name: trimmed_mean, beta: 0.5}"], "federated.aggregator.beta"),
+    (["federated.aggregator=median"], "federated.aggregator: 'fedadmm'"),
+    (["federated.server={optimizer: adam}"], "federated.server: 'bayes_admm'"),
+    (["federated.algorithms=[fedavg]", "federated.dp={noise_multiplier: -1}"], "federated.dp.noise_multiplier"),
+    (["federated.algorithms=[fedavg]", "federated.dp={target_epsilon: 0.05}"], "federated.dp.target_epsilon"),
+    (["federated.attack={clients: 6}"], "federated.attack.clients"),
     (["orchestration.task_runner=spark"], "orchestration.task_runner"),
     (["orchestration.device=gpu"], "orchestration.device"),
     (["orchestration.device=cuda:99"], "orchestration.device"),  # no machine has 100 GPUs

@@ -28,7 +28,7 @@ from torch import nn
 
 from mergeflow.objectives import OBJECTIVES
 from mergeflow.registry import Registry
-from mergeflow.schema.federated import DECLARED, validate_options
+from mergeflow.schema.federated import DECLARED, participants_per_round, validate_options
 from mergeflow.seeding import derive_seed
 from mergeflow.training import OPTIMIZERS
 
@@ -259,16 +259,35 @@ def load_parameters(model: nn.Module, params: Mapping[str, torch.Tensor]) -> nn.
     return model
 
 
+def flat(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """All tensors flattened into one vector, in sorted name order."""
+    return torch.cat([tensors[name].reshape(-1) for name in sorted(tensors)])
+
+
+def unflat(vector: torch.Tensor, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`flat`: tensors shaped as ``like``'s, cut from ``vector`` in sorted name order."""
+    out, start = {}, 0
+    for name in sorted(like):
+        size = like[name].numel()
+        out[name] = vector[start : start + size].reshape(like[name].shape)
+        start += size
+    return out
+
+
 def client_generator(seed: int, round_index: int, client: int) -> torch.Generator:
     """The private generator of one client in one round, derived from (seed, round, client)."""
     return torch.Generator().manual_seed(derive_seed(seed, "federated", round_index, client))
 
 
-def sample_participants(num_clients: int, fraction: float, seed: int, round_index: int) -> list[int]:
+def sample_participants(
+    num_clients: int, fraction: float, seed: int, round_index: int, *, poisson: bool = False
+) -> list[int]:
     """Sorted ids of the clients that take part in a round.
 
     ``max(1, round(fraction * num_clients))`` clients are drawn without replacement by a generator
     derived from (seed, round_index), so the draw is deterministic and independent of other RNG use.
+    With ``poisson`` (DP-FedAvg) each client takes part independently with probability ``fraction``
+    (possibly none), from a generator derived from (seed, "poisson", round_index).
 
     Raises:
         ValueError: unless ``num_clients >= 1`` and ``0 < fraction <= 1``.
@@ -277,7 +296,11 @@ def sample_participants(num_clients: int, fraction: float, seed: int, round_inde
         raise ValueError(f"num_clients must be >= 1, got {num_clients}")
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    count = min(num_clients, max(1, math.floor(fraction * num_clients + 0.5)))
+    if poisson:
+        gen = torch.Generator().manual_seed(derive_seed(seed, "poisson", round_index))
+        draws = torch.rand(num_clients, generator=gen, dtype=torch.float64)
+        return [k for k in range(num_clients) if float(draws[k]) < fraction]
+    count = participants_per_round(num_clients, fraction)
     if count == num_clients:
         return list(range(num_clients))
     gen = torch.Generator().manual_seed(derive_seed(seed, "participants", round_index))

@@ -29,7 +29,9 @@ from mergeflow.federated.base import (
     model_parameters,
 )
 from mergeflow.federated.rounds import client_step, round_schedule, server_step
+from mergeflow.federated.server_plan import ServerPlan
 from mergeflow.objectives import get_objective
+from mergeflow.schema.federated import AggregatorOptions, AttackOptions, DPOptions, ServerOptimizerOptions
 from mergeflow.seeding import derive_seed
 from mergeflow.training import predict
 
@@ -146,6 +148,10 @@ def run_rounds(
     on_divergence: str = "fail",
     predictive_samples: int = 0,
     callback: Callable[[dict[str, Any]], None] | None = None,
+    server: ServerOptimizerOptions | Mapping[str, Any] | None = None,
+    aggregator: AggregatorOptions | Mapping[str, Any] | str | None = None,
+    attack: AttackOptions | Mapping[str, Any] | None = None,
+    dp: DPOptions | Mapping[str, Any] | None = None,
 ) -> FederatedRun:
     """Run ``rounds`` federated rounds sequentially in this process.
 
@@ -169,6 +175,11 @@ def run_rounds(
         predictive_samples: also evaluate the Monte-Carlo predictive of a Gaussian global model
             with this many samples (:func:`predictive_metrics`; 0 = off).
         callback: called with each round's metrics as soon as they exist.
+        server: the server optimizer (``federated.server``; plain averaging when None).
+        aggregator: the aggregation rule (``federated.aggregator``; the algorithm's mean when None).
+        attack: Byzantine clients (``federated.attack``; none when None).
+        dp: client-level DP (``federated.dp``; participants are then Poisson-sampled with
+            probability ``fraction``). See :class:`~mergeflow.federated.server_plan.ServerPlan`.
 
     Returns:
         A :class:`FederatedRun`. Each round's metrics hold ``round``, ``participants``,
@@ -188,14 +199,35 @@ def run_rounds(
     evaluation = eval_data if eval_data is not None else _concatenate(clients_data)
     eval_model = model_builder()
     initial = model_parameters(eval_model)
-    server = algo.init_server(initial, num_clients, opts)
+    classes = 1 + int(max(int(d.y.max()) for d in clients_data)) if clients_data[0].task == "classification" else None
+    plan = ServerPlan.build(
+        num_clients,
+        rounds,
+        fraction,
+        seed,
+        server=server,
+        aggregator=aggregator,
+        attack=attack,
+        dp=dp,
+        num_classes=classes,
+    )
+    plan.check(algo)
+    server_state = algo.init_server(initial, num_clients, opts)
     clients = {k: algo.init_client(initial, opts) for k in range(num_clients)}
     sizes = {k: len(d) for k, d in enumerate(clients_data)}
-    run = FederatedRun(server=server, client_states=clients)
+    run = FederatedRun(server=server_state, client_states=clients)
 
     def scores(round_index: int) -> dict[str, float]:
         return global_scores(
-            algo, server, eval_model, evaluation, validation_data, noise_std, predictive_samples, seed, round_index
+            algo,
+            server_state,
+            eval_model,
+            evaluation,
+            validation_data,
+            noise_std,
+            predictive_samples,
+            seed,
+            round_index,
         )
 
     warning = algo.stability_warning([len(d) for d in clients_data], train, rounds, opts)
@@ -206,17 +238,30 @@ def run_rounds(
     run.metrics.append(first)
     if callback is not None:
         callback(first)
-    for step in round_schedule(num_clients, rounds, fraction, seed):
+    for step in round_schedule(num_clients, rounds, fraction, seed, poisson=plan.poisson):
         sent = {}
         for k in step.participants:
             message, clients[k], metrics = client_step(
-                algo, model_builder(), server, clients[k], clients_data[k], train, opts, seed, step.number, k
+                algo,
+                model_builder(),
+                server_state,
+                clients[k],
+                clients_data[k],
+                train,
+                opts,
+                seed,
+                step.number,
+                k,
+                plan,
             )
             sent[k] = (message, metrics)
-        server, row = server_step(algo, server, sent, sizes, num_clients, opts, on_divergence, step.number)
+        server_state, row = server_step(
+            algo, server_state, sent, sizes, num_clients, opts, on_divergence, step.number, plan
+        )
         row = {"round": float(step.number), **row, **scores(step.number)}
         run.metrics.append(row)
         if callback is not None:
             callback(row)
-    run.server, run.client_states, run.global_state = server, clients, algo.global_state(server)
+    run.server, run.client_states = server_state, clients
+    run.global_state = algo.global_state(server_state)
     return run

@@ -29,6 +29,7 @@ from mergeflow.federated.base import (
     sample_participants,
 )
 from mergeflow.federated.divergence import guarded_client_update, surviving_messages
+from mergeflow.federated.server_plan import ServerPlan, planned_server_update
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,13 @@ class Round:
     state_rounds: dict[int, int]
 
 
-def round_schedule(num_clients: int, rounds: int, fraction: float, seed: int) -> list[Round]:
-    """Rounds 1..``rounds`` with their participants (:func:`~mergeflow.federated.base.sample_participants`)."""
+def round_schedule(num_clients: int, rounds: int, fraction: float, seed: int, *, poisson: bool = False) -> list[Round]:
+    """Rounds 1..``rounds`` with their participants (:func:`~mergeflow.federated.base.sample_participants`;
+    ``poisson``: each client independently with probability ``fraction``, as DP-FedAvg samples)."""
     last = dict.fromkeys(range(num_clients), 0)
     schedule = []
     for number in range(1, rounds + 1):
-        participants = sample_participants(num_clients, fraction, seed, number - 1)
+        participants = sample_participants(num_clients, fraction, seed, number - 1, poisson=poisson)
         schedule.append(Round(number, participants, {k: last[k] for k in participants}))
         last |= dict.fromkeys(participants, number)
     return schedule
@@ -63,13 +65,17 @@ def client_step(
     seed: int,
     round_number: int,
     client: int,
+    plan: ServerPlan | None = None,
 ) -> tuple[Message | None, ClientState, dict[str, Any]]:
     """Client ``client``'s update in round ``round_number``, with its generator from (seed, round, client).
 
     Returns (message, new state, metrics); a diverged client gives (None, ``state`` unchanged,
     metrics with ``divergence``) (:func:`~mergeflow.federated.divergence.guarded_client_update`).
+    A label-flipping attacker of ``plan`` trains on its flipped labels.
     """
     generator = client_generator(seed, round_number - 1, client)
+    if plan is not None:
+        data = plan.training_data(client, data)
     return guarded_client_update(algorithm, model, server, state, data, train, options, generator)
 
 
@@ -82,13 +88,16 @@ def server_step(
     options: BaseModel,
     on_divergence: str,
     round_number: int,
+    plan: ServerPlan | None = None,
 ) -> tuple[ServerState, dict[str, Any]]:
     """The server update from what each participant sent (message or None, and its metrics).
 
     Applies ``on_divergence`` to the diverged participants, then ``server_update`` on the rest (the
     server unchanged when none is left). Returns the new server and the round's row:
     ``participants``, ``train_loss`` (the kept participants' last-epoch losses weighted by n_k),
-    ``drift`` (mean ‖θ_k − θ̄‖ from the global model they started at) and ``diverged`` (ids).
+    ``drift`` (mean ‖θ_k − θ̄‖ from the global model they started at) and ``diverged`` (ids), and what
+    ``plan`` adds (:func:`~mergeflow.federated.server_plan.planned_server_update`: attacks, robust
+    aggregation, DP, server optimizer).
 
     Raises:
         DivergenceError: under ``on_divergence: fail`` when a participant diverged.
@@ -96,7 +105,8 @@ def server_step(
     reasons = {k: metrics["divergence"] for k, (_, metrics) in sent.items() if "divergence" in metrics}
     outcomes = {k: None if k in reasons else message for k, (message, _) in sent.items()}
     messages = surviving_messages(outcomes, reasons, on_divergence, round_number)
-    updated = algorithm.server_update(server, messages, sizes, num_clients, options) if messages else server
+    plan = plan or ServerPlan()
+    updated, extra = planned_server_update(algorithm, server, messages, sizes, num_clients, options, plan, round_number)
     losses = {k: metrics.get("train_loss", math.nan) for k, (_, metrics) in sent.items()}
     row = {
         "participants": float(len(sent)),
@@ -104,7 +114,7 @@ def server_step(
         "drift": client_drift(algorithm.global_state(server), messages),
         "diverged": sorted(reasons),
     }
-    return updated, row
+    return updated, row | extra
 
 
 def weighted_loss(losses: Mapping[int, float], sizes: Mapping[int, int], kept: Mapping[int, Any]) -> float:
