@@ -713,9 +713,10 @@ class Params(_Section):
                     f"merge.options.{name}.{searched[0]}: a list is a search, chosen on the validation split; "
                     "set data.validation_fraction > 0"
                 )
-            if method == "slerp" and self.partition.num_clients != 2:
+            count_problem = DECLARED[method].model_count_problem(self.partition.num_clients)
+            if count_problem:
                 raise ValueError(
-                    f"merge.methods: {name!r} (slerp) merges exactly two models, and partition.num_clients is "
+                    f"merge.methods: {name!r} ({method}) {count_problem}, and partition.num_clients is "
                     f"{self.partition.num_clients}"
                 )
             if "factors" in DECLARED[method].needs and not self.fisher.low_rank:

@@ -9,6 +9,8 @@ from mergeflow.merge import (  # noqa: F401  (registration)
     dare,
     exact,
     fisher,
+    isotropic,  # spectral and geometric merges: isotropic, karcher, tsv
+    karcher,
     model_stock,
     regmean,
     slerp,
@@ -16,6 +18,7 @@ from mergeflow.merge import (  # noqa: F401  (registration)
     ssf,
     task_arithmetic,
     ties,
+    tsv,
     weighted,
 )
 from mergeflow.merge.registry import METHODS, MergeMethod, MergeResult, merge, merge_method, run_merge, validate_options

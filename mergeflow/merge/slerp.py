@@ -27,7 +27,7 @@ def slerp_coefficients(gram: torch.Tensor, t: float) -> tuple[float, float]:
 
 @merge_method("slerp", gram="inputs")
 def slerp(x: TensorInputs, options: SlerpOptions) -> torch.Tensor:
-    """SLERP of exactly two models per tensor at t (K > 2 is refused: no single rule is standard)."""
+    """SLERP of exactly two models per tensor at t (K ≠ 2 is refused; `karcher` merges K ≥ 2 on the sphere)."""
     if len(x.tensors) != 2:
         raise MergeflowError(f"slerp merges exactly two models, got {len(x.tensors)}")
     assert x.gram is not None  # guaranteed by gram=

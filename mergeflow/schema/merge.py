@@ -126,28 +126,86 @@ class SSFOptions(BaseModel):
     seed: int = 0
 
 
+# --- Spectral and geometric merges (Karcher, TSV-M, Iso-C, Iso-CTS) ---
+
+
+class KarcherOptions(BaseModel):
+    """The Karcher-mean iteration on each tensor's sphere, as mergekit's ``karcher``: at most ``max_iter``
+    Riemannian gradient steps, stopping when the step's length falls below ``tol`` (also the norm below
+    which an input counts as zero). ``by_size`` weights the clients by n_k/N (mergekit: uniform)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_iter: int = Field(10, ge=1)
+    tol: float = Field(1e-5, gt=0, lt=1)
+    by_size: bool = False
+
+
+class TsvOptions(BaseModel):
+    """TSV-M (Gargiulo et al. 2025): ``scaling`` is α on the merged task vector (FusionBench's ``alpha``);
+    ``rank_fraction`` the fraction of each task matrix's singular vectors kept (None: 1/K, the paper's)."""
+
+    model_config = ConfigDict(extra="forbid")
+    scaling: float = Field(1.0, gt=0)
+    rank_fraction: float | None = Field(None, gt=0, le=1)
+
+
+class IsoCOptions(BaseModel):
+    """Iso-C (Marczak et al. 2025): ``scaling`` is α on the merged task vector (FusionBench's
+    ``scaling_factor``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    scaling: float = Field(1.0, gt=0)
+
+
+class IsoCtsOptions(BaseModel):
+    """Iso-CTS (Marczak et al. 2025): ``scaling`` is α; ``common_space_fraction`` the share of each matrix's
+    rank given to the summed task matrix's top singular vectors, the rest split among the tasks."""
+
+    model_config = ConfigDict(extra="forbid")
+    scaling: float = Field(1.0, gt=0)
+    common_space_fraction: float = Field(0.8, ge=0, le=1)
+
+
+# --- end of the spectral and geometric merges' options ---
+
+
 @dataclass(frozen=True)
 class MethodDeclaration:
-    """A method's options model, the inputs it needs and those it uses when given (``uses`` ⊇ ``needs``)."""
+    """A method's options model, the inputs it needs and those it uses when given (``uses`` ⊇ ``needs``),
+    and how many models it merges: ``models = (least, most)``, ``most`` None for no limit."""
 
     options: type[BaseModel]
     needs: frozenset[str]
     uses: frozenset[str]
+    models: tuple[int, int | None] = (1, None)
+
+    def model_count_problem(self, count: int) -> str | None:
+        """Why ``count`` models do not suit this method (``"merges exactly 2 models"``), or None when they do."""
+        least, most = self.models
+        if least <= count and (most is None or count <= most):
+            return None
+        if least == most:
+            return f"merges exactly {least} models"
+        return f"merges at least {least} models" if most is None else f"merges {least} to {most} models"
 
 
 DECLARED: dict[str, MethodDeclaration] = {}
 
 
 def declare(
-    name: str, options: type[BaseModel] = NoOptions, needs: Sequence[str] = (), uses: Sequence[str] = ()
+    name: str,
+    options: type[BaseModel] = NoOptions,
+    needs: Sequence[str] = (),
+    uses: Sequence[str] = (),
+    models: tuple[int, int | None] = (1, None),
 ) -> MethodDeclaration:
-    """Declare method ``name``: its options model, required inputs and optional ones."""
+    """Declare method ``name``: its options model, required inputs, optional ones and how many models it merges."""
     unknown = (set(needs) | set(uses)) - set(NEEDS)
     if unknown:
         raise ValueError(f"merge method {name!r} needs unknown inputs {sorted(unknown)}; known: {NEEDS}")
     if name in DECLARED:
         raise ValueError(f"merge method {name!r} is declared twice")
-    DECLARED[name] = MethodDeclaration(options, frozenset(needs), frozenset(needs) | frozenset(uses))
+    DECLARED[name] = MethodDeclaration(options, frozenset(needs), frozenset(needs) | frozenset(uses), models)
     return DECLARED[name]
 
 
@@ -159,11 +217,16 @@ declare("ties", TiesOptions, needs=("base",))
 declare("dare_linear", DareOptions, needs=("base",))
 declare("dare_ties", DareOptions, needs=("base",))
 declare("model_stock", needs=("base",))
-declare("slerp", SlerpOptions)
+declare("slerp", SlerpOptions, models=(2, 2))
 declare("regmean", RegMeanOptions, needs=("grams",))
 declare("greedy_soup", needs=("scorer",))
 declare("exact", ExactOptions, needs=("fishers",), uses=("factors", "base"))
 declare("ssf", SSFOptions, needs=("fishers",), uses=("factors", "base"))
+# Spectral and geometric merges (mergeflow.merge.karcher, .tsv, .isotropic)
+declare("karcher", KarcherOptions)
+declare("tsv", TsvOptions, needs=("base",))
+declare("iso_c", IsoCOptions, needs=("base",))
+declare("iso_cts", IsoCtsOptions, needs=("base",), models=(2, None))
 
 
 def validate_options(method: str, options: Mapping[str, object]) -> BaseModel:
