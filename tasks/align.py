@@ -24,10 +24,10 @@ from mergeflow.align import (
     loss_barrier,
     make_loss_fn,
     make_metric_fn,
-    permutation_spec,
     permute_flat_columns,
     permute_grams,
 )
+from mergeflow.align.derive import model_permutation_spec
 from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
@@ -141,7 +141,7 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     if settings["method"] == "none":
         permuted = _permuted
     else:
-        permuted = _aligned_permutations(params, root, model, spec_json["input_shape"], states, reference)
+        permuted = _aligned_permutations(params, root, model, spec_json, states, reference)
     for c, (state, meta) in enumerate(loaded):
         if params["checkpoints"]:
             save_checkpoint(out / aligned_checkpoint(c), permuted(c, state), {**meta, "aligned_to": reference})
@@ -176,13 +176,13 @@ def _permuted(
 
 
 def _aligned_permutations(
-    params: dict[str, Any], root: Path, model, input_shape: list[int], states: list[dict], reference: int
+    params: dict[str, Any], root: Path, model, spec_json: dict[str, Any], states: list[dict], reference: int
 ):
     """Align every client to the reference; return ``permuted(client, tensors[, names, shapes])``, which
     applies that client's permutation to a state dict or Fisher (given names and shapes, to factors; with
     ``grams``, to Gram matrices)."""
     settings = params["align"]
-    spec = permutation_spec(model, input_shape)
+    spec = model_permutation_spec(model, spec_json)
     info = read_info(root, PARTITIONS)
     by_activations = settings["method"] == "activations"
     inputs = _matching_inputs(root, info, reference, settings["examples"]) if by_activations else None

@@ -84,9 +84,9 @@ def test_cnn_spec_follows_flatten_blocks_and_leaves_input_and_output_alone():
     assert [g.size for g in spec.groups.values()] == [4, 8, 16]
     by_key = spec.by_key()
     # conv 2 (8 channels) feeds the Linear through MaxPool(2) + Flatten: blocks of 4 * 4 columns.
-    assert ("P_1", 1, 16) in by_key["6.weight"]
-    assert all(axis == 0 for _, axis, _ in by_key["0.weight"])  # the input channels stay put
-    assert "8.bias" not in by_key and all(axis == 1 for _, axis, _ in by_key["8.weight"])  # so do the outputs
+    assert ("P_1", 1, 16, 1) in by_key["6.weight"]
+    assert all(axis == 0 for _, axis, _, _ in by_key["0.weight"])  # the input channels stay put
+    assert "8.bias" not in by_key and all(axis == 1 for _, axis, _, _ in by_key["8.weight"])  # so do the outputs
     assert PermutationSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
 
 
@@ -196,7 +196,7 @@ def test_activation_matching_recovers_a_permuted_copy(kind, metric):
     if kind is MLP:
         assert _is_identity(compose_permutations(perms, result.perms))
     else:  # dead ReLU channels (constant activations) are interchangeable; all the others are recovered
-        live = {g: a.std(0) > 0 for g, a in _record(model.eval(), spec, inputs).items()}
+        live = {g: a.std(0) > 0 for (g, _), a in _record(model.eval(), spec, inputs).items()}
         composed = compose_permutations(perms, result.perms)
         assert all(torch.equal(composed[g][live[g]], torch.arange(len(live[g]))[live[g]]) for g in live)
 
