@@ -16,6 +16,7 @@ The reading of the user's table itself (columns, labels, missing values) is
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -34,6 +35,8 @@ def check_paths(params: Params, source: str = "params") -> None:
         problem = pretrained_problem(params.pretrained)
         if problem:
             lines.append(f"{source}: {params.model.family.pretrained_key}: {problem}")
+        else:
+            lines += [f"{source}: {line}" for line in _alignment_problems(params)]
     if lines:
         raise ConfigError(lines)
 
@@ -52,6 +55,20 @@ def check_model(params: Params, source: str = "params") -> None:
     missing = missing_modules(hf.pretrained, hf.model_config_fields(), params.finetune.lora.target_modules, hf.task)
     if missing:
         raise ConfigError([f"{source}: finetune.lora.target_modules: {missing} match no module of the model"])
+
+
+def _alignment_problems(params: Params) -> list[str]:
+    """``align.method``: a local pretrained model's type has a permutation spec (read from its config.json)."""
+    config = Path(str(params.pretrained)).expanduser() / "config.json"
+    if params.align.method == "none" or not config.is_file():
+        return []
+    from mergeflow.schema.families import check_alignable
+
+    try:
+        check_alignable(str(json.loads(config.read_text()).get("model_type")))
+    except ValueError as error:
+        return [str(error)]
+    return []
 
 
 def pretrained_problem(name: str) -> str | None:

@@ -28,6 +28,7 @@ from mergeflow.align import (
     permute_grams,
 )
 from mergeflow.align.derive import model_permutation_spec
+from mergeflow.align.repair import goal_statistics, repair, repair_points, unit_statistics
 from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
@@ -114,14 +115,17 @@ def _matching_inputs(root: Path, info: dict[str, Any], reference: int, limit: in
     return X[:limit]
 
 
-def _barriers(model, X, y, task: str, reference: dict, states: dict[int, dict], points: int) -> dict[str, Any]:
+def _barriers(
+    model, X, y, task: str, reference: dict, states: dict[int, dict], points: int, transforms: dict | None = None
+) -> dict[str, Any]:
     """Each client's loss barrier to the reference, with the objective's ranking metric along the path
-    (``accuracy`` for classification)."""
+    (``accuracy`` for classification); ``transforms[client](state, t)`` rescales each point (REPAIR)."""
     loss, metric = make_loss_fn(model, X, y, task=task), make_metric_fn(model, X, y, task=task)
     name = get_objective(task).declaration.rank_by
     out = {}
     for client, state in states.items():
-        result = loss_barrier(loss, reference, state, n_points=points, metric_fn=metric)
+        transform = transforms[client] if transforms else None
+        result = loss_barrier(loss, reference, state, n_points=points, metric_fn=metric, transform=transform)
         curve = {"barrier": result.barrier, "ts": result.ts, "losses": result.losses}
         out[f"client_{client:03d}"] = curve | {name: result.metrics}
     return out
@@ -139,9 +143,9 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     states = [state for state, _ in loaded]
     names = parameter_names(spec_json)
     if settings["method"] == "none":
-        permuted = _permuted
+        permuted, spec = _permuted, None
     else:
-        permuted = _aligned_permutations(params, root, model, spec_json, states, reference)
+        permuted, spec = _aligned_permutations(params, root, model, spec_json, states, reference)
     for c, (state, meta) in enumerate(loaded):
         if params["checkpoints"]:
             save_checkpoint(out / aligned_checkpoint(c), permuted(c, state), {**meta, "aligned_to": reference})
@@ -163,9 +167,33 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     if settings["method"] != "none":
         moved = {c: permuted(c, states[c]) for c in others}
         report["after"] = _barriers(model, X, y, info["task"], states[reference], moved, settings["barrier_points"])
+    if settings["repair"]:
+        transforms = _repairs(root, settings["examples"], model, spec, reference, states[reference], moved)
+        curves = _barriers(model, X, y, info["task"], states[reference], moved, settings["barrier_points"], transforms)
+        report["repaired"] = curves
     write_json(out / ALIGN_METRICS, report)
     plot_barriers(report, out / BARRIER_PLOT)
-    return {"reference": reference, **{f"barrier_{k}": _mean_barrier(report[k]) for k in ("before", "after")}}
+    phases = [phase for phase in ("before", "after", "repaired") if phase in report]
+    return {"reference": reference, **{f"barrier_{k}": _mean_barrier(report[k]) for k in phases}}
+
+
+def _repairs(root: Path, examples: int, model, spec, reference: int, reference_state: dict, moved: dict[int, dict]):
+    """Per client, REPAIR along its path to the reference: ``transform(state, t)`` moves every unit's mean and
+    standard deviation to the interpolation of the two endpoints' own, measured on up to ``examples`` rows
+    of the two clients' training data (half from each)."""
+    points = repair_points(model, spec)
+    info = read_info(root, PARTITIONS)
+    half = max(1, examples // 2)
+    transforms = {}
+    for client, state in moved.items():
+        data = np.concatenate([read_arrays(root / client_file(c), info)[0][:half] for c in (reference, client)])
+        ends = [unit_statistics(model, s, points, data) for s in (reference_state, state)]
+
+        def transform(merged: dict, t: float, ends=ends, data=data) -> dict:
+            return repair(model, merged, goal_statistics(ends, [1 - t, t]), points, data)
+
+        transforms[client] = transform
+    return transforms
 
 
 def _permuted(
@@ -178,9 +206,9 @@ def _permuted(
 def _aligned_permutations(
     params: dict[str, Any], root: Path, model, spec_json: dict[str, Any], states: list[dict], reference: int
 ):
-    """Align every client to the reference; return ``permuted(client, tensors[, names, shapes])``, which
-    applies that client's permutation to a state dict or Fisher (given names and shapes, to factors; with
-    ``grams``, to Gram matrices)."""
+    """Align every client to the reference; return the spec and ``permuted(client, tensors[, names, shapes])``,
+    which applies that client's permutation to a state dict or Fisher (given names and shapes, to factors;
+    with ``grams``, to Gram matrices)."""
     settings = params["align"]
     spec = model_permutation_spec(model, spec_json)
     info = read_info(root, PARTITIONS)
@@ -208,7 +236,7 @@ def _aligned_permutations(
             return permute_grams(spec, tensors, perms[client])
         return apply_permutation(spec, tensors, perms[client])
 
-    return permuted
+    return permuted, spec
 
 
 def _mean_barrier(curves: dict[str, Any]) -> float | None:
