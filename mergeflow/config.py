@@ -320,8 +320,9 @@ class AlignConfig(_Section):
 
     ``reference`` is a client id or ``largest`` (the client with the most examples).
     Activation matching uses up to ``examples`` inputs of the server split (else of the
-    reference client's data). Loss barriers are measured at ``barrier_points`` on the first
+    reference client's data). Loss barriers are measured at ``barrier_points`` on
     ``barrier_examples`` rows of the test split (they cost a forward pass per row, point and client).
+    Rows are drawn at random (with ``seed``), not taken from the top: splits may be stored sorted.
     Left unset (null), these three take the model family's defaults: 512, 11 and 1024 for MLPs and
     CNNs; 256, 5 and 256 for transformers (MLP units, whole attention heads and the residual stream
     of BERT- and GPT-2-style models are permuted).

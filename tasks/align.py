@@ -108,11 +108,21 @@ def _diverged(loaded: list[tuple[dict, dict]], policy: str) -> list[int]:
     return diverged
 
 
-def _matching_inputs(root: Path, info: dict[str, Any], reference: int, limit: int) -> np.ndarray:
+def _sample(X: np.ndarray, limit: int, seed: int, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Up to ``limit`` rows of ``X`` (and of ``arrays``, alike) drawn without replacement with ``seed``, in
+    their order; all rows when there are fewer. Splits may be stored sorted (by label, part of speech, …),
+    so their first rows are no sample."""
+    if limit >= len(X):
+        return (X, *arrays)
+    rows = np.sort(np.random.default_rng(seed).choice(len(X), size=limit, replace=False))
+    return tuple(a[rows] for a in (X, *arrays))
+
+
+def _matching_inputs(root: Path, info: dict[str, Any], reference: int, limit: int, seed: int) -> np.ndarray:
     server = root / PREPARED / "server.parquet"
     source = server if server.is_file() else root / client_file(reference)
     X, _ = read_arrays(source, info)
-    return X[:limit]
+    return _sample(X, limit, seed)[0]
 
 
 def _barriers(
@@ -160,7 +170,7 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
 
     info = read_info(root)
     X, y = read_arrays(root / PREPARED / "test.parquet", info)
-    X, y = X[: settings["barrier_examples"]], y[: settings["barrier_examples"]]
+    X, y = _sample(X, settings["barrier_examples"], params["seed"], y)
     others = {c: states[c] for c in clients if c != reference and c not in diverged}
     report: dict[str, Any] = {"method": settings["method"], "reference": reference, "excluded": diverged, "after": {}}
     report["before"] = _barriers(model, X, y, info["task"], states[reference], others, settings["barrier_points"])
@@ -168,7 +178,9 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
         moved = {c: permuted(c, states[c]) for c in others}
         report["after"] = _barriers(model, X, y, info["task"], states[reference], moved, settings["barrier_points"])
     if settings["repair"]:
-        transforms = _repairs(root, settings["examples"], model, spec, reference, states[reference], moved)
+        transforms = _repairs(
+            root, settings["examples"], params["seed"], model, spec, reference, states[reference], moved
+        )
         curves = _barriers(model, X, y, info["task"], states[reference], moved, settings["barrier_points"], transforms)
         report["repaired"] = curves
     write_json(out / ALIGN_METRICS, report)
@@ -177,16 +189,20 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     return {"reference": reference, **{f"barrier_{k}": _mean_barrier(report[k]) for k in phases}}
 
 
-def _repairs(root: Path, examples: int, model, spec, reference: int, reference_state: dict, moved: dict[int, dict]):
+def _repairs(
+    root: Path, examples: int, seed: int, model, spec, reference: int, reference_state: dict, moved: dict[int, dict]
+):
     """Per client, REPAIR along its path to the reference: ``transform(state, t)`` moves every unit's mean and
     standard deviation to the interpolation of the two endpoints' own, measured on up to ``examples`` rows
-    of the two clients' training data (half from each)."""
+    of the two clients' training data (half from each, drawn with ``seed``)."""
     points = repair_points(model, spec)
     info = read_info(root, PARTITIONS)
     half = max(1, examples // 2)
     transforms = {}
     for client, state in moved.items():
-        data = np.concatenate([read_arrays(root / client_file(c), info)[0][:half] for c in (reference, client)])
+        data = np.concatenate(
+            [_sample(read_arrays(root / client_file(c), info)[0], half, seed)[0] for c in (reference, client)]
+        )
         ends = [unit_statistics(model, s, points, data) for s in (reference_state, state)]
 
         def transform(merged: dict, t: float, ends=ends, data=data) -> dict:
@@ -213,7 +229,7 @@ def _aligned_permutations(
     spec = model_permutation_spec(model, spec_json)
     info = read_info(root, PARTITIONS)
     by_activations = settings["method"] == "activations"
-    inputs = _matching_inputs(root, info, reference, settings["examples"]) if by_activations else None
+    inputs = _matching_inputs(root, info, reference, settings["examples"], params["seed"]) if by_activations else None
     aligned = align_models(
         spec,
         states[reference],
