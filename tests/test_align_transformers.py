@@ -3,6 +3,8 @@ the residual stream, tied embeddings) recover a permuted copy exactly, by weight
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -130,6 +132,7 @@ def test_a_wrong_spec_is_caught_and_a_bare_encoder_keeps_its_output_basis():
     without_output_columns = type(heads)(heads.size, heads.axes[:2], heads.probe)  # c_proj left out
     with pytest.raises(ValueError, match="changes the model's outputs"):
         verify_transformer_spec(model, PermutationSpec({**spec.groups, "layer_0.heads": without_output_columns}))
+    assert PermutationSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     bare = _model("bert").model.bert  # BertModel: its output is the residual stream itself
     assert "residual" not in transformer_spec(bare).groups
     assert "residual" in transformer_spec(_model("bert")).groups

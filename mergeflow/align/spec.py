@@ -117,6 +117,12 @@ class PermutationSpec:
 
 
 def _probe(values: list) -> Probe:
-    module, axis, block, *rest = values
-    features, point = (list(rest) + [False, "output"][len(rest) :])[:2]
-    return Probe(str(module), int(axis), int(block), bool(features), str(point))
+    """A probe from its list form (specs written before ``features`` and ``point`` list three fields)."""
+    given = dict(zip(Probe._fields, values, strict=False))
+    return Probe(
+        str(given["module"]),
+        int(given["axis"]),
+        int(given.get("block", 1)),
+        bool(given.get("features", False)),
+        str(given.get("point", "output")),
+    )
