@@ -332,17 +332,28 @@ class AlignConfig(_Section):
 
     ``reference`` is a client id or ``largest`` (the client with the most examples).
     Activation matching uses up to ``examples`` inputs of the server split (else of the
-    reference client's data). Loss barriers are measured at ``barrier_points`` on the first
+    reference client's data). Loss barriers are measured at ``barrier_points`` on
     ``barrier_examples`` rows of the test split (they cost a forward pass per row, point and client).
+    Rows are drawn at random (with ``seed``), not taken from the top: splits may be stored sorted.
+    Left unset (null), these three take the model family's defaults: 512, 11 and 1024 for MLPs and
+    CNNs; 256, 5 and 256 for transformers (MLP units, whole attention heads and the residual stream
+    of BERT- and GPT-2-style models are permuted).
+
+    ``repair`` (MLP/CNN, with ``method`` weights or activations): REPAIR (Jordan et al. 2022) along
+    each barrier's path: every interpolated model's units are rescaled so that each unit's mean and
+    standard deviation (after its layer, or after the norm that follows it) are the interpolation of
+    the two endpoints' statistics, measured on up to ``examples`` rows of the two clients' training
+    data; the barriers are reported with and without it.
     """
 
     method: Literal["none", "weights", "activations"] = "none"
     reference: int | Literal["largest"] = "largest"
     metric: Literal["correlation", "l2"] = "correlation"
     max_iter: int = Field(100, ge=1)
-    examples: int = Field(512, ge=1)
-    barrier_points: int = Field(11, ge=3)
-    barrier_examples: int = Field(1024, ge=1)
+    examples: int | None = Field(None, ge=1)
+    barrier_points: int | None = Field(None, ge=3)
+    barrier_examples: int | None = Field(None, ge=1)
+    repair: bool = False
 
 
 class FisherConfig(_Section):
@@ -801,6 +812,13 @@ class Params(_Section):
             raise ValueError(
                 f"align.method: permutation alignment of {family.name} models is not implemented; set it to none"
             )
+        if self.align.repair and self.align.method == "none":
+            raise ValueError("align.repair: REPAIR rescales aligned models; set align.method to weights or activations")
+        if self.align.repair and not family.repairs:
+            raise ValueError(f"align.repair: REPAIR is implemented for MLP/CNN models, not {family.name} models")
+        for key, value in family.align_defaults.items():
+            if getattr(self.align, key) is None:
+                setattr(self.align, key, value)  # what the steps read, resolved once
         if not family.backpack and self.fisher.backend == "backpack":
             raise ValueError(f"fisher.backend: BackPACK does not cover {family.name} modules; use auto or functorch")
         if not family.language_models and self.pretrain.language_model is not None:

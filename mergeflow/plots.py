@@ -50,16 +50,18 @@ def plot_comparison(
 
 
 def plot_barriers(report: dict, path: str | Path) -> None:
-    """Loss along the linear path from the reference to each client, before and after alignment.
+    """Loss along the linear path from the reference to each client, before and after alignment, and after
+    alignment with REPAIR.
 
-    ``report`` is the align stage's metrics: ``{"reference": r, "before": {name: curve}, "after": {...}}``
-    with each curve holding ``ts``, ``losses`` and ``barrier``.
+    ``report`` is the align stage's metrics: ``{"reference": r, "before": {name: curve}, "after": {...},
+    "repaired": {...}}`` (``repaired`` only with ``align.repair``), each curve holding ``ts``, ``losses``
+    and ``barrier``.
     """
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7.0, 4.5))
     ax = fig.subplots()
-    for phase, style in (("before", "--"), ("after", "-")):
+    for phase, style in (("before", "--"), ("after", "-"), ("repaired", ":")):
         for name, curve in report.get(phase, {}).items():
             label = f"{name} {phase} (barrier {curve['barrier']:.3g})"
             ax.plot(curve["ts"], curve["losses"], style, marker="o", markersize=3, label=label)

@@ -17,6 +17,7 @@ The reading of the user's table itself (columns, labels, missing values) is
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def check_paths(params: Params, source: str = "params") -> None:
         problem = pretrained_problem(params.pretrained)
         if problem:
             lines.append(f"{source}: {params.model.family.pretrained_key}: {problem}")
+        else:
+            lines += [f"{source}: {line}" for line in _alignment_problems(params)]
     if lines:
         raise ConfigError(lines)
 
@@ -69,6 +72,20 @@ def check_device(params: Params, source: str = "params") -> None:
     problem = device_problem(params.orchestration.device, params.finetune.precision)
     if problem:
         raise ConfigError([f"{source}: {problem}"])
+
+
+def _alignment_problems(params: Params) -> list[str]:
+    """``align.method``: a local pretrained model's type has a permutation spec (read from its config.json)."""
+    config = Path(str(params.pretrained)).expanduser() / "config.json"
+    if params.align.method == "none" or not config.is_file():
+        return []
+    from mergeflow.schema.families import check_alignable
+
+    try:
+        check_alignable(str(json.loads(config.read_text()).get("model_type")))
+    except ValueError as error:
+        return [str(error)]
+    return []
 
 
 def pretrained_problem(name: str) -> str | None:

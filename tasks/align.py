@@ -24,10 +24,11 @@ from mergeflow.align import (
     loss_barrier,
     make_loss_fn,
     make_metric_fn,
-    permutation_spec,
     permute_flat_columns,
     permute_grams,
 )
+from mergeflow.align.derive import model_permutation_spec
+from mergeflow.align.repair import goal_statistics, repair, repair_points, unit_statistics
 from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import Params
 from mergeflow.errors import MergeflowError
@@ -110,21 +111,34 @@ def _diverged(loaded: list[tuple[dict, dict]], policy: str) -> list[int]:
     return diverged
 
 
-def _matching_inputs(root: Path, info: dict[str, Any], reference: int, limit: int) -> np.ndarray:
+def _sample(X: np.ndarray, limit: int, seed: int, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Up to ``limit`` rows of ``X`` (and of ``arrays``, alike) drawn without replacement with ``seed``, in
+    their order; all rows when there are fewer. Splits may be stored sorted (by label, part of speech, …),
+    so their first rows are no sample."""
+    if limit >= len(X):
+        return (X, *arrays)
+    rows = np.sort(np.random.default_rng(seed).choice(len(X), size=limit, replace=False))
+    return tuple(a[rows] for a in (X, *arrays))
+
+
+def _matching_inputs(root: Path, info: dict[str, Any], reference: int, limit: int, seed: int) -> np.ndarray:
     server = root / PREPARED / "server.parquet"
     source = server if server.is_file() else root / client_file(reference)
     X, _ = read_arrays(source, info)
-    return X[:limit]
+    return _sample(X, limit, seed)[0]
 
 
-def _barriers(model, X, y, task: str, reference: dict, states: dict[int, dict], points: int) -> dict[str, Any]:
+def _barriers(
+    model, X, y, task: str, reference: dict, states: dict[int, dict], points: int, transforms: dict | None = None
+) -> dict[str, Any]:
     """Each client's loss barrier to the reference, with the objective's ranking metric along the path
-    (``accuracy`` for classification)."""
+    (``accuracy`` for classification); ``transforms[client](state, t)`` rescales each point (REPAIR)."""
     loss, metric = make_loss_fn(model, X, y, task=task), make_metric_fn(model, X, y, task=task)
     name = get_objective(task).declaration.rank_by
     out = {}
     for client, state in states.items():
-        result = loss_barrier(loss, reference, state, n_points=points, metric_fn=metric)
+        transform = transforms[client] if transforms else None
+        result = loss_barrier(loss, reference, state, n_points=points, metric_fn=metric, transform=transform)
         curve = {"barrier": result.barrier, "ts": result.ts, "losses": result.losses}
         out[f"client_{client:03d}"] = curve | {name: result.metrics}
     return out
@@ -143,9 +157,9 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
     states = [on_device(state, device) for state, _ in loaded]  # matched and measured on the device
     names = parameter_names(spec_json)
     if settings["method"] == "none":
-        permuted = _permuted
+        permuted, spec = _permuted, None
     else:
-        permuted = _aligned_permutations(params, root, model, spec_json["input_shape"], states, reference)
+        permuted, spec = _aligned_permutations(params, root, model, spec_json, states, reference)
     for c, (state, meta) in enumerate(loaded):
         if params["checkpoints"]:
             save_checkpoint(out / aligned_checkpoint(c), permuted(c, state), {**meta, "aligned_to": reference})
@@ -160,16 +174,46 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
 
     info = read_info(root)
     X, y = read_arrays(root / PREPARED / "test.parquet", info)
-    X, y = X[: settings["barrier_examples"]], y[: settings["barrier_examples"]]
+    X, y = _sample(X, settings["barrier_examples"], params["seed"], y)
     others = {c: states[c] for c in clients if c != reference and c not in diverged}
     report: dict[str, Any] = {"method": settings["method"], "reference": reference, "excluded": diverged, "after": {}}
     report["before"] = _barriers(model, X, y, info["task"], states[reference], others, settings["barrier_points"])
     if settings["method"] != "none":
         moved = {c: permuted(c, states[c]) for c in others}
         report["after"] = _barriers(model, X, y, info["task"], states[reference], moved, settings["barrier_points"])
+    if settings["repair"]:
+        transforms = _repairs(
+            root, settings["examples"], params["seed"], model, spec, reference, states[reference], moved
+        )
+        curves = _barriers(model, X, y, info["task"], states[reference], moved, settings["barrier_points"], transforms)
+        report["repaired"] = curves
     write_json(out / ALIGN_METRICS, report)
     plot_barriers(report, out / BARRIER_PLOT)
-    return {"reference": reference, **{f"barrier_{k}": _mean_barrier(report[k]) for k in ("before", "after")}}
+    phases = [phase for phase in ("before", "after", "repaired") if phase in report]
+    return {"reference": reference, **{f"barrier_{k}": _mean_barrier(report[k]) for k in phases}}
+
+
+def _repairs(
+    root: Path, examples: int, seed: int, model, spec, reference: int, reference_state: dict, moved: dict[int, dict]
+):
+    """Per client, REPAIR along its path to the reference: ``transform(state, t)`` moves every unit's mean and
+    standard deviation to the interpolation of the two endpoints' own, measured on up to ``examples`` rows
+    of the two clients' training data (half from each, drawn with ``seed``)."""
+    points = repair_points(model, spec)
+    info = read_info(root, PARTITIONS)
+    half = max(1, examples // 2)
+    transforms = {}
+    for client, state in moved.items():
+        data = np.concatenate(
+            [_sample(read_arrays(root / client_file(c), info)[0], half, seed)[0] for c in (reference, client)]
+        )
+        ends = [unit_statistics(model, s, points, data) for s in (reference_state, state)]
+
+        def transform(merged: dict, t: float, ends=ends, data=data) -> dict:
+            return repair(model, merged, goal_statistics(ends, [1 - t, t]), points, data)
+
+        transforms[client] = transform
+    return transforms
 
 
 def _permuted(
@@ -180,16 +224,16 @@ def _permuted(
 
 
 def _aligned_permutations(
-    params: dict[str, Any], root: Path, model, input_shape: list[int], states: list[dict], reference: int
+    params: dict[str, Any], root: Path, model, spec_json: dict[str, Any], states: list[dict], reference: int
 ):
-    """Align every client to the reference; return ``permuted(client, tensors[, names, shapes])``, which
-    applies that client's permutation to a state dict or Fisher (given names and shapes, to factors; with
-    ``grams``, to Gram matrices)."""
+    """Align every client to the reference; return the spec and ``permuted(client, tensors[, names, shapes])``,
+    which applies that client's permutation to a state dict or Fisher (given names and shapes, to factors;
+    with ``grams``, to Gram matrices)."""
     settings = params["align"]
-    spec = permutation_spec(model, input_shape)
+    spec = model_permutation_spec(model, spec_json)
     info = read_info(root, PARTITIONS)
     by_activations = settings["method"] == "activations"
-    inputs = _matching_inputs(root, info, reference, settings["examples"]) if by_activations else None
+    inputs = _matching_inputs(root, info, reference, settings["examples"], params["seed"]) if by_activations else None
     aligned = align_models(
         spec,
         states[reference],
@@ -212,7 +256,7 @@ def _aligned_permutations(
             return permute_grams(spec, tensors, perms[client])
         return apply_permutation(spec, tensors, perms[client])
 
-    return permuted
+    return permuted, spec
 
 
 def _mean_barrier(curves: dict[str, Any]) -> float | None:

@@ -168,10 +168,11 @@ def _log_curves(mlflow, curves: dict[str, list[float]]) -> None:
 
 
 def _barrier_metrics(report: dict[str, Any]) -> dict[str, float]:
-    """``barrier_before.client_001`` etc.: the loss barrier from the reference to each client."""
+    """``barrier_before.client_001`` etc.: the loss barrier from the reference to each client (before and after
+    alignment, and ``barrier_repaired`` with REPAIR)."""
     return {
         f"barrier_{phase}.{client}": float(curve["barrier"])
-        for phase in ("before", "after")
+        for phase in ("before", "after", "repaired")
         for client, curve in report.get(phase, {}).items()
     }
 

@@ -19,6 +19,7 @@ from mergeflow.align import (
     align_models,
     apply_permutation,
     compose_permutations,
+    goal_statistics,
     interpolate,
     invert_permutation,
     loss_barrier,
@@ -27,6 +28,9 @@ from mergeflow.align import (
     permutation_spec,
     permute_flat_columns,
     random_permutation,
+    repair,
+    repair_points,
+    unit_statistics,
     weight_matching,
 )
 from mergeflow.align.matching import _record
@@ -84,9 +88,9 @@ def test_cnn_spec_follows_flatten_blocks_and_leaves_input_and_output_alone():
     assert [g.size for g in spec.groups.values()] == [4, 8, 16]
     by_key = spec.by_key()
     # conv 2 (8 channels) feeds the Linear through MaxPool(2) + Flatten: blocks of 4 * 4 columns.
-    assert ("P_1", 1, 16) in by_key["6.weight"]
-    assert all(axis == 0 for _, axis, _ in by_key["0.weight"])  # the input channels stay put
-    assert "8.bias" not in by_key and all(axis == 1 for _, axis, _ in by_key["8.weight"])  # so do the outputs
+    assert ("P_1", 1, 16, 1) in by_key["6.weight"]
+    assert all(axis == 0 for _, axis, _, _ in by_key["0.weight"])  # the input channels stay put
+    assert "8.bias" not in by_key and all(axis == 1 for _, axis, _, _ in by_key["8.weight"])  # so do the outputs
     assert PermutationSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
 
 
@@ -196,7 +200,7 @@ def test_activation_matching_recovers_a_permuted_copy(kind, metric):
     if kind is MLP:
         assert _is_identity(compose_permutations(perms, result.perms))
     else:  # dead ReLU channels (constant activations) are interchangeable; all the others are recovered
-        live = {g: a.std(0) > 0 for g, a in _record(model.eval(), spec, inputs).items()}
+        live = {g: a.std(0) > 0 for (g, _), a in _record(model.eval(), spec, inputs).items()}
         composed = compose_permutations(perms, result.perms)
         assert all(torch.equal(composed[g][live[g]], torch.arange(len(live[g]))[live[g]]) for g in live)
 
@@ -315,3 +319,62 @@ def test_weight_matching_lowers_the_barrier_between_independent_mlps():
     assert naive.barrier > 0.1
     assert rebased.barrier < 0.5 * naive.barrier
     assert rebased.midpoint_metric > naive.midpoint_metric
+
+
+# --- REPAIR --------------------------------------------------------------------------------------
+
+
+def _digits_pair(widths: list[int], epochs: int):
+    """Two MLPs trained on digits from different inits, the second weight-matched to the first."""
+    digits = load_digits()
+    X = torch.as_tensor((digits.data / 16.0).astype(np.float32))
+    y = torch.as_tensor(digits.target)
+    kind = {"arch": "mlp", "input_shape": [64], "output_dim": 10, "widths": widths}
+    models = []
+    for seed in (0, 1):
+        model = build_model(**kind, seed=seed)
+        train(model, X, y, task="classification", epochs=epochs, lr=0.1, momentum=0.9, batch_size=128, seed=seed)
+        models.append(model)
+    spec = permutation_spec(models[0], [64])
+    ref, other = models[0].state_dict(), models[1].state_dict()
+    aligned = apply_permutation(spec, other, weight_matching(spec, ref, other, seed=0).perms)
+    return models[0], spec, ref, aligned, X, y
+
+
+def test_repair_gives_every_unit_the_interpolated_mean_and_std():
+    model, spec, ref, aligned, X, _ = _digits_pair([24, 16], epochs=1)
+    points = repair_points(model, spec)
+    assert [p.module for p in points.values()] == ["1", "3"]  # the Linear layers: pre-activations
+    ends = [unit_statistics(model, s, points, X) for s in (ref, aligned)]
+    t = 0.3
+    merged = interpolate(ref, aligned, t)
+    before = unit_statistics(model, merged, points, X)
+    goals = goal_statistics(ends, [1 - t, t])
+    repaired = repair(model, merged, goals, points, X)
+    after = unit_statistics(model, repaired, points, X)
+    for name, (goal_mean, goal_std) in goals.items():
+        torch.testing.assert_close(goal_mean, (1 - t) * ends[0][name][0] + t * ends[1][name][0])
+        torch.testing.assert_close(after[name][0], goal_mean, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(after[name][1], goal_std, rtol=1e-4, atol=1e-5)
+    # the interpolation had collapsed the variance, which REPAIR restores
+    assert all(float(before[n][1].mean()) < float(goals[n][1].mean()) for n in goals)
+    # at an endpoint the goal is that endpoint's statistics: REPAIR changes nothing
+    same = repair(model, ref, goal_statistics(ends, [1.0, 0.0]), points, X)
+    assert all(torch.allclose(same[k], ref[k], rtol=1e-4, atol=1e-5) for k in ref)
+
+
+def test_repair_folds_into_batchnorm_after_a_layer_and_lowers_the_barrier():
+    conv_bn = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3))
+    assert [p.module for p in repair_points(conv_bn, permutation_spec(conv_bn, [1, 8, 8])).values()] == ["1"]
+    model, spec, ref, aligned, X, y = _digits_pair([32, 32], epochs=10)
+    points = repair_points(model, spec)
+    ends = [unit_statistics(model, s, points, X) for s in (ref, aligned)]
+
+    def repaired(state, t):
+        return repair(model, state, goal_statistics(ends, [1 - t, t]), points, X)
+
+    loss_fn = make_loss_fn(model, X, y)
+    plain = loss_barrier(loss_fn, ref, aligned, n_points=5)
+    fixed = loss_barrier(loss_fn, ref, aligned, n_points=5, transform=repaired)
+    assert fixed.losses[0] == pytest.approx(plain.losses[0], rel=1e-4)
+    assert fixed.barrier < 0.8 * plain.barrier, (plain.barrier, fixed.barrier)  # 0.175 -> 0.121

@@ -158,7 +158,8 @@ def test_changing_one_client_lr_retrains_only_that_client(workspace, cli_env):
 def test_aligning_reruns_only_align_merge_and_evaluate_and_logs_barriers(workspace, cli_env):
     import mlflow
 
-    done = run_cli(["run", "-S", "align.method=weights", "-S", "align.reference=0"], workspace, cli_env)
+    overrides = ["-S", "align.method=weights", "-S", "align.reference=0", "-S", "align.repair=true"]
+    done = run_cli(["run", *overrides], workspace, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
     # The console: a line per stage and the summary; Prefect's INFO records go to its API, not here.
     assert "mergeflow: align: 1 steps, 1 ran" in done.stderr and "Finished in state" not in done.stderr
@@ -169,7 +170,10 @@ def test_aligning_reruns_only_align_merge_and_evaluate_and_logs_barriers(workspa
     assert {"align", "track"} <= ran <= {"align", *MERGES, "evaluate", "track"}
     report = json.loads((workspace / "metrics/align.json").read_text())
     assert report["method"] == "weights" and report["reference"] == 0
-    assert set(report["before"]) == set(report["after"]) == {"client_001", "client_002"}
+    assert set(report["before"]) == set(report["after"]) == set(report["repaired"]) == {"client_001", "client_002"}
+    for client, curve in report["repaired"].items():  # REPAIR leaves the endpoints as they are
+        assert curve["losses"][0] == pytest.approx(report["after"][client]["losses"][0], rel=1e-4)
+        assert curve["losses"][-1] == pytest.approx(report["after"][client]["losses"][-1], rel=1e-4)
     for client, curve in report["after"].items():
         assert len(curve["losses"]) == 11 and curve["barrier"] >= 0
         assert curve["losses"][0] == pytest.approx(report["before"][client]["losses"][0])  # the reference
@@ -179,6 +183,7 @@ def test_aligning_reruns_only_align_merge_and_evaluate_and_logs_barriers(workspa
     runs = mlflow.search_runs(experiment_names=["mergeflow"], filter_string="tags.`mergeflow.kind` = 'pipeline'")
     assert "metrics.barrier_after.client_001" in runs.columns
     assert runs["metrics.barrier_after.client_001"].notna().any()
+    assert runs["metrics.barrier_repaired.client_001"].notna().any()
 
 
 def test_deleted_outputs_are_restored_from_the_store(workspace, cli_env):

@@ -179,7 +179,11 @@ def test_a_tiny_gpt2_pretrained_as_a_language_model_and_fine_tuned_with_lora_run
             "model.transformers.pretrained: ./no-such-model is not",
         ),
         ({"model": {"transformers": {"pretrained": "someone/a-model"}}}, "cannot be downloaded"),
-        ({"align": {"method": "weights"}}, "align.method: permutation alignment of transformers"),
+        (
+            {"model": {"transformers": {"config": {**BERT, "model_type": "roberta"}}}, "align": {"method": "weights"}},
+            "align.method: transformers model_type 'roberta' has no permutation spec",
+        ),
+        ({"align": {"method": "weights", "repair": True}}, "align.repair: REPAIR is implemented for MLP/CNN"),
         ({"data": {"tokenizer": {"max_length": 0}}}, "data.tokenizer.max_length"),
         ({"data": {"source": "wordnet", "wordnet": {"root": "./nowhere"}}}, "apt-get install wordnet-base"),
         ({"finetune": {"lora": {"target_modules": ["q_proj"]}}}, "finetune.lora.target_modules: ['q_proj'] match no"),

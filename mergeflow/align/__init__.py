@@ -32,6 +32,7 @@ from mergeflow.align.permute import (
     permute_tensor,
     random_permutation,
 )
+from mergeflow.align.repair import RepairPoint, goal_statistics, repair, repair_points, unit_statistics
 from mergeflow.align.spec import AxisRef, PermGroup, PermutationSpec, Probe
 from mergeflow.align.trace import permutation_spec, verify_spec
 
@@ -42,11 +43,13 @@ __all__ = [
     "PermGroup",
     "PermutationSpec",
     "Probe",
+    "RepairPoint",
     "activation_matching",
     "align_models",
     "apply_permutation",
     "compose_permutations",
     "flat_column_index",
+    "goal_statistics",
     "interpolate",
     "invert_permutation",
     "loss_barrier",
@@ -57,6 +60,9 @@ __all__ = [
     "permute_grams",
     "permute_tensor",
     "random_permutation",
+    "repair",
+    "repair_points",
+    "unit_statistics",
     "verify_spec",
     "weight_matching",
     "weight_objective",

@@ -72,16 +72,20 @@ def loss_barrier(
     *,
     n_points: int = 11,
     metric_fn: StateFn | None = None,
+    transform: Callable[[State, float], State] | None = None,
 ) -> BarrierResult:
     """Evaluate ``loss_fn`` on ``n_points`` evenly spaced states between ``a`` and ``b``.
 
     ``loss_fn(state) -> float`` is the caller's (see :func:`make_loss_fn`), so this works for
-    any model. ``metric_fn`` (e.g. :func:`make_metric_fn`) is recorded alongside.
+    any model. ``metric_fn`` (e.g. :func:`make_metric_fn`) is recorded alongside. ``transform(state, t)``,
+    when given, replaces each interpolated state before it is scored (e.g. REPAIR's rescaling).
     """
     if n_points < 2:
         raise ValueError("n_points must be at least 2 (the endpoints)")
     ts = [float(t) for t in np.linspace(0.0, 1.0, n_points)]
     states = [interpolate(state_a, state_b, t) for t in ts]
+    if transform is not None:
+        states = [transform(state, t) for state, t in zip(states, ts, strict=True)]
     losses = [float(loss_fn(s)) for s in states]
     barrier = max(loss - ((1 - t) * losses[0] + t * losses[-1]) for t, loss in zip(ts, losses, strict=True))
     metrics = [float(metric_fn(s)) for s in states] if metric_fn is not None else None

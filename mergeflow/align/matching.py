@@ -16,8 +16,10 @@ from scipy.optimize import linear_sum_assignment
 from torch import nn
 
 from mergeflow.align.permute import apply_permutation, permute_tensor
-from mergeflow.align.spec import PermutationSpec
+from mergeflow.align.spec import PermutationSpec, Probe
 from mergeflow.device import host_tensor, module_device, to_device
+from mergeflow.models.token_model import TokenModel
+from mergeflow.training import as_inputs
 
 State = Mapping[str, torch.Tensor]
 METRICS = ("correlation", "l2")
@@ -42,9 +44,9 @@ class MatchResult:
     converged: bool = True
 
 
-def _units(tensor: torch.Tensor, axis: int, n: int) -> torch.Tensor:
-    """Rows = units: ``axis`` (n blocks) to the front, everything else flattened."""
-    return tensor.movedim(axis, 0).reshape(n, -1)
+def _units(tensor: torch.Tensor, axis: int, n: int, repeat: int = 1) -> torch.Tensor:
+    """Rows = units: ``axis`` (``repeat`` runs of n blocks) to the front, everything else flattened."""
+    return tensor.movedim(axis, 0).reshape(repeat, n, -1).transpose(0, 1).reshape(n, -1)
 
 
 def _solve(score: torch.Tensor) -> torch.Tensor:
@@ -103,12 +105,13 @@ def weight_matching(
             name = names[index]
             n = spec.groups[name].size
             score = torch.zeros(n, n, dtype=torch.float64, device=next(iter(ref.values())).device)
-            for key, axis, _block in spec.groups[name].axes:
+            for ref_axis in spec.groups[name].axes:
+                key, axis, repeat = ref_axis.key, ref_axis.axis, ref_axis.repeat
                 tensor = other[key]
-                for group, other_axis, block in by_key[key]:
+                for group, other_axis, block, other_repeat in by_key[key]:
                     if group != name:
-                        tensor = permute_tensor(tensor, other_axis, perms[group], block)
-                score += _units(ref[key], axis, n) @ _units(tensor, axis, n).T
+                        tensor = permute_tensor(tensor, other_axis, perms[group], block, other_repeat)
+                score += _units(ref[key], axis, n, repeat) @ _units(tensor, axis, n, repeat).T
             candidate = _solve(score)
             if _matched(score, candidate) > _matched(score, perms[name]) + _TOL:
                 perms[name] = candidate
@@ -120,20 +123,40 @@ def weight_matching(
     return MatchResult(perms, objectives, converged)
 
 
-def _record(model: nn.Module, spec: PermutationSpec, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each group's activations at its probe as (samples, units) float64; conv positions are samples."""
+def _probe_units(output: torch.Tensor, probe: Probe, n: int, keep: torch.Tensor | None) -> torch.Tensor:
+    """A probe's activations as (samples, width) float64: width ``n`` (a block's entries are samples),
+    or ``n * block`` with ``probe.features`` (unit i's features are columns ``[i * block, (i + 1) * block)``).
+    With ``keep`` (the non-padding positions of token inputs), a sequence's padded positions are dropped."""
+    axis = probe.axis % output.dim()
+    if keep is not None and output.dim() >= 3 and axis >= 2 and output.shape[0] == keep.shape[0]:
+        output = output[keep[:, : output.shape[1]]]
+        axis -= 1
+    units = output.movedim(axis, -1).reshape(-1, n, probe.block)
+    if probe.features:
+        return units.reshape(-1, n * probe.block).to(torch.float64)
+    return units.transpose(1, 2).reshape(-1, n).to(torch.float64)
+
+
+def _record(model: nn.Module, spec: PermutationSpec, x: torch.Tensor) -> dict[tuple[str, int], torch.Tensor]:
+    """Each group's activations at each of its probes, keyed ``(group, probe index)``, as :func:`_probe_units`
+    returns them; conv positions and the tokens of a sequence are samples."""
     modules = dict(model.named_modules())
-    seen: dict[str, torch.Tensor] = {}
+    keep = x != model.pad_token_id if isinstance(model, TokenModel) and not x.is_floating_point() else None
+    seen: dict[tuple[str, int], torch.Tensor] = {}
     handles = []
     for name, group in spec.groups.items():
-        if group.probe is None:
+        if not group.probes():
             raise ValueError(f"group {name!r} has no probe; derive the spec with permutation_spec")
+        for index, probe in enumerate(group.probes()):
 
-        def hook(module, args, output, name=name, probe=group.probe, n=group.size):
-            units = output.movedim(probe.axis, -1).reshape(-1, n, probe.block).transpose(1, 2)
-            seen[name] = units.reshape(-1, n).to(torch.float64)
+            def store(value: torch.Tensor, key=(name, index), probe=probe, n=group.size) -> None:
+                seen[key] = _probe_units(value, probe, n, keep)
 
-        handles.append(modules[group.probe.module].register_forward_hook(hook))
+            module = modules[probe.module]
+            if probe.point == "input":
+                handles.append(module.register_forward_pre_hook(lambda m, args, store=store: store(args[0])))
+            else:
+                handles.append(module.register_forward_hook(lambda m, args, out, store=store: store(out)))
     try:
         model(x)
     finally:
@@ -155,9 +178,13 @@ def activation_matching(
 
     Activations are recorded at each group's probe (the output of the last module before
     the next layer consumes the units, e.g. the ReLU after a hidden Linear, or the pooled
-    conv features), in eval mode; for convolutions every spatial position is a sample. An
-    activation applied functionally inside ``forward`` (``torch.relu(self.fc(x))``) is invisible
-    to hooks, so such a model is matched on pre-activations.
+    conv features), in eval mode; for convolutions every spatial position is a sample, for token
+    models every non-padding token. An activation applied functionally inside ``forward``
+    (``torch.relu(self.fc(x))``) is invisible to hooks, so such a model is matched on pre-activations.
+    A group with several probes (a transformer's residual stream) sums its similarities over them.
+    A probe whose blocks are a unit's features (attention heads) scores two units by the best
+    one-to-one pairing of their features (a LAP per pair of units), as Verma & Elbayad (2024)
+    match heads.
 
     Args:
         metric: ``"correlation"`` maximises the summed Pearson correlation of matched units;
@@ -167,8 +194,8 @@ def activation_matching(
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; expected one of {METRICS}")
     param = next(model_ref.parameters())
-    x_all = host_tensor(inputs).to(dtype=param.dtype)  # on the CPU: a batch at a time goes to the device
-    sums: dict[str, dict[str, torch.Tensor | float]] = {}
+    x_all = as_inputs(inputs, param.dtype)  # on the CPU: a batch at a time goes to the device
+    sums: dict[tuple[str, int], dict[str, torch.Tensor | float]] = {}
     modes = model_ref.training, model_other.training
     model_ref.eval()
     model_other.eval()
@@ -177,9 +204,9 @@ def activation_matching(
             for start in range(0, len(x_all), batch_size):
                 x = to_device(x_all[start : start + batch_size], module_device(model_ref))
                 acts_a, acts_b = _record(model_ref, spec, x), _record(model_other, spec, x)
-                for name in spec.groups:
-                    a, b = acts_a[name], acts_b[name]
-                    s = sums.setdefault(name, {"n": 0.0, "a": 0, "b": 0, "aa": 0, "bb": 0, "ab": 0})
+                for key, a in acts_a.items():
+                    b = acts_b[key]
+                    s = sums.setdefault(key, {"n": 0.0, "a": 0, "b": 0, "aa": 0, "bb": 0, "ab": 0})
                     s["n"] += a.shape[0]
                     s["a"] += a.sum(0)
                     s["b"] += b.sum(0)
@@ -190,12 +217,29 @@ def activation_matching(
         model_ref.train(modes[0])
         model_other.train(modes[1])
     perms, before, after = {}, 0.0, 0.0
-    for name in spec.groups:
-        score = _similarity(sums[name], metric)
+    for name, group in spec.groups.items():
+        score = sum(
+            _unit_scores(_similarity(sums[(name, i)], metric), probe, group.size)
+            for i, probe in enumerate(group.probes())
+        )
         perms[name] = _solve(score)
-        before += _matched(score, torch.arange(spec.groups[name].size, device=score.device))
+        before += _matched(score, torch.arange(group.size, device=score.device))
         after += _matched(score, perms[name])
     return MatchResult(perms, [before, after], True)
+
+
+def _unit_scores(similarity: torch.Tensor, probe: Probe, n: int) -> torch.Tensor:
+    """(n, n) unit scores: the similarity itself, or for a probe of features, per pair of units the
+    similarity of their best one-to-one feature pairing."""
+    if not probe.features:
+        return similarity
+    f = probe.block
+    blocks = similarity.reshape(n, f, n, f).transpose(1, 2)
+    score = torch.empty(n, n, dtype=similarity.dtype, device=similarity.device)
+    for i in range(n):
+        for j in range(n):
+            score[i, j] = _matched(blocks[i, j], _solve(blocks[i, j]))
+    return score
 
 
 def _similarity(s: dict, metric: str) -> torch.Tensor:

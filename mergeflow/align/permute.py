@@ -12,25 +12,32 @@ import torch
 
 from mergeflow.align.spec import PermutationSpec
 from mergeflow.device import host_tensor
+from mergeflow.grams import CONV1D
 
 Perms = Mapping[str, torch.Tensor]
 
 
-def block_index(perm: torch.Tensor, block: int) -> torch.Tensor:
-    """Indices along an axis of ``len(perm) * block`` entries that move whole blocks by ``perm``."""
+def block_index(perm: torch.Tensor, block: int, repeat: int = 1) -> torch.Tensor:
+    """Indices along an axis of ``repeat`` runs of ``len(perm) * block`` entries that move whole
+    blocks by ``perm`` within every run."""
     perm = host_tensor(perm, torch.long)
-    if block == 1:
-        return perm
-    return (perm[:, None] * block + torch.arange(block, device=perm.device)).reshape(-1)
+    index = perm if block == 1 else (perm[:, None] * block + torch.arange(block, device=perm.device)).reshape(-1)
+    if repeat == 1:
+        return index
+    run = len(perm) * block
+    return (torch.arange(repeat, device=perm.device)[:, None] * run + index).reshape(-1)
 
 
-def permute_tensor(tensor: torch.Tensor, axis: int, perm: torch.Tensor, block: int = 1) -> torch.Tensor:
-    """``tensor`` with the units of ``axis`` (blocks of ``block`` entries) reordered by ``perm``."""
-    if tensor.shape[axis] != len(perm) * block:
+def permute_tensor(
+    tensor: torch.Tensor, axis: int, perm: torch.Tensor, block: int = 1, repeat: int = 1
+) -> torch.Tensor:
+    """``tensor`` with the units of ``axis`` (blocks of ``block`` entries, in ``repeat`` runs) reordered by ``perm``."""
+    if tensor.shape[axis] != len(perm) * block * repeat:
         raise ValueError(
-            f"axis {axis} of a tensor of shape {tuple(tensor.shape)} does not hold {len(perm)} units of {block}"
+            f"axis {axis} of a tensor of shape {tuple(tensor.shape)} does not hold {repeat} x {len(perm)} "
+            f"units of {block}"
         )
-    return tensor.index_select(axis, block_index(perm, block).to(tensor.device))
+    return tensor.index_select(axis, block_index(perm, block, repeat).to(tensor.device))
 
 
 def _check_perms(spec: PermutationSpec, perms: Perms) -> None:
@@ -56,22 +63,27 @@ def apply_permutation(
         if key not in out:
             continue
         tensor = out[key]
-        for group, axis, block in entries:
-            tensor = permute_tensor(tensor, axis, perms[group], block)
+        for group, axis, block, repeat in entries:
+            tensor = permute_tensor(tensor, axis, perms[group], block, repeat)
         out[key] = tensor
     return out
 
 
 def permute_grams(spec: PermutationSpec, grams: Mapping[str, torch.Tensor], perms: Perms) -> dict[str, torch.Tensor]:
-    """Gram matrices of linear layers' inputs (keyed by the layer's ``(out, in)`` weight), both axes
-    permuted as that weight's input axis is."""
+    """Gram matrices of linear layers' inputs, both axes permuted as the layer's input axis is.
+
+    A Gram is keyed by its layer's weight: an ``(out, in)`` ``nn.Linear`` weight (input axis 1), or
+    :data:`~mergeflow.grams.CONV1D` + a transformers ``Conv1D`` weight stored ``(in, out)`` (axis 0).
+    """
     _check_perms(spec, perms)
     by_key = spec.by_key()
     out = dict(grams)
     for key, gram in grams.items():
-        for group, axis, block in by_key.get(key, []):
-            if axis == 1:
-                gram = permute_tensor(permute_tensor(gram, 0, perms[group], block), 1, perms[group], block)
+        weight, input_axis = (key.removeprefix(CONV1D), 0) if key.startswith(CONV1D) else (key, 1)
+        for group, axis, block, repeat in by_key.get(weight, []):
+            if axis == input_axis:
+                for side in (0, 1):
+                    gram = permute_tensor(gram, side, perms[group], block, repeat)
         out[key] = gram
     return out
 

@@ -9,7 +9,7 @@ is one declaration here and one class there, registered with
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mergeflow.errors import ConfigError, did_you_mean
@@ -24,7 +24,12 @@ class FamilyDeclaration:
         archs: the ``model.arch`` values (and checkpoint specs' ``arch``) it builds; the first is the
             name new specs carry, the others are read too.
         inputs: what its models take: ``features`` (float arrays) or ``tokens`` (token ids of a text source).
-        aligns: whether permutation alignment (``align.method``) applies to its models.
+        aligns: whether permutation alignment (``align.method``) applies to its models (for transformers:
+            those whose ``model_type`` is in :data:`ALIGNABLE_MODEL_TYPES`).
+        repairs: whether REPAIR (``align.repair``) applies: its units' statistics can be rescaled by
+            folding a per-unit affine map into the layer that produces them.
+        align_defaults: the family's defaults for the ``align`` keys left unset (``null``): the
+            examples and points that suit its models' cost per forward pass.
         backpack: whether BackPACK covers its modules (``fisher.backend: backpack``).
         language_models: whether it supports language-model pre-training and LoRA adapters.
         flavour: how MLflow logs its merged models: ``pyfunc`` over the user's raw rows, or
@@ -47,6 +52,8 @@ class FamilyDeclaration:
     language_models: bool
     flavour: Literal["pyfunc", "transformers"]
     exports: bool = False
+    repairs: bool = False
+    align_defaults: dict[str, int] = field(default_factory=dict, hash=False)
     extra_inputs: tuple[str, ...] = ()
     pretrained_key: str | None = None
     aliases: tuple[str, ...] = ()
@@ -55,6 +62,9 @@ class FamilyDeclaration:
 
 
 DECLARED: dict[str, FamilyDeclaration] = {}
+
+# transformers model types with a permutation spec (mergeflow.align.transformer_spec.SPEC_BUILDERS).
+ALIGNABLE_MODEL_TYPES = ("bert", "gpt2")
 
 
 def declare_family(declaration: FamilyDeclaration) -> FamilyDeclaration:
@@ -79,6 +89,15 @@ def family_of_arch(arch: str) -> FamilyDeclaration:
     raise ConfigError([f"model.arch: {arch!r} is unknown{did_you_mean(arch, known)}; known: {', '.join(known)}"])
 
 
+def check_alignable(model_type: str) -> None:
+    """Raise ``ValueError`` (naming ``align.method``) unless a transformers model type has a permutation spec."""
+    if model_type not in ALIGNABLE_MODEL_TYPES:
+        raise ValueError(
+            f"align.method: transformers model_type {model_type!r} has no permutation spec (alignment supports "
+            f"{', '.join(ALIGNABLE_MODEL_TYPES)}); set align.method: none"
+        )
+
+
 def _transformers_objective(model: Any) -> str | None:
     return "causal_lm" if model.transformers.task == "causal_lm" else None
 
@@ -95,6 +114,8 @@ def _check_transformers(params: Any) -> None:
                 "model takes the tokenizer's size"
             )
     model_type = options.model_config_fields().get("model_type")
+    if params.align.method != "none" and model_type is not None:
+        check_alignable(model_type)
     if options.task == "causal_lm" and model_type is not None:
         from mergeflow.models.hf import is_causal
 
@@ -114,6 +135,8 @@ declare_family(
         backpack=True,
         language_models=False,
         flavour="pyfunc",
+        repairs=True,
+        align_defaults={"examples": 512, "barrier_points": 11, "barrier_examples": 1024},
     )
 )
 declare_family(
@@ -122,10 +145,12 @@ declare_family(
         archs=("transformers",),
         aliases=("hf",),
         inputs="tokens",
-        aligns=False,  # permutation alignment of attention heads is not implemented
+        aligns=True,
         backpack=False,
         language_models=True,
         flavour="transformers",
+        # A forward pass over a sequence costs what hundreds of MLP rows do: fewer rows and points.
+        align_defaults={"examples": 256, "barrier_points": 5, "barrier_examples": 256},
         exports=True,
         extra_inputs=("tokenizer",),
         pretrained_key="model.transformers.pretrained",
