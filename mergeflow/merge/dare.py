@@ -13,7 +13,7 @@ from mergeflow.schema.merge import DareOptions
 
 
 def _drops(tasks: TaskVectors, shape: tuple[int, ...], name: str, options: DareOptions) -> Iterator[torch.Tensor]:
-    return dropout_masks(len(tasks), shape, options.drop_rate, tensor_generator(options.seed, name))
+    return dropout_masks(len(tasks), shape, options.drop_rate, tensor_generator(options.seed, name, tasks.device))
 
 
 def _dropped(x: TensorInputs, options: DareOptions) -> torch.Tensor:
