@@ -11,7 +11,8 @@ venv) and ``merge_files`` (mergeflow, streamed) on the same directories and comp
 
 - ``breadcrumbs``, ``breadcrumbs_ties``: deterministic, compared as they are.
 - ``della``, ``della_linear``: the draws come from different generators, so both sides run with
-  ``torch.bernoulli(p)`` replaced by the deterministic ``p > threshold`` (keep the entries whose keep
+  their draws (mergekit's ``torch.bernoulli(p)``, mergeflow's ``bernoulli_draws``) replaced by the
+  deterministic ``p > threshold`` (keep the entries whose keep
   probability is above it). Everything else (per-row ranks, probabilities, mergekit's L1 rescale,
   sign election, normalisation, λ) is each library's own code; mergeflow uses ``rescale: l1``.
 - the keep probabilities themselves: mergekit's ``della_magprune`` (its ``torch.bernoulli`` argument,
@@ -118,6 +119,7 @@ def main() -> None:
     args = parser.parse_args()
     import yaml
 
+    from mergeflow.merge import della
     from mergeflow.merge.della import keep_probabilities
     from mergeflow.merge.streaming import merge_files
 
@@ -138,13 +140,13 @@ def main() -> None:
             (root / f"{slug}.yml").write_text(yaml.safe_dump(config))
             case = {"config": str(root / f"{slug}.yml"), "out": str(root / f"mk_{slug}"), "threshold": threshold}
             subprocess.run([args.mergekit_python, "-c", _MERGEKIT, json.dumps(case)], check=True)
-            real = torch.bernoulli
-            if threshold is not None:
-                torch.bernoulli = lambda p, *a, **k: (p > threshold).to(p.dtype)  # noqa: B023
+            real = della.bernoulli_draws
+            if threshold is not None:  # mergeflow draws through bernoulli_draws (same as torch.bernoulli)
+                della.bernoulli_draws = lambda shape, keep, generator: keep > threshold  # noqa: B023
             try:
                 merge_files(method, models, root / f"mf_{slug}", base=base, **options)
             finally:
-                torch.bernoulli = real
+                della.bernoulli_draws = real
             fraction, worst, largest = compare(root / f"mk_{slug}", root / f"mf_{slug}")
             print(f"| {name} | {fraction:.2e} | {worst:.2e} | {largest:.2f} |")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mergeflow.merge.registry import TensorInputs, merge_method
-from mergeflow.merge.sparsify import disjoint_mean, tensor_generator
+from mergeflow.merge.sparsify import bernoulli_draws, disjoint_mean, tensor_generator
 from mergeflow.merge.sums import running_sum
 from mergeflow.schema.merge import DellaOptions
 
@@ -43,8 +43,7 @@ def pruned(tasks: torch.Tensor, options: DellaOptions, name: str) -> torch.Tenso
     out = torch.empty_like(tasks)
     for task, kept in zip(tasks, out, strict=True):
         probabilities = keep_probabilities(task, options.density, options.epsilon)
-        mask = torch.bernoulli(probabilities, generator=generator)
-        torch.mul(task, mask, out=kept)
+        torch.mul(task, bernoulli_draws(task.shape, probabilities, generator), out=kept)
         if options.rescale == "probability":
             kept.div_(probabilities)
         elif options.rescale == "l1":

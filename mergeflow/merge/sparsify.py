@@ -63,11 +63,12 @@ def top_mask(magnitudes: torch.Tensor, keep: int) -> torch.Tensor:
     count = magnitudes.numel()
     if keep <= 0 or keep >= count:
         return torch.full((count,), keep > 0, dtype=torch.bool, device=magnitudes.device)
-    cut = kth_largest(magnitudes, keep)
+    found = _bracketed_cut(magnitudes, keep) if count >= _SAMPLE_FROM else None
+    cut = found[0] if found is not None else kth_largest(magnitudes, keep)
     kept = magnitudes >= cut
-    surplus = int(torch.count_nonzero(kept)) - keep
-    if surplus:
-        kept[(magnitudes == cut).nonzero().view(-1)[-surplus:]] = False
+    reaching = found[1] if found is not None else int(torch.count_nonzero(kept))
+    if reaching > keep:
+        kept[(magnitudes == cut).nonzero().view(-1)[keep - reaching :]] = False
     return kept
 
 
@@ -83,10 +84,9 @@ def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
     count = values.numel()
     if not 1 <= k <= count:
         raise ValueError(f"k = {k} is outside 1..{count}")
-    if count >= _SAMPLE_FROM:
-        bracketed = _kth_largest_bracketed(values, k)
-        if bracketed is not None:
-            return bracketed
+    found = _bracketed_cut(values, k) if count >= _SAMPLE_FROM else None
+    if found is not None:
+        return found[0]
     if count < _RADIX_FROM or values.dtype != torch.float64:
         return values.kthvalue(count - k + 1).values
     bits = values.view(torch.int64)
@@ -114,14 +114,15 @@ def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
     return survivors.view(torch.float64).kthvalue(sharing - rank + 1).values
 
 
-def _kth_largest_bracketed(values: torch.Tensor, k: int) -> torch.Tensor | None:
-    """The ``k``-th largest found between two values of an evenly spaced sample, or None when the
-    bracket misses it (then the caller selects over everything).
+def _bracketed_cut(values: torch.Tensor, k: int) -> tuple[torch.Tensor, int] | None:
+    """The ``k``-th largest found between two values of an evenly spaced sample, and how many entries are
+    at least that large; None when the bracket misses it (then the caller selects over everything).
 
     A sample of 16k entries puts the k-th largest between two of its order statistics a few standard
-    deviations either side of k's sample rank; counting the entries above the bracket and gathering
-    those inside it (a few percent of the tensor) leaves a small ``kthvalue``. Two comparisons over
-    the tensor instead of ``kthvalue``'s sorted copy with indices.
+    deviations either side of k's sample rank. Counting the entries above the bracket and gathering
+    those inside it (a few percent of the tensor) leaves a small ``kthvalue``: two comparisons over the
+    tensor instead of ``kthvalue``'s sorted copy with indices, and the count at the cut comes from the
+    gathered entries, not from another pass.
     """
     count = values.numel()
     sample = values[:: max(1, count // _SAMPLE_SIZE)]
@@ -131,14 +132,16 @@ def _kth_largest_bracketed(values: torch.Tensor, k: int) -> torch.Tensor | None:
     high_rank, low_rank = max(1, int(expected - margin)), min(size, int(expected + margin) + 1)
     ordered = sample.sort(descending=True).values
     high, low = ordered[high_rank - 1], ordered[low_rank - 1]
-    above = int(torch.count_nonzero(values > high)) if high_rank > 1 else 0
     between = values >= low
-    if high_rank > 1:
+    reaching = int(torch.count_nonzero(between))  # entries at or above the bracket's low end
+    if high_rank > 1:  # else the bracket is open above
         between.logical_and_(values <= high)
     inside = values[between.nonzero().view(-1)]  # indices then a gather: faster than a boolean select
-    if not above < k <= above + inside.numel():
+    above = reaching - inside.numel()
+    if not above < k <= reaching:
         return None
-    return inside.kthvalue(inside.numel() - (k - above) + 1).values
+    cut = inside.kthvalue(inside.numel() - (k - above) + 1).values
+    return cut, above + int(torch.count_nonzero(inside >= cut))
 
 
 def dropout_masks(
@@ -146,14 +149,24 @@ def dropout_masks(
 ) -> Iterator[torch.Tensor]:
     """DARE's drops: ``count`` masks that keep each entry with probability 1 − ``drop_rate``, drawn one task
     vector after another from ``generator`` (as PEFT's ``random_pruning`` with the same seed), on the
-    generator's device."""
+    generator's device (``bernoulli_draws``)."""
     device = generator.device
     for _ in range(count):
         if drop_rate == 0:
             yield torch.ones(shape, dtype=torch.bool, device=device)
         else:
-            keep = torch.full(shape, 1.0 - drop_rate, dtype=torch.float64, device=device)
-            yield torch.bernoulli(keep, generator=generator).bool()
+            yield bernoulli_draws(shape, 1.0 - drop_rate, generator)
+
+
+def bernoulli_draws(shape: tuple[int, ...], keep: float | torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Booleans, each True with probability ``keep`` (a number, or a float64 tensor of ``shape``), on the
+    generator's device.
+
+    A float64 uniform below ``keep``: on the CPU the same draws, bit for bit, and the same generator state
+    after, as ``torch.bernoulli`` of a float64 tensor of probabilities (both compare one 53-bit uniform
+    per entry with p), in half its time and without the tensor of probabilities.
+    """
+    return torch.rand(shape, dtype=torch.float64, device=generator.device, generator=generator) < keep
 
 
 def disjoint_mean(tasks: torch.Tensor) -> torch.Tensor:
@@ -168,20 +181,17 @@ def disjoint_mean(tasks: torch.Tensor) -> torch.Tensor:
 
 def agreeing_sum(tasks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The sum of the entries whose sign agrees with that of their column's sum (ties go to +), and
-    their number, accumulated one task vector at a time in order.
+    their number, summed one task vector at a time in order.
 
-    Each task vector is multiplied by the elected sign (±1, exact), so that agreeing means positive:
-    one product, a clamp and a comparison per vector instead of selecting by both signs.
+    The task vectors are multiplied by the elected sign (±1, exact), so that agreeing means positive:
+    three operations over the ``(K, ...)`` stack and K − 1 additions, instead of selecting by both
+    signs vector by vector.
     """
     negative = running_sum(tasks) < 0
     sign = torch.ones_like(tasks[0]).masked_fill_(negative, -1.0)
-    total = torch.zeros_like(tasks[0])
-    count = torch.zeros_like(tasks[0])
-    flipped = torch.empty_like(tasks[0])
-    for task in tasks:
-        torch.mul(task, sign, out=flipped)
-        count.add_(flipped > 0)
-        total.add_(flipped.clamp_(min=0))
+    flipped = tasks * sign
+    count = (flipped > 0).sum(0).to(tasks.dtype)
+    total = running_sum(flipped.clamp_(min=0))
     # the sum of the flipped agreeing entries, flipped back; + 0.0 makes an empty sum +0 as before, not −0
     return total.mul_(sign).add_(0.0), count
 
