@@ -2,6 +2,7 @@
 
 Usage: python bench/streaming_merge.py [--models 4 8] [--n-layer 12] [--shard-size 200MB] [--dir DIR] [--keep]
                                       [--mergekit /tmp/mk-venv/bin/mergekit-yaml] [--cases model_stock slerp]
+                                      [--repeat 1]
 
 Writes GPT-2 checkpoints with ``save_pretrained`` (``GPT2Config()``: 124M parameters, float32,
 sharded at ``--shard-size``): a base model, K fine-tuned stand-ins (the base plus noise) and K
@@ -30,7 +31,8 @@ Then the error of the streamed and the naive average against a float64 reference
 rounded once to float32). Files are read once before each K, so every case finds them in the page
 cache.
 ``--cases`` runs only the cases whose name holds one of the given strings, beside the raw read (no
-mergekit rows then). Record the output in docs/benchmarks.md.
+mergekit rows then); ``--repeat N`` runs each case N times and reports the least of each column.
+Record the output in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -293,6 +295,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints for another run")
     parser.add_argument("--mergekit", type=Path, default=Path("/tmp/mk-venv/bin/mergekit-yaml"))
     parser.add_argument("--cases", nargs="+", help="only the cases whose name holds one of these (and the raw read)")
+    parser.add_argument("--repeat", type=int, default=1, help="run each case this many times; report the least")
     args = parser.parse_args()
     mergekit = args.mergekit if args.mergekit.is_file() and not args.cases else None
     if mergekit is None:
@@ -324,7 +327,11 @@ def main() -> None:
                 "out": str(out),
                 "shard_size": args.shard_size,
             }
-            results[name] = run_case(code, case)
+            runs = []
+            for _ in range(args.repeat):
+                shutil.rmtree(out, ignore_errors=True)
+                runs.append(run_case(code, case))
+            results[name] = {key: min(run[key] for run in runs) for key in runs[0]}
             if name in ("naive: load, stack, mean, save", *(compared for compared, _, _ in MERGEKIT.values())):
                 outputs[name] = out
             elif out.exists():

@@ -83,12 +83,16 @@ def test_della_keep_probabilities_by_rank_per_row_worked_by_hand():
     )
 
 
-def test_della_prunes_by_those_probabilities_rescales_and_merges():
+def test_della_prunes_by_those_probabilities_rescales_and_merges(monkeypatch):
+    import mergeflow.merge.della as della
+
     generator = torch.Generator().manual_seed(1)
     tasks = torch.randn(2, 8, 50, generator=generator, dtype=torch.float64)
     options = DellaOptions(density=0.4, epsilon=0.3, seed=3)
     once = pruned(tasks, options, "w")
     assert torch.equal(once, pruned(tasks, options, "w"))  # seeded
+    monkeypatch.setattr(della, "_ROW_CHUNK", 120)  # rows drawn two at a time: the same draws on the CPU
+    assert torch.equal(once, pruned(tasks, options, "w"))
     assert not torch.equal(once, pruned(tasks, options.model_copy(update={"seed": 4}), "w"))
     kept = once != 0
     probabilities = torch.stack([keep_probabilities(t, 0.4, 0.3) for t in tasks])

@@ -38,7 +38,7 @@ def breadcrumbs(x: TensorInputs, options: BreadcrumbsOptions) -> torch.Tensor:
 @merge_method("breadcrumbs_ties", masks=_crumbs)
 def breadcrumbs_ties(x: TensorInputs, options: BreadcrumbsOptions) -> torch.Tensor:
     """Breadcrumbs + TIES: base + λ · the sum (or mean, ``normalize``) of the sign-agreeing masked entries."""
-    total, count = agreeing_sum(_masked(x))
+    total, count = agreeing_sum(_masked(x), overwrite=True)
     if options.normalize:
         total.div_(count.clamp_(min=1))
     return x.base + options.scaling * total

@@ -34,4 +34,4 @@ def dare_linear(x: TensorInputs, options: DareOptions) -> torch.Tensor:
 @merge_method("dare_ties", masks=_drops)
 def dare_ties(x: TensorInputs, options: DareOptions) -> torch.Tensor:
     """DARE + TIES: base + λ · disjoint mean of the dropped-and-rescaled, sign-elected task vectors."""
-    return x.base + options.scaling * disjoint_mean(_dropped(x, options))
+    return x.base + options.scaling * disjoint_mean(_dropped(x, options), overwrite=True)

@@ -17,6 +17,8 @@ from mergeflow.merge.sparsify import bernoulli_draws, disjoint_mean, tensor_gene
 from mergeflow.merge.sums import running_sum
 from mergeflow.schema.merge import DellaOptions
 
+_ROW_CHUNK = 1 << 20  # entries of whole rows ranked and drawn at a time: bounds the temporaries
+
 
 def keep_probabilities(task: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
     """Each entry's keep probability, shaped like ``task``: per row, by the rank of its magnitude.
@@ -26,42 +28,61 @@ def keep_probabilities(task: torch.Tensor, density: float, epsilon: float) -> to
     smallest magnitude of a row gets ``density − epsilon``, the largest ``density + epsilon``, evenly
     spaced by rank; equal magnitudes are ranked by index. A row of one entry gets ``density``.
     """
-    rows = task.reshape(1, -1) if task.dim() < 2 else task.reshape(task.shape[0], -1)
+    return _row_probabilities(_rows(task), density, epsilon).view(task.shape)
+
+
+def _rows(task: torch.Tensor) -> torch.Tensor:
+    return task.reshape(1, -1) if task.dim() < 2 else task.reshape(task.shape[0], -1)
+
+
+def _row_probabilities(rows: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
     width = rows.shape[1]
     if width == 1:
-        return torch.full_like(task, density)
+        return torch.full_like(rows, density)
     order = rows.abs().argsort(dim=1, stable=True)
-    steps = torch.arange(width, dtype=task.dtype, device=task.device).mul_(2.0 * epsilon / (width - 1))
-    probabilities = torch.empty_like(rows).scatter_(1, order, steps.expand_as(rows).contiguous())
-    return probabilities.add_(density - epsilon).view(task.shape)
+    steps = torch.arange(width, dtype=rows.dtype, device=rows.device).mul_(2.0 * epsilon / (width - 1))
+    return torch.empty_like(rows).scatter_(1, order, steps.expand_as(rows)).add_(density - epsilon)
+
+
+def prune_(tasks: torch.Tensor, options: DellaOptions, name: str) -> torch.Tensor:
+    """DELLA's drops and rescaling of the ``(K, ...)`` task vectors, in place (and returned).
+
+    Drawn client after client, a chunk of whole rows at a time, from a generator on their device seeded
+    by ``seed`` and the tensor's name; temporaries stay a few chunks' size whatever the tensor's.
+    """
+    generator = tensor_generator(options.seed, name, tasks.device)
+    tasks = tasks.contiguous()  # so that each row chunk is a view
+    for task in tasks:
+        rows = _rows(task)
+        before = task.abs().sum() if options.rescale == "l1" else None
+        step = max(1, _ROW_CHUNK // max(1, rows.shape[1]))
+        for start in range(0, rows.shape[0], step):
+            chunk = rows[start : start + step]
+            probabilities = _row_probabilities(chunk, options.density, options.epsilon)
+            chunk.mul_(bernoulli_draws(chunk.shape, probabilities, generator))
+            if options.rescale == "probability":
+                chunk.div_(probabilities)
+        if before is not None:
+            after = task.abs().sum()
+            if before >= 1e-7 and after >= 1e-7:  # mergekit's guard against tiny norms
+                task.mul_(before / after)
+    return tasks
 
 
 def pruned(tasks: torch.Tensor, options: DellaOptions, name: str) -> torch.Tensor:
-    """The ``(K, ...)`` task vectors after DELLA's drops and rescaling (a new tensor), drawn in client
-    order from a generator on their device seeded by ``seed`` and the tensor's name."""
-    generator = tensor_generator(options.seed, name, tasks.device)
-    out = torch.empty_like(tasks)
-    for task, kept in zip(tasks, out, strict=True):
-        probabilities = keep_probabilities(task, options.density, options.epsilon)
-        torch.mul(task, bernoulli_draws(task.shape, probabilities, generator), out=kept)
-        if options.rescale == "probability":
-            kept.div_(probabilities)
-        elif options.rescale == "l1":
-            before, after = task.abs().sum(), kept.abs().sum()
-            if before >= 1e-7 and after >= 1e-7:  # mergekit's guard against tiny norms
-                kept.mul_(before / after)
-    return out
+    """The ``(K, ...)`` task vectors after DELLA's drops and rescaling, as a new tensor (``prune_``)."""
+    return prune_(tasks.clone(), options, name)
 
 
 def _pruned_tasks(x: TensorInputs, options: DellaOptions) -> torch.Tensor:
     assert x.base is not None  # needs base (schema)
-    return pruned(x.stacked() - x.base, options, x.name)
+    return prune_(x.stacked() - x.base, options, x.name)
 
 
 @merge_method("della")
 def della(x: TensorInputs, options: DellaOptions) -> torch.Tensor:
     """DELLA: base + λ · disjoint mean of the magnitude-ranked, randomly pruned, rescaled, sign-elected task vectors."""
-    return x.base + options.scaling * disjoint_mean(_pruned_tasks(x, options))
+    return x.base + options.scaling * disjoint_mean(_pruned_tasks(x, options), overwrite=True)
 
 
 @merge_method("della_linear")

@@ -169,27 +169,27 @@ def bernoulli_draws(shape: tuple[int, ...], keep: float | torch.Tensor, generato
     return torch.rand(shape, dtype=torch.float64, device=generator.device, generator=generator) < keep
 
 
-def disjoint_mean(tasks: torch.Tensor) -> torch.Tensor:
+def disjoint_mean(tasks: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
     """TIES' elect-and-merge: the mean of the entries whose sign agrees with the sign of their sum.
 
     Elementwise, and accumulated one task vector at a time in order, so a block of elements gives the
-    same numbers as the whole tensor.
+    same numbers as the whole tensor. ``overwrite``: ``tasks`` may be overwritten (``agreeing_sum``).
     """
-    total, count = agreeing_sum(tasks)
+    total, count = agreeing_sum(tasks, overwrite)
     return total.div_(count.clamp_(min=1))
 
 
-def agreeing_sum(tasks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def agreeing_sum(tasks: torch.Tensor, overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The sum of the entries whose sign agrees with that of their column's sum (ties go to +), and
     their number, summed one task vector at a time in order.
 
     The task vectors are multiplied by the elected sign (±1, exact), so that agreeing means positive:
     three operations over the ``(K, ...)`` stack and K − 1 additions, instead of selecting by both
-    signs vector by vector.
+    signs vector by vector. ``overwrite``: flip ``tasks`` in place instead of a ``(K, ...)`` copy.
     """
     negative = running_sum(tasks) < 0
     sign = torch.ones_like(tasks[0]).masked_fill_(negative, -1.0)
-    flipped = tasks * sign
+    flipped = tasks.mul_(sign) if overwrite else tasks * sign
     count = (flipped > 0).sum(0).to(tasks.dtype)
     total = running_sum(flipped.clamp_(min=0))
     # the sum of the flipped agreeing entries, flipped back; + 0.0 makes an empty sum +0 as before, not −0
