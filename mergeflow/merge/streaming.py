@@ -328,7 +328,7 @@ def _intra_op_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-_MASK_READ_BLOCK = 1 << 17  # elements of a task vector read (and less the base) at a time while drawing masks
+_MASK_READ_BLOCK = 1 << 20  # elements of a task vector read (and less the base) at a time while drawing masks
 
 
 class _Masks:
