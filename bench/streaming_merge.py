@@ -2,6 +2,7 @@
 
 Usage: python bench/streaming_merge.py [--models 4 8] [--n-layer 12] [--shard-size 200MB] [--dir DIR] [--keep]
                                       [--mergekit /tmp/mk-venv/bin/mergekit-yaml] [--cases model_stock slerp]
+                                      [--repeat 1]
 
 Writes GPT-2 checkpoints with ``save_pretrained`` (``GPT2Config()``: 124M parameters, float32,
 sharded at ``--shard-size``): a base model, K fine-tuned stand-ins (the base plus noise) and K
@@ -21,14 +22,17 @@ diagonal Fishers in the same format. For each K it then runs, each case in a fre
       python3 -m venv /tmp/mk-venv
       /tmp/mk-venv/bin/pip install torch==2.13.0 mergekit==0.1.5
 
-It prints one table per K: seconds after imports and as a ratio to the raw read, seconds of the
-whole process (interpreter start and imports included), and the peak anonymous memory the case
-added (``RssAnon`` sampled every 5 ms less its value after imports; page-cache pages of the files
-do not count) in MiB and as a ratio to one model's size. Then the error of the streamed and the
-naive average against a float64 reference (the float64 mean rounded once to float32). Files are
-read once before each K, so every case finds them in the page cache.
+It prints one table per K: seconds after imports and as a ratio to the raw read, the CPU seconds of
+the process after imports (all threads; steadier than seconds on a shared machine) and as a ratio to
+the streamed average's, seconds of the whole process (interpreter start and imports included), and
+the peak anonymous memory the case added (``RssAnon`` sampled every 5 ms less its value after
+imports; page-cache pages of the files do not count) in MiB and as a ratio to one model's size.
+Then the error of the streamed and the naive average against a float64 reference (the float64 mean
+rounded once to float32). Files are read once before each K, so every case finds them in the page
+cache.
 ``--cases`` runs only the cases whose name holds one of the given strings, beside the raw read (no
-mergekit rows then). Record the output in docs/benchmarks.md.
+mergekit rows then); ``--repeat N`` runs each case N times and reports the least of each column.
+Record the output in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -70,13 +74,13 @@ def sample():
 
 sampler = threading.Thread(target=sample, daemon=True)
 sampler.start()
-started = time.perf_counter()
+started, cpu_started = time.perf_counter(), time.process_time()
 """
 _EPILOGUE = """
-seconds = time.perf_counter() - started
+seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
 done.set()
 sampler.join()
-print(json.dumps({"seconds": seconds, "anon_kib": max(peak[0], rss_anon()) - start_kib}))
+print(json.dumps({"seconds": seconds, "cpu": cpu, "anon_kib": max(peak[0], rss_anon()) - start_kib}))
 """
 _RAW_READ = """
 buffer = bytearray(1 << 26)
@@ -101,6 +105,10 @@ _ARGUMENTS = {
     "task_arithmetic": "base=base, scaling=0.3",
     "fisher": "fishers=fishers, weights=[1.0] * len(models)",
     "ties": "base=base, density=0.2",
+    "breadcrumbs": "base=base, density=0.2, gamma=0.01",
+    "breadcrumbs_ties": "base=base, density=0.2, gamma=0.01",
+    "della": "base=base, density=0.5, epsilon=0.1",
+    "della_linear": "base=base, density=0.5, epsilon=0.1",
     "dare_linear": "base=base, drop_rate=0.9",
     "dare_ties": "base=base, drop_rate=0.9",
     "model_stock": "base=base",
@@ -287,6 +295,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints for another run")
     parser.add_argument("--mergekit", type=Path, default=Path("/tmp/mk-venv/bin/mergekit-yaml"))
     parser.add_argument("--cases", nargs="+", help="only the cases whose name holds one of these (and the raw read)")
+    parser.add_argument("--repeat", type=int, default=1, help="run each case this many times; report the least")
     args = parser.parse_args()
     mergekit = args.mergekit if args.mergekit.is_file() and not args.cases else None
     if mergekit is None:
@@ -318,7 +327,11 @@ def main() -> None:
                 "out": str(out),
                 "shard_size": args.shard_size,
             }
-            results[name] = run_case(code, case)
+            runs = []
+            for _ in range(args.repeat):
+                shutil.rmtree(out, ignore_errors=True)
+                runs.append(run_case(code, case))
+            results[name] = {key: min(run[key] for run in runs) for key in runs[0]}
             if name in ("naive: load, stack, mean, save", *(compared for compared, _, _ in MERGEKIT.values())):
                 outputs[name] = out
             elif out.exists():
@@ -335,12 +348,18 @@ def main() -> None:
         print(
             f"\nK = {count}, torch threads 2; an interpreter that imports torch and mergeflow: {start['process']:.2f} s"
         )
-        print("| case | seconds | ÷ raw read | process seconds | peak anonymous memory (MiB) | ÷ one model |")
-        print("|---|---:|---:|---:|---:|---:|")
+        average = results.get("merge_files('average')", {})
+        print(
+            "| case | seconds | ÷ raw read | CPU seconds | CPU ÷ average's | process seconds "
+            "| peak anonymous memory (MiB) | ÷ one model |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for name, r in results.items():
             extra = r["anon_kib"] * 1024
+            cpu = f"{r['cpu']:.2f}" if "cpu" in r else ""
+            ratio = f"{r['cpu'] / average['cpu']:.2f}" if "cpu" in r and "cpu" in average else ""
             print(
-                f"| {name} | {r['seconds']:.2f} | {r['seconds'] / raw:.2f} | {r['process']:.2f} | "
+                f"| {name} | {r['seconds']:.2f} | {r['seconds'] / raw:.2f} | {cpu} | {ratio} | {r['process']:.2f} | "
                 f"{extra / 2**20:.0f} | {extra / model_bytes:.2f} |"
             )
         print("\n| average | elements ≠ float64 reference | largest difference (ulp of the largest input) |")

@@ -6,7 +6,9 @@ with an ``@merge_method`` function, imported below.
 
 from mergeflow.merge import (  # noqa: F401  (registration)
     average,
+    breadcrumbs,
     dare,
+    della,
     exact,
     fisher,
     isotropic,  # spectral and geometric merges: isotropic, karcher, tsv

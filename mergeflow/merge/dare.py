@@ -13,7 +13,7 @@ from mergeflow.schema.merge import DareOptions
 
 
 def _drops(tasks: TaskVectors, shape: tuple[int, ...], name: str, options: DareOptions) -> Iterator[torch.Tensor]:
-    return dropout_masks(len(tasks), shape, options.drop_rate, tensor_generator(options.seed, name))
+    return dropout_masks(len(tasks), shape, options.drop_rate, tensor_generator(options.seed, name, tasks.device))
 
 
 def _dropped(x: TensorInputs, options: DareOptions) -> torch.Tensor:
@@ -34,4 +34,4 @@ def dare_linear(x: TensorInputs, options: DareOptions) -> torch.Tensor:
 @merge_method("dare_ties", masks=_drops)
 def dare_ties(x: TensorInputs, options: DareOptions) -> torch.Tensor:
     """DARE + TIES: base + λ · disjoint mean of the dropped-and-rescaled, sign-elected task vectors."""
-    return x.base + options.scaling * disjoint_mean(_dropped(x, options))
+    return x.base + options.scaling * disjoint_mean(_dropped(x, options), overwrite=True)

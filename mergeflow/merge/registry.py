@@ -108,12 +108,14 @@ class TaskVectors(Sequence[torch.Tensor]):
     """The K task vectors θ_k − base of one tensor (float64), each computed when it is indexed.
 
     A streamed merge reads client k's tensor only then, into a reused buffer: a vector is valid
-    until the next one is asked for, and the mask function may overwrite it.
+    until the next one is asked for, and the mask function may overwrite it. ``device`` is where
+    they are, for a mask function that makes tensors without looking at them (DARE's draws).
     """
 
-    def __init__(self, count: int, task: Callable[[int], torch.Tensor]) -> None:
+    def __init__(self, count: int, task: Callable[[int], torch.Tensor], device: torch.device | str = "cpu") -> None:
         self._count = count
         self._task = task
+        self.device = torch.device(device)
 
     def __len__(self) -> int:
         return self._count
@@ -273,7 +275,7 @@ def merged_tensors(
         masks = None
         if method.masks is not None:
             assert base_tensor is not None  # methods with masks need base
-            tasks = TaskVectors(len(tensors), functools.partial(task_vector, tensors, base_tensor))
+            tasks = TaskVectors(len(tensors), functools.partial(task_vector, tensors, base_tensor), base_tensor.device)
             masks = torch.stack(list(method.masks(tasks, tuple(first.shape), key, options)))
         inputs = TensorInputs(
             name=key,

@@ -328,7 +328,7 @@ def _intra_op_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-_MASK_READ_BLOCK = 1 << 20  # elements of a task vector read at a time while drawing masks
+_MASK_READ_BLOCK = 1 << 20  # elements of a task vector read (and less the base) at a time while drawing masks
 
 
 class _Masks:
@@ -371,8 +371,10 @@ class _Masks:
                 base.append(raw.view(base_entry.torch_dtype))
             for start in range(0, n, _MASK_READ_BLOCK):  # through a block-sized scratch, not a tensor-sized one
                 block = _Item(item.key, item.method, start, (min(_MASK_READ_BLOCK, n - start),))
-                _read_float64(self._inputs.models[k], block, row[start : start + block.count], scratch)
-            return row[:n].sub_(base[0]).view(shape)
+                part = row[start : start + block.count]
+                _read_float64(self._inputs.models[k], block, part, scratch)
+                part.sub_(base[0][start : start + block.count])  # while the block is in cache
+            return row[:n].view(shape)
 
         masks = everything[: count * n].view(count, n)
         drawn = item.method.masks(TaskVectors(count, task), shape, item.key, self._options)

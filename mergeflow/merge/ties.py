@@ -20,4 +20,4 @@ def ties(x: TensorInputs, options: TiesOptions) -> torch.Tensor:
     """TIES: base + λ · disjoint mean of the trimmed, sign-elected task vectors."""
     assert x.base is not None and x.masks is not None  # needs base (schema), masks=
     tasks = (x.stacked() - x.base).mul_(x.masks)
-    return x.base + options.scaling * disjoint_mean(tasks)
+    return x.base + options.scaling * disjoint_mean(tasks, overwrite=True)

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from mergeflow.errors import ConfigError, did_you_mean
 
@@ -73,6 +73,60 @@ class DareOptions(BaseModel):
     drop_rate: float = Field(0.9, ge=0, lt=1)
     scaling: float = 1.0
     seed: int = 0
+
+
+class BreadcrumbsOptions(BaseModel):
+    """Model Breadcrumbs (Davari & Belilovsky 2024), as mergekit's ``breadcrumbs`` / ``breadcrumbs_ties``.
+
+    Per tensor, each task vector drops its ``gamma`` fraction of largest magnitudes (outliers) and
+    keeps the next ``density`` fraction; the smallest rest is dropped. ``scaling``: λ on the merged
+    task vector. ``normalize`` (mergekit's, off by default as there): divide the sum by K
+    (``breadcrumbs``) or by each entry's count of sign-agreeing clients (``breadcrumbs_ties``,
+    TIES' disjoint mean).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    density: float = Field(0.2, gt=0, le=1)
+    gamma: float = Field(0.01, ge=0, lt=1)
+    scaling: float = 1.0
+    normalize: bool = False
+
+    @field_validator("gamma")
+    @classmethod
+    def _kept_and_dropped_fit(cls, gamma: float, info: ValidationInfo) -> float:
+        density = info.data.get("density")
+        if density is not None and density + gamma > 1:
+            raise ValueError(f"density + gamma = {density + gamma:g} exceeds 1 (the kept and the dropped outliers)")
+        return gamma
+
+
+class DellaOptions(BaseModel):
+    """DELLA (Deep et al. 2024), as mergekit's ``della`` / ``della_linear``.
+
+    Per row of each task vector (a 1-D tensor is one row; a conv kernel's rows are its output
+    channels), entries ranked by magnitude get keep probabilities spread evenly over
+    [``density`` − ``epsilon``, ``density`` + ``epsilon``], the largest the highest; the kept ones are
+    rescaled (``rescale``: by 1/p as in the paper, ``l1`` to the task vector's L1 norm as mergekit
+    0.1.5 does, or ``none``). ``scaling``: λ; ``seed``: the draws, derived per tensor from it and the
+    tensor's name.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    density: float = Field(0.5, gt=0, le=1)
+    epsilon: float = Field(0.1, ge=0)
+    scaling: float = 1.0
+    rescale: Literal["probability", "l1", "none"] = "probability"
+    seed: int = 0
+
+    @field_validator("epsilon")
+    @classmethod
+    def _probabilities_in_range(cls, epsilon: float, info: ValidationInfo) -> float:
+        density = info.data.get("density")
+        if density is not None and not epsilon < density:
+            raise ValueError(f"must be below density ({density:g}): keep probabilities start at density − epsilon > 0")
+        if density is not None and density + epsilon > 1:
+            raise ValueError(f"density + epsilon = {density + epsilon:g} exceeds 1: a keep probability above 1")
+        return epsilon
 
 
 class SlerpOptions(BaseModel):
@@ -216,6 +270,10 @@ declare("fisher", FisherOptions, needs=("fishers",))
 declare("ties", TiesOptions, needs=("base",))
 declare("dare_linear", DareOptions, needs=("base",))
 declare("dare_ties", DareOptions, needs=("base",))
+declare("breadcrumbs", BreadcrumbsOptions, needs=("base",))
+declare("breadcrumbs_ties", BreadcrumbsOptions, needs=("base",))
+declare("della", DellaOptions, needs=("base",))
+declare("della_linear", DellaOptions, needs=("base",))
 declare("model_stock", needs=("base",))
 declare("slerp", SlerpOptions, models=(2, 2))
 declare("regmean", RegMeanOptions, needs=("grams",))

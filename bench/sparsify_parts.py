@@ -1,0 +1,62 @@
+"""Where a streamed mask method's time goes: drawing the masks (whole task vectors) against merging blocks.
+
+Usage: python bench/sparsify_parts.py DIR [--method ties] [--models 4] [options as key=value ...]
+
+DIR holds ``base`` and ``model_k`` HF directories (``bench/streaming_merge.py --keep`` leaves them).
+Runs ``merge_files`` once with 2 torch threads and prints wall and CPU seconds of the whole merge, of
+the mask draws and of the method's block merges. Run it alternately on two trees (``PYTHONPATH``) to
+compare them on a shared machine, where single runs vary by 2-4x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+
+import torch
+
+import mergeflow.merge.streaming as streaming
+from mergeflow.merge.registry import METHODS
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir")
+    parser.add_argument("--method", default="ties")
+    parser.add_argument("--models", type=int, default=4)
+    parser.add_argument("options", nargs="*", help="key=value, e.g. density=0.2")
+    args = parser.parse_args()
+    options = {k: float(v) for k, v in (o.split("=") for o in args.options)}
+    torch.set_num_threads(2)
+    spent = {"masks": [0.0, 0.0], "blocks": [0.0, 0.0]}
+
+    def timed(part, fn):
+        def run(*a, **k):
+            wall, cpu = time.perf_counter(), time.process_time()
+            result = fn(*a, **k)
+            spent[part][0] += time.perf_counter() - wall
+            spent[part][1] += time.process_time() - cpu
+            return result
+
+        return run
+
+    streaming._Masks.draw = timed("masks", streaming._Masks.draw)
+    spec = METHODS[args.method]
+    object.__setattr__(spec, "fn", timed("blocks", spec.fn))
+    out = tempfile.mkdtemp()
+    try:
+        wall, cpu = time.perf_counter(), time.process_time()
+        models = [f"{args.dir}/model_{k}" for k in range(args.models)]
+        base = {"base": f"{args.dir}/base"} if "base" in spec.needs else {}
+        streaming.merge_files(args.method, models, f"{out}/merged", **base, **options)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    finally:
+        shutil.rmtree(out)
+    parts = ", ".join(f"{part} {w:.2f} s wall / {c:.2f} s CPU" for part, (w, c) in spent.items())
+    print(f"{args.method}: {wall:.2f} s wall / {cpu:.2f} s CPU; {parts}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Model Breadcrumbs (Davari & Belilovsky 2024): drop each task vector's outliers and its smallest entries.
+
+As mergekit's ``breadcrumbs`` (task arithmetic of the masked task vectors) and ``breadcrumbs_ties``
+(the same with TIES' sign election), including mergekit's ``normalize``. Streams in blocks: the masks
+need each whole task vector once, then the merge is elementwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from mergeflow.merge.registry import TaskVectors, TensorInputs, merge_method
+from mergeflow.merge.sparsify import agreeing_sum, outlier_masks
+from mergeflow.merge.sums import running_sum
+from mergeflow.schema.merge import BreadcrumbsOptions
+
+
+def _crumbs(
+    tasks: TaskVectors, shape: tuple[int, ...], name: str, options: BreadcrumbsOptions
+) -> Iterator[torch.Tensor]:
+    return outlier_masks(tasks, options.density, options.gamma)
+
+
+def _masked(x: TensorInputs) -> torch.Tensor:
+    assert x.base is not None and x.masks is not None  # needs base (schema), masks=
+    return (x.stacked() - x.base).mul_(x.masks)
+
+
+@merge_method("breadcrumbs", masks=_crumbs)
+def breadcrumbs(x: TensorInputs, options: BreadcrumbsOptions) -> torch.Tensor:
+    """Breadcrumbs: base + λ · Σ_k (or the mean, ``normalize``) of the task vectors without outliers and smallest."""
+    total = running_sum(_masked(x))
+    return x.base + (options.scaling / len(x.tensors) if options.normalize else options.scaling) * total
+
+
+@merge_method("breadcrumbs_ties", masks=_crumbs)
+def breadcrumbs_ties(x: TensorInputs, options: BreadcrumbsOptions) -> torch.Tensor:
+    """Breadcrumbs + TIES: base + λ · the sum (or mean, ``normalize``) of the sign-agreeing masked entries."""
+    total, count = agreeing_sum(_masked(x), overwrite=True)
+    if options.normalize:
+        total.div_(count.clamp_(min=1))
+    return x.base + options.scaling * total
