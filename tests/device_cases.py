@@ -19,7 +19,9 @@ from torch.utils._pytree import tree_flatten
 from mergeflow.merge import METHODS
 from mergeflow.models.sequential import build_model
 
-SPARSE = frozenset({"ties", "dare_ties", "dare_linear"})  # fixed on the sparse branch (another helper's scope)
+# Methods that draw from a generator on their inputs' device (fast on a GPU, reproducible per kind of
+# device): their CUDA draws differ from the CPU's, so the GPU suite checks them for reproducibility.
+DEVICE_DRAWS = frozenset({"dare_linear", "dare_ties", "della", "della_linear"})
 
 
 def _state(generator: torch.Generator, device: torch.device | str) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from device_cases import SPARSE, merge_cases, merge_inputs, strict_devices, tiny_classifier, tiny_data
+from device_cases import merge_cases, merge_inputs, strict_devices, tiny_classifier, tiny_data
 
 from mergeflow.align.barrier import loss_barrier, make_loss_fn, make_metric_fn
 from mergeflow.align.matching import align_models
@@ -29,14 +29,8 @@ from mergeflow.merge import run_merge
 from mergeflow.preflight import check_model
 from mergeflow.training import predict, train
 
-SPARSE_MARK = pytest.mark.xfail(strict=False, reason="fixed on the sparse branch")
 
-
-def _cases(names: list[str]) -> list:
-    return [pytest.param(name, marks=SPARSE_MARK) if name in SPARSE else name for name in names]
-
-
-@pytest.mark.parametrize("method", _cases(merge_cases()))
+@pytest.mark.parametrize("method", merge_cases())
 def test_every_merge_method_makes_its_tensors_on_its_inputs_device(method):
     inputs = merge_inputs(method)
     with strict_devices():
