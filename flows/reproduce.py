@@ -456,8 +456,17 @@ def _loop_inputs(preset: Path, root: Path, name: str):
     builder, clients, test = loop_inputs(workspace, params.partition.num_clients)
     federated = params.federated
     train = federated.local_for(federated.algorithms[0]).model_dump(mode="json")
+    from tasks.data import read_info
+
     inputs = LoopInputs(
-        builder, clients, test, validation_data(workspace), LocalTraining(**train), federated.rounds, federated.fraction
+        builder,
+        clients,
+        test,
+        validation_data(workspace),
+        LocalTraining(**train),
+        federated.rounds,
+        federated.fraction,
+        read_info(workspace).get("num_classes"),
     )
     return spec, params, inputs
 

@@ -749,7 +749,7 @@ class Params(_Section):
             raise ValueError(
                 f"federated.attack.clients: {attack.clients} attackers but partition.num_clients is {clients}"
             )
-        if attack is not None and attack.kind == "label_flip" and self.task != "classification":
+        if attack is not None and attack.poisons_data and self.task != "classification":
             raise ValueError(f"federated.attack.kind: label_flip flips class labels, and the task is {self.task}")
         n = participants_per_round(clients, federated.fraction)
         for name in federated.algorithms:
@@ -762,14 +762,14 @@ class Params(_Section):
                     "(its server step is in natural parameters); use optimizer: sgd, lr: 1"
                 )
             averages = getattr(declared, "averages_messages", False)
-            if aggregator.name != "mean" and not averages:
+            if not aggregator.is_identity and not averages:
                 raise ValueError(
                     f"federated.aggregator: {name!r} ({algorithm}) does not average the clients' messages "
                     "(its server step sums duals or natural parameters); use name: mean"
                 )
             if dp is not None and not averages:
                 raise ValueError(f"federated.dp: DP-FedAvg replaces an averaging server step; {name!r} is {algorithm}")
-            if dp is not None and aggregator.name != "mean":
+            if dp is not None and not aggregator.is_identity:
                 raise ValueError(f"federated.aggregator: {name!r}: DP-FedAvg's noised sum needs name: mean")
             if problem := aggregator.check_participants(n):
                 raise ValueError(problem)

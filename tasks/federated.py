@@ -158,7 +158,7 @@ def _server_settings(params: Params, name: str) -> dict[str, Any]:
     plan = {}
     if not server.is_identity:
         plan["server"] = server.model_dump(mode="json")
-    if aggregator.name != "mean":
+    if not aggregator.is_identity:
         plan["aggregator"] = aggregator.model_dump(mode="json")
     if federated.attack is not None and federated.attack.clients > 0:
         plan["attack"] = federated.attack.model_dump(mode="json")
@@ -166,7 +166,11 @@ def _server_settings(params: Params, name: str) -> dict[str, Any]:
         plan["dp"] = federated.dp.model_dump(mode="json")
     if not plan:
         return {}
-    return {"server_plan": plan | {"rounds": federated.rounds, "fraction": federated.fraction}}
+    # The run's length changes a round's result only through a noise calibrated to a target ε.
+    calibrated = federated.dp is not None and federated.dp.target_epsilon is not None
+    return {
+        "server_plan": plan | {"fraction": federated.fraction} | ({"rounds": federated.rounds} if calibrated else {})
+    }
 
 
 def _server_plan(params: dict[str, Any], num_classes: int | None = None) -> ServerPlan | None:
@@ -176,7 +180,7 @@ def _server_plan(params: dict[str, Any], num_classes: int | None = None) -> Serv
         return None
     return ServerPlan.build(
         params["num_clients"],
-        plan["rounds"],
+        plan.get("rounds", params["round"]),  # unread unless the noise is calibrated to a target ε
         plan["fraction"],
         params["seed"],
         server=plan.get("server"),
@@ -190,7 +194,7 @@ def _server_plan(params: dict[str, Any], num_classes: int | None = None) -> Serv
 def _label_flip(params: Params, client: int) -> dict[str, Any]:
     """A label-flipping attacker's step setting (its number of classes); nothing for other clients."""
     attack = params.federated.attack
-    if attack is None or attack.kind != "label_flip":
+    if attack is None or not attack.poisons_data:
         return {}
     if client not in attackers(params.partition.num_clients, attack, params.seed):
         return {}

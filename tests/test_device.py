@@ -111,6 +111,31 @@ def test_a_federated_round_makes_its_tensors_on_the_models_device(algorithm):
     assert tensors and {t.device.type for t in tensors} == {"cpu"}
 
 
+SERVER_PLANS = {
+    "gaussian attack, krum": {"attack": {"clients": 1, "kind": "gaussian", "scale": 1.0}, "aggregator": "krum"},
+    "sign flip, median": {"attack": {"clients": 1, "kind": "sign_flip", "scale": 1.0}, "aggregator": "median"},
+    "label flip, adam": {"attack": {"clients": 1, "kind": "label_flip"}, "server": {"optimizer": "adam"}},
+    "dp, adaptive clip": {"dp": {"clip": 1.0, "noise_multiplier": 0.2, "adaptive": True}, "fraction": 0.5},
+}
+
+
+@pytest.mark.parametrize("plan", sorted(SERVER_PLANS))
+def test_attacks_robust_rules_server_optimizers_and_dp_make_their_tensors_on_the_models_device(plan):
+    X, y = tiny_data(rows=48)
+    clients = [ClientData(torch.as_tensor(X[i::6]), torch.as_tensor(y[i::6])) for i in range(6)]
+    template = tiny_classifier()
+    with strict_devices():
+        run = run_rounds(
+            "fedavg",
+            lambda: copy.deepcopy(template),
+            clients,
+            2,
+            train=LocalTraining(epochs=1, batch_size=8),
+            **SERVER_PLANS[plan],
+        )
+    assert {t.device.type for t in run.global_state.values()} == {"cpu"}
+
+
 @pytest.mark.parametrize("method", ["weights", "activations"])
 def test_alignment_and_barriers_make_their_tensors_on_the_models_device(method):
     model, (X, y) = tiny_classifier(), tiny_data()

@@ -208,7 +208,9 @@ def transformer_spec(model: nn.Module, *, residual: bool | None = None, check: b
 def _moving_permutation(spec: PermutationSpec, seed: int) -> dict[str, torch.Tensor]:
     """A random permutation of every group that moves at least one unit of each (of two or more)."""
     perms = random_permutation(spec, seed)
-    return {name: p.roll(1) if torch.equal(p, torch.arange(len(p))) else p for name, p in perms.items()}
+    return {
+        name: p.roll(1) if torch.equal(p, torch.arange(len(p), device=p.device)) else p for name, p in perms.items()
+    }
 
 
 def verify_transformer_spec(model: nn.Module, spec: PermutationSpec, *, seed: int = 0) -> None:
@@ -219,7 +221,7 @@ def verify_transformer_spec(model: nn.Module, spec: PermutationSpec, *, seed: in
     config = hf.config
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 8)
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, config.vocab_size, (3, min(8, positions)), generator=gen)
+    ids = torch.randint(0, config.vocab_size, (3, min(8, positions)), generator=gen, device=gen.device)
     pad = getattr(probe, "pad_token_id", None)
     if pad is not None:
         ids[ids == pad] = (pad + 1) % config.vocab_size

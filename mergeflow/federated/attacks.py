@@ -15,8 +15,6 @@ from mergeflow.federated.base import MEAN, ClientData, Message
 from mergeflow.schema.federated import AttackOptions
 from mergeflow.seeding import derive_seed
 
-MODEL_ATTACKS = ("sign_flip", "gaussian", "scaled")
-
 
 def attackers(num_clients: int, options: AttackOptions | None, seed: int) -> list[int]:
     """The sorted ids of the attacking clients, drawn without replacement from (seed, "attack")."""
@@ -25,7 +23,7 @@ def attackers(num_clients: int, options: AttackOptions | None, seed: int) -> lis
     if options.clients > num_clients:
         raise ValueError(f"federated.attack.clients: {options.clients} attackers but only {num_clients} clients")
     generator = torch.Generator().manual_seed(derive_seed(seed, "attack"))
-    return sorted(torch.randperm(num_clients, generator=generator)[: options.clients].tolist())
+    return sorted(torch.randperm(num_clients, generator=generator, device=generator.device)[: options.clients].tolist())
 
 
 def attack_message(
@@ -35,7 +33,7 @@ def attack_message(
 
     ``server_mean`` is the global model θ̄ the client started from (parameter name → tensor).
     """
-    if options.kind not in MODEL_ATTACKS:
+    if options.poisons_data:
         return dict(message)
     attacked = dict(message)
     for name in sorted(server_mean):
@@ -46,7 +44,7 @@ def attack_message(
         elif options.kind == "scaled":
             attacked[MEAN + name] = anchor + options.scale * (theta - anchor)
         else:
-            noise = torch.randn(anchor.shape, generator=generator, dtype=anchor.dtype)
+            noise = torch.randn(anchor.shape, generator=generator, dtype=anchor.dtype, device=generator.device)
             attacked[MEAN + name] = anchor + options.scale * noise.to(anchor.device)
     return attacked
 

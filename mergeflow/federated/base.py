@@ -298,7 +298,7 @@ def sample_participants(
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     if poisson:
         gen = torch.Generator().manual_seed(derive_seed(seed, "poisson", round_index))
-        draws = torch.rand(num_clients, generator=gen, dtype=torch.float64)
+        draws = torch.rand(num_clients, generator=gen, dtype=torch.float64, device=gen.device)
         return [k for k in range(num_clients) if float(draws[k]) < fraction]
     count = participants_per_round(num_clients, fraction)
     if count == num_clients:

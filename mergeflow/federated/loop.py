@@ -152,6 +152,7 @@ def run_rounds(
     aggregator: AggregatorOptions | Mapping[str, Any] | str | None = None,
     attack: AttackOptions | Mapping[str, Any] | None = None,
     dp: DPOptions | Mapping[str, Any] | None = None,
+    num_classes: int | None = None,
 ) -> FederatedRun:
     """Run ``rounds`` federated rounds sequentially in this process.
 
@@ -180,6 +181,8 @@ def run_rounds(
         attack: Byzantine clients (``federated.attack``; none when None).
         dp: client-level DP (``federated.dp``; participants are then Poisson-sampled with
             probability ``fraction``). See :class:`~mergeflow.federated.server_plan.ServerPlan`.
+        num_classes: the classes a ``label_flip`` attack maps y to C − 1 − y over (the data's info;
+            the largest label seen + 1 when None).
 
     Returns:
         A :class:`FederatedRun`. Each round's metrics hold ``round``, ``participants``,
@@ -199,7 +202,8 @@ def run_rounds(
     evaluation = eval_data if eval_data is not None else _concatenate(clients_data)
     eval_model = model_builder()
     initial = model_parameters(eval_model)
-    classes = 1 + int(max(int(d.y.max()) for d in clients_data)) if clients_data[0].task == "classification" else None
+    if num_classes is None and attack is not None:  # label flipping's C; the data's own count is safer
+        num_classes = 1 + max((int(d.y.max()) for d in clients_data if len(d.y)), default=0)
     plan = ServerPlan.build(
         num_clients,
         rounds,
@@ -209,7 +213,7 @@ def run_rounds(
         aggregator=aggregator,
         attack=attack,
         dp=dp,
-        num_classes=classes,
+        num_classes=num_classes,
     )
     plan.check(algo)
     server_state = algo.init_server(initial, num_clients, opts)

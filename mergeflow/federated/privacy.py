@@ -54,11 +54,12 @@ def private_average(
         total += clipped
         unclipped += int(within)
     generator = torch.Generator().manual_seed(derive_seed(seed, "dp", round_number))
-    draw = torch.randn(anchor.shape, generator=generator, dtype=torch.float64).to(anchor.device, anchor.dtype)
+    draw = torch.randn(anchor.shape, generator=generator, dtype=torch.float64, device=generator.device)
+    draw = draw.to(anchor.device, anchor.dtype)
     aggregate = anchor + (total + noise.sum_noise * clip * draw) / expected_clients
     new_clip = clip
     if options.adaptive:
-        count_draw = float(torch.randn(1, generator=generator, dtype=torch.float64))
+        count_draw = float(torch.randn(1, generator=generator, dtype=torch.float64, device=generator.device))
         fraction_unclipped = (unclipped + noise.count_noise * count_draw) / expected_clients
         new_clip = clip * math.exp(-options.clip_lr * (fraction_unclipped - options.target_quantile))
     metrics = {"clip": clip, "unclipped": float(unclipped)}

@@ -89,7 +89,7 @@ class ServerPlan:
         """
         attack = _model(AttackOptions, attack)
         dp = _model(DPOptions, dp)
-        if attack is not None and attack.kind == "label_flip" and num_classes is None:
+        if attack is not None and attack.poisons_data and num_classes is None:
             raise ValueError("federated.attack.kind: label_flip needs the number of classes")
         return cls(
             server=_model(ServerOptimizerOptions, server) or ServerOptimizerOptions(),
@@ -109,10 +109,10 @@ class ServerPlan:
         declared = algorithm.Options  # a notebook algorithm's own options model may declare neither
         if not self.server.is_identity and not getattr(declared, "point_estimate", False):
             raise ValueError(f"federated.server: {algorithm.name} has no point-estimate global model to step on")
-        replaces = self.dp is not None or self.aggregator.name != "mean"
+        replaces = self.dp is not None or not self.aggregator.is_identity
         if replaces and not getattr(declared, "averages_messages", False):
             raise ValueError(f"federated.aggregator: {algorithm.name}'s server step does not average the messages")
-        if self.dp is not None and self.aggregator.name != "mean":
+        if self.dp is not None and not self.aggregator.is_identity:
             raise ValueError("federated.aggregator: DP-FedAvg's noised sum needs name: mean")
         if not self.poisson and (problem := self.aggregator.check_participants(self.participants)):
             raise ValueError(problem)
@@ -129,7 +129,7 @@ class ServerPlan:
 
     def training_data(self, client: int, data: ClientData) -> ClientData:
         """The data a client trains on: its own, with flipped labels if it is a label-flipping attacker."""
-        if self.attack is not None and self.attack.kind == "label_flip" and client in self.attackers:
+        if self.attack is not None and self.attack.poisons_data and client in self.attackers:
             return flip_labels(data, self.num_classes)
         return data
 
@@ -189,7 +189,7 @@ def planned_server_update(
             "epsilon": epsilon(sigma, plan.fraction, round_number, delta),
             "epsilon_round": epsilon(sigma, plan.fraction, 1, delta),
         }
-    elif plan.aggregator.name != "mean" and messages:
+    elif not plan.aggregator.is_identity and messages:
         ids = sorted(messages)
         stack = torch.stack([flat({name: messages[k][MEAN + name] for name in mean}) for k in ids])
         weights = torch.full((len(ids),), 1.0 / len(ids), dtype=torch.float64, device=stack.device)
@@ -202,7 +202,7 @@ def planned_server_update(
         updated = algorithm.server_update(server, {AGGREGATE: message}, {AGGREGATE: 1}, num_clients, options)
     else:
         updated = algorithm.server_update(server, messages, sizes, num_clients, options) if messages else server
-    if plan.attackers or plan.aggregator.name != "mean":
+    if plan.attackers or not plan.aggregator.is_identity:
         row["kept"] = {str(k): share for k, share in sorted(kept.items())}
         row["attacked_kept"] = sum(kept[k] for k in row.get("attackers", []))
     if not plan.server.is_identity and updated is not server:

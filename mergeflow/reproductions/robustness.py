@@ -31,6 +31,7 @@ class LoopInputs:
     train: LocalTraining
     rounds: int
     fraction: float = 1.0
+    num_classes: int | None = None
 
 
 def fedavg_run(inputs: LoopInputs, seed: int, **plan: Any) -> list[dict[str, Any]]:
@@ -46,6 +47,7 @@ def fedavg_run(inputs: LoopInputs, seed: int, **plan: Any) -> list[dict[str, Any
         eval_data=inputs.test,
         validation_data=inputs.validation,
         predictive_samples=0,
+        num_classes=inputs.num_classes,
         **plan,
     )
     return run.metrics

@@ -151,6 +151,12 @@ class ServerOptimizerOptions(StrictOptions):
     initial_v: float | None = Field(None, ge=0.0)
     bias_correction: bool = False
 
+    @model_validator(mode="after")
+    def _bias_correction_needs_moments(self) -> ServerOptimizerOptions:
+        if self.bias_correction and self.optimizer not in ("adam", "yogi"):
+            raise ValueError(f"bias_correction: corrects Adam's and Yogi's moments, not {self.optimizer}'s")
+        return self
+
     @property
     def is_identity(self) -> bool:
         """Plain averaging: θ̄ = the aggregate, no server optimizer state."""
@@ -189,6 +195,11 @@ class AggregatorOptions(StrictOptions):
             return f"federated.aggregator.f: bulyan needs n ≥ 4f + 3 messages per round; n = {n}, f = {self.f}"
         return None
 
+    @property
+    def is_identity(self) -> bool:
+        """The algorithm's own average: no robust rule."""
+        return self.name == "mean"
+
 
 class AttackOptions(StrictOptions):
     """Byzantine clients, to test aggregators: ``clients`` of them, drawn once from the seed.
@@ -202,6 +213,11 @@ class AttackOptions(StrictOptions):
     clients: int = Field(1, ge=0)
     kind: Literal["sign_flip", "gaussian", "scaled", "label_flip"] = "sign_flip"
     scale: float = Field(1.0, ge=0.0)
+
+    @property
+    def poisons_data(self) -> bool:
+        """A data attack (the attacker trains on poisoned labels), not a rewritten message."""
+        return self.kind == "label_flip"
 
 
 class DPOptions(StrictOptions):
