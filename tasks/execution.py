@@ -121,6 +121,11 @@ def run_waves(
     return [_outcome(step, record, record["cached"]) for step, record in zip(steps, records, strict=False)]
 
 
+def _precision(step: Step) -> str | None:
+    """A training step's precision (fp32 unless set); None for steps that have no such setting."""
+    return step.params["train"].get("precision", "fp32") if "train" in step.params else None
+
+
 def _outcome(step: Step, record: dict[str, Any], cached: bool) -> StepOutcome:
     seconds = 0.0 if cached else record["seconds"]
     device = made_on(record) or ("cpu" if uses_device(step.settings) else None)
@@ -145,7 +150,7 @@ def _run_step(step: Step, root: str, torch_threads: int, scratch: Path) -> dict[
         "started": began,  # wall clock (epoch seconds): the MLflow run of what it made starts then
         "versions": third_party_versions(),  # not in the key (as in DVC): the record says what made it
         # nor is the device (results agree across devices up to rounding): the record says which made it
-        **device_record(step.settings, step.params.get("train", {}).get("precision", "fp32")),
+        **device_record(step.settings, _precision(step)),
     }
 
 

@@ -21,7 +21,7 @@ def write_step(params: dict, root: Path, out: Path) -> dict:
 
 def _step(name: str, device: str | None) -> Step:
     settings = device_settings(validate_params({"orchestration": {"device": device}})) if device else {}
-    return Step(name, f"{__name__}:write_step", {"name": name}, settings=settings)
+    return Step(name, f"{__name__}:write_step", {"name": name, "train": {}}, settings=settings)
 
 
 def test_switching_devices_keeps_every_key_and_each_record_names_its_device(tmp_path):
