@@ -141,7 +141,7 @@ def test_merges_above_the_size_threshold_stream_to_the_same_checkpoints_under_th
     merges = merging.plan_merge(load_params(searched / "params.yaml", ["merge.stream_above_mb=0"]))[0]
     assert [step_key(s, searched) for s in merges] == [step_key(s, searched) for s in default]  # a setting, no key
     for step in merges:
-        assert step.settings == {"stream_above_mb": 0}
+        assert step.settings["stream_above_mb"] == 0
         resolve(step.fn)({**step.params, **step.settings}, searched, tmp_path)
     assert sorted(set(streamed)) == ["average", "task_arithmetic", "ties"]  # greedy_soup is model-scope: in memory
     assert streamed.count("task_arithmetic") == len(SCALINGS)
