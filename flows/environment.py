@@ -18,6 +18,7 @@ DEFAULTS = {
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
     "MLFLOW_LOGGING_LEVEL": "WARNING",
     "MLFLOW_DISABLE_TELEMETRY": "true",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' "Writing model shards" bars follow it too
     "FLWR_TELEMETRY_ENABLED": "0",
     "DVC_NO_ANALYTICS": "1",
     "DO_NOT_TRACK": "1",
