@@ -250,6 +250,9 @@ def _best(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mergeflow`` console script."""
+    from flows.environment import configure
+
+    configure()  # before anything imports huggingface_hub, MLflow or Prefect: they read it on import
     args = build_parser().parse_args(argv)
     try:
         return _dispatch(args)

@@ -50,6 +50,7 @@ def bert_run(tmp_path_factory, cli_env):
     make_workspace(path, params)
     done = run_cli(["run"], path, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "Writing model shards" not in done.stderr  # transformers' progress bars stay off the console
     return path
 
 
