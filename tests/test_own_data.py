@@ -304,12 +304,12 @@ def test_editing_the_table_re_runs_prepare(table_run, cli_env):
     [("error", "column 'f1' has 5 missing value(s)"), ("drop_rows", None)],
 )
 def test_a_table_with_gaps_fails_before_any_prefect_work(tmp_path, monkeypatch, capsys, policy, needle):
-    import flows.environment
+    import flows.runs
 
-    def no_orchestration():
+    def no_orchestration(*args, **kwargs):
         raise AssertionError("Prefect must not start for a bad table")
 
-    monkeypatch.setattr(flows.environment, "configure", no_orchestration)
+    monkeypatch.setattr(flows.runs, "run_and_record", no_orchestration)
     monkeypatch.chdir(tmp_path)
     mixed_scale_table(tmp_path / "table.csv", gaps=5)
     hf = {"path": "csv", "data_files": "table.csv", "label_column": "kind"}
