@@ -88,9 +88,9 @@ def message_file(name: str, round_index: int, client: int) -> str:
     return f"{_round_dir(name, round_index)}/client_{client:03d}.message.safetensors"
 
 
-def read_message(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A client's message file: its tensors and its metrics."""
-    with safe_open(str(path), framework="pt") as f:
+def read_message(path: Path, device: str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A client's message file: its tensors (on ``device``) and its metrics."""
+    with safe_open(str(path), framework="pt", device=device) as f:
         metrics = json.loads((f.metadata() or {}).get(_METRICS_KEY, "{}"))
         return {key: f.get_tensor(key) for key in f.keys()}, metrics
 
@@ -400,8 +400,9 @@ def server_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     name, r, participants = params["name"], params["round"], params["participants"]
     algorithm = get_algorithm(params["algorithm"])
     options = algorithm.parse_options(params["options"])
-    server = load_file(root / server_file(name, r - 1))
-    sent = {k: read_message(root / message_file(name, r, k)) for k in participants}
+    device = str(step_device(params))  # the aggregation (robust rules, DP noise, server optimizers) runs there
+    server = load_file(root / server_file(name, r - 1), device=device)
+    sent = {k: read_message(root / message_file(name, r, k), device) for k in participants}
     sizes = dict(enumerate(json.loads((root / PARTITION_METRICS).read_text())["sizes"]))
     try:
         plan = _server_plan(params, read_info(root).get("num_classes"))

@@ -143,6 +143,7 @@ def _merge_into(
             weights=weights,
             fishers=[root / aligned_fisher(c) for c in clients] if "fishers" in uses else None,
             metadata=checkpoint_header(meta),
+            device=step_device(params),
             **params["options"],
         )
         if not scored:

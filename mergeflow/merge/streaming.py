@@ -17,6 +17,12 @@ that runs ahead of the merge, and writes the merged tensors into the output as t
   (``model_stock``, ``slerp``) take two passes over its blocks: the first sums the K × K Gram, the
   second merges blocks like the elementwise methods. Each such tensor is read twice, never held whole.
 
+On a GPU (``device="cuda"``) the reader thread reads each block's bytes into pinned host memory
+and copies them to the GPU, where they are widened to float64 and merged; the merged block comes
+back in the output dtype. Blocks are ``DEVICE_BLOCK`` elements (a kernel launch per 128K elements
+would leave the GPU idle), masks are drawn and Grams summed on the GPU, and reading the next block
+overlaps the GPU's work on this one.
+
 Inputs and the output are single ``.safetensors`` files or Hugging Face model directories
 (``mergeflow.hf_checkpoints``). The output is written to a temp file or directory and renamed,
 so a kill leaves no partial output.
@@ -24,6 +30,7 @@ so a kill leaves no partial output.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, closing, contextmanager, nullcontext
@@ -33,6 +40,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
+from mergeflow.device import resolve_device
 from mergeflow.errors import MergeflowError
 from mergeflow.files import atomic_path
 from mergeflow.hf_checkpoints import (
@@ -61,6 +69,8 @@ from mergeflow.safetensors_io import CODES, DTYPES, SafetensorsWriter
 # Elements per block for elementwise methods: K float64 input rows of 1 MiB stay in cache while
 # they are summed; 64K-256K measured fastest on the 2-core bench machine (2 MiB L2 per core).
 BLOCK = 1 << 17
+# Elements per block on an accelerator: K float64 blocks of 128 MiB each, few launches per tensor.
+DEVICE_BLOCK = 1 << 24
 _DTYPE_NAMES = {
     "float64": torch.float64,
     "float32": torch.float32,
@@ -109,13 +119,34 @@ class _Inputs:
         return max((c.entry(key).torch_dtype.itemsize for c in everything for key in c), default=1)
 
 
+class _Staging:
+    """Bytes on their way from a file to float64 on the merge's device: a host buffer to read into
+    (pinned when bound for a GPU) and, for an accelerator, its copy there, widened on the device."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        accelerated = device.type != "cpu"
+        self.host = torch.empty(size, dtype=torch.uint8, pin_memory=accelerated and device.type == "cuda")
+        self.device = torch.empty(size, dtype=torch.uint8, device=device) if accelerated else None
+
+    def read(self, checkpoint: Checkpoint, key: str, start: int, count: int, out: torch.Tensor) -> None:
+        """Elements ``start:start + count`` of ``key`` into ``out`` (float64, on the merge's device)."""
+        dtype = checkpoint.entry(key).torch_dtype
+        raw = self.host[: count * dtype.itemsize]
+        checkpoint.read_into(key, memoryview(raw.numpy()), start * dtype.itemsize)
+        if self.device is not None:  # move the bytes, then widen there: a CPU-to-GPU copy would widen on the CPU
+            raw = self.device[: raw.numel()]
+            raw.copy_(self.host[: raw.numel()])  # blocking: the host buffer is free for the next read after
+        out.copy_(raw.view(dtype))
+
+
 class _Buffers:
     """One item's float64 inputs: the K models in one ``(K, n)`` buffer, the base, the K Fishers in another."""
 
-    def __init__(self, capacity: int, count: int, base: bool, fishers: bool) -> None:
-        self.models = torch.empty(count * capacity, dtype=torch.float64)
-        self.base = torch.empty(capacity, dtype=torch.float64) if base else None
-        self.fishers = torch.empty(count * capacity, dtype=torch.float64) if fishers else None
+    def __init__(self, capacity: int, count: int, base: bool, fishers: bool, device: torch.device) -> None:
+        wide = {"dtype": torch.float64, "device": device}
+        self.models = torch.empty(count * capacity, **wide)
+        self.base = torch.empty(capacity, **wide) if base else None
+        self.fishers = torch.empty(count * capacity, **wide) if fishers else None
 
 
 def merge_files(
@@ -129,6 +160,7 @@ def merge_files(
     metadata: Mapping[str, str] | None = None,
     out_dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = MAX_SHARD_SIZE,
+    device: str | torch.device = "cpu",
     **options: object,
 ) -> None:
     """Merge checkpoints into ``out`` with a tensor-scope method, streaming tensor by tensor.
@@ -142,7 +174,8 @@ def merge_files(
 
     Example: ``merge_files("ties", ["ft-a", "ft-b"], "merged", base="gpt2", density=0.2)``.
     Model-scope methods (``exact``, ``ssf``, ``regmean``) couple all parameters and need the
-    whole models: use ``mergeflow.merge.merge`` for them.
+    whole models: use ``mergeflow.merge.merge`` for them. ``device`` (``"cuda"``, ``"auto"``) merges
+    on an accelerator; the files are still read and written on the host.
     """
     spec = METHODS.get(method)
     if spec is None:
@@ -154,6 +187,7 @@ def merge_files(
     require_inputs(spec, {"base": base, "sizes": weights, "fishers": fishers})
     parsed = validate_options(method, options)
     dtype = _parse_dtype(out_dtype)
+    where = resolve_device(device) if isinstance(device, str) else device
     out = Path(out)
     with ExitStack() as stack:
         inputs = _Inputs(
@@ -163,7 +197,7 @@ def merge_files(
         )
         _check_layouts(inputs)
         layout = {key: _out_layout(inputs.models[0], key, dtype) for key in inputs.models[0]}
-        w = normalized_weights(weights, len(inputs.models))
+        w = normalized_weights(weights, len(inputs.models), where)
         if out.suffix == ".safetensors":
             stream = stack.enter_context(open(stack.enter_context(atomic_path(out)), "wb", buffering=0))
             sink: SafetensorsWriter | ShardedWriter = SafetensorsWriter(stream, layout, dict(metadata or {}))
@@ -173,14 +207,19 @@ def merge_files(
             stack.callback(sink.close)
             if inputs.models[0].directory is not None:
                 copy_model_files(inputs.models[0].directory, directory, dtype)
-        norms = fisher_norms(inputs.fishers) if inputs.fishers is not None else None
+        norms = _on_device(fisher_norms(inputs.fishers), where) if inputs.fishers is not None else None
         # closing(): on an error, stop the reader thread before the files close, not when the generator is collected.
-        merged = stack.enter_context(
-            closing(_merged(list(_plan(spec, inputs, sink.order)), inputs, layout, w, norms, parsed))
-        )
+        block = BLOCK if where.type == "cpu" else DEVICE_BLOCK
+        items = list(_plan(spec, inputs, sink.order, block))
+        merged = stack.enter_context(closing(_merged(items, inputs, layout, w, norms, parsed, where)))
         for key, data in merged:
             sink.write(key, data)
         sink.finish()
+
+
+def _on_device(norms: Callable[[], torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
+    """The Fishers' norms, summed from the files on the host once, on the merge's device."""
+    return functools.cache(lambda: norms().to(device))
 
 
 def _open(stack: ExitStack, path: str | Path) -> Checkpoint:
@@ -225,7 +264,7 @@ def _out_layout(model: Checkpoint, key: str, dtype: torch.dtype | None) -> tuple
     return (CODES[dtype] if dtype is not None and floating else entry.dtype), entry.shape
 
 
-def _plan(spec: MergeMethod, inputs: _Inputs, order: Sequence[str]) -> Iterator[_Item]:
+def _plan(spec: MergeMethod, inputs: _Inputs, order: Sequence[str], block: int) -> Iterator[_Item]:
     """The merge's items in the output's order: elementwise methods and copies in blocks, other methods whole."""
     for key in order:
         entry = inputs.models[0].entry(key)
@@ -235,20 +274,11 @@ def _plan(spec: MergeMethod, inputs: _Inputs, order: Sequence[str]) -> Iterator[
         if method is not None and not method.elementwise:
             yield _Item(key, method, 0, entry.shape, entry.shape)
             continue
-        blocks = range(0, max(entry.numel, 1), BLOCK)
+        blocks = range(0, max(entry.numel, 1), block)
         if method is not None and method.gram:
-            yield from (_Item(key, method, a, (min(BLOCK, entry.numel - a),), entry.shape, True) for a in blocks)
+            yield from (_Item(key, method, a, (min(block, entry.numel - a),), entry.shape, True) for a in blocks)
         for start in blocks:
-            yield _Item(key, method, start, (min(BLOCK, entry.numel - start),), entry.shape)
-
-
-def _read_float64(checkpoint: Checkpoint, item: _Item, out: torch.Tensor, scratch: torch.Tensor) -> None:
-    """Read an item's elements of one input into ``out`` (float64) through ``scratch`` (bytes)."""
-    entry = checkpoint.entry(item.key)
-    size = entry.torch_dtype.itemsize
-    raw = scratch[: item.count * size]
-    checkpoint.read_into(item.key, memoryview(raw.numpy()), item.start * size)
-    out.copy_(raw.view(entry.torch_dtype))
+            yield _Item(key, method, start, (min(block, entry.numel - start),), entry.shape)
 
 
 def _merged(
@@ -258,6 +288,7 @@ def _merged(
     weights: torch.Tensor,
     norms: Callable[[], torch.Tensor] | None,
     options: BaseModel,
+    device: torch.device,
 ) -> Iterator[tuple[str, memoryview]]:
     """Each item's merged bytes in the output dtype, in order; each view is valid until the next item."""
     count = len(inputs.models)
@@ -265,11 +296,12 @@ def _merged(
     blocks_only = all(item.method is None or item.method.elementwise for item in items)
     # Two buffer sets let the reader run one block ahead; whole tensors get one set, as large as K largest tensors.
     buffer_sets = [
-        _Buffers(capacity, count, inputs.base is not None, inputs.fishers is not None)
+        _Buffers(capacity, count, inputs.base is not None, inputs.fishers is not None, device)
         for _ in range(2 if blocks_only else 1)
     ]
-    scratch = torch.empty(capacity * inputs.itemsize(), dtype=torch.uint8)
-    out = torch.empty(capacity * max(DTYPES[code].itemsize for code, _ in layout.values()), dtype=torch.uint8)
+    staging = _Staging(capacity * inputs.itemsize(), device)
+    out_size = capacity * max(DTYPES[code].itemsize for code, _ in layout.values())
+    out = torch.empty(out_size, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
     def fill(item: _Item, buffers: _Buffers) -> None:
         if item.method is None:
@@ -277,13 +309,13 @@ def _merged(
         base, fishers = inputs.used(item.method)
         n = item.count
         for k, model in enumerate(inputs.models):
-            _read_float64(model, item, buffers.models[k * n : (k + 1) * n], scratch)
+            staging.read(model, item.key, item.start, n, buffers.models[k * n : (k + 1) * n])
         if base is not None:
-            _read_float64(base, item, buffers.base[:n], scratch)
+            staging.read(base, item.key, item.start, n, buffers.base[:n])
         for k, fisher in enumerate(fishers or []):
-            _read_float64(fisher, item, buffers.fishers[k * n : (k + 1) * n], scratch)
+            staging.read(fisher, item.key, item.start, n, buffers.fishers[k * n : (k + 1) * n])
 
-    masks = _Masks(inputs, items, options)
+    masks = _Masks(inputs, items, options, device)
     grams: dict[str, torch.Tensor] = {}
     threads_before = torch.get_num_threads()
     threads = _intra_op_threads(1) if blocks_only else nullcontext()
@@ -308,7 +340,7 @@ def _merged(
                 item_masks = masks.block(item) if item.method.masks is not None else None
                 x = _tensor_inputs(item, inputs, buffers, weights, norms, item_masks, grams.get(item.key))
                 result = item.method.fn(x, options)
-                target.view(dtype).copy_(result.reshape(-1))
+                target.view(dtype).copy_(result.reshape(-1).to(dtype))  # narrowed where it was computed
             reader.release(buffers)
             yield item.key, memoryview(target.numpy())
 
@@ -339,41 +371,46 @@ class _Masks:
     booleans per element and one task vector's float64 temporaries, never K float64 copies.
     """
 
-    def __init__(self, inputs: _Inputs, items: Sequence[_Item], options: BaseModel) -> None:
+    def __init__(self, inputs: _Inputs, items: Sequence[_Item], options: BaseModel, device: torch.device) -> None:
         self._inputs = inputs
         self._options = options
+        self._device = device
         self._capacity = max((math.prod(i.total) for i in items if i.method is not None and i.method.masks), default=0)
         self._current: torch.Tensor | None = None
-        self._buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Staging] | None = None
 
-    def _allocate(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _allocate(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Staging]:
         if self._buffers is None:
             n, count, itemsize = self._capacity, len(self._inputs.models), self._inputs.itemsize()
-            row = torch.empty(n, dtype=torch.float64)
-            raw_base = torch.empty(n * itemsize, dtype=torch.uint8)
-            scratch = torch.empty(min(n, _MASK_READ_BLOCK) * itemsize, dtype=torch.uint8)
-            self._buffers = (torch.empty(count * n, dtype=torch.bool), row, raw_base, scratch)
+            row = torch.empty(n, dtype=torch.float64, device=self._device)
+            base = torch.empty(n * itemsize, dtype=torch.uint8, device=self._device)  # the base in its own dtype
+            # On the CPU a block-sized scratch keeps each block in cache while it is widened and less the base.
+            chunk = max(min(n, _MASK_READ_BLOCK) if self._device.type == "cpu" else n, 1)
+            masks = torch.empty(count * n, dtype=torch.bool, device=self._device)
+            self._buffers = (masks, row, base, _Staging(chunk * itemsize, self._device))
         return self._buffers
 
     def draw(self, item: _Item) -> None:
         """Draw the masks of ``item``'s tensor (its first block)."""
         assert item.method is not None and item.method.masks is not None and self._inputs.base is not None
-        everything, row, raw_base, scratch = self._allocate()
+        everything, row, base_bytes, staging = self._allocate()
         shape, count = item.total, len(self._inputs.models)
         n = math.prod(shape)
-        base_entry = self._inputs.base.entry(item.key)
-        base: list[torch.Tensor] = []
+        chunk = staging.host.numel() // self._inputs.itemsize()
+        base_dtype = self._inputs.base.entry(item.key).torch_dtype
+        base_row = base_bytes[: n * base_dtype.itemsize].view(base_dtype)
+        base_read: list[bool] = []
 
         def task(k: int) -> torch.Tensor:
-            if not base:  # read the base once, and only for a mask function that looks at the task vectors
-                raw = raw_base[: n * base_entry.torch_dtype.itemsize]
-                self._inputs.base.read_into(item.key, memoryview(raw.numpy()))
-                base.append(raw.view(base_entry.torch_dtype))
-            for start in range(0, n, _MASK_READ_BLOCK):  # through a block-sized scratch, not a tensor-sized one
-                block = _Item(item.key, item.method, start, (min(_MASK_READ_BLOCK, n - start),))
-                part = row[start : start + block.count]
-                _read_float64(self._inputs.models[k], block, part, scratch)
-                part.sub_(base[0][start : start + block.count])  # while the block is in cache
+            if not base_read:  # read the base once, and only for a mask function that looks at the task vectors
+                for start in range(0, n, chunk):
+                    part = base_row[start : start + chunk]
+                    staging.read(self._inputs.base, item.key, start, part.numel(), part)
+                base_read.append(True)
+            for start in range(0, n, chunk):
+                part = row[start : min(start + chunk, n)]
+                staging.read(self._inputs.models[k], item.key, start, part.numel(), part)
+                part.sub_(base_row[start : start + part.numel()])  # while the block is in cache
             return row[:n].view(shape)
 
         masks = everything[: count * n].view(count, n)

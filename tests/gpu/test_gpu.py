@@ -25,7 +25,8 @@ import pytest
 import torch
 from device_cases import DEVICE_DRAWS, merge_cases, merge_inputs, tiny_classifier, tiny_data
 
-from mergeflow.merge import run_merge
+from mergeflow.merge import METHODS, run_merge
+from mergeflow.schema.merge import DECLARED
 
 DEVICE = torch.device(os.environ.get("MERGEFLOW_TEST_DEVICE", "cuda"))
 pytestmark = [
@@ -245,3 +246,39 @@ def test_a_transformer_trains_and_its_fisher_runs_on_the_device_as_on_the_cpu(lo
     _states_close({k: v for k, v in state.items() if v.is_floating_point()},
                   {k: v for k, v in cpu_state.items() if v.is_floating_point()}, 1e-3, 1e-5)  # fmt: skip
     _states_close(fisher, cpu_fisher, 1e-3, 1e-9)
+
+
+@pytest.mark.parametrize("method", sorted(name for name, spec in METHODS.items() if spec.scope == "tensor"))
+def test_every_streamed_merge_on_the_device_matches_the_cpu(method, tmp_path, monkeypatch):
+    """``merge_files(device=...)``: blocks read on the host, merged on the device, with several blocks per
+    tensor (and masks drawn from whole task vectors) as a GPT-2 checkpoint has at ``DEVICE_BLOCK``."""
+    from safetensors.torch import load_file, save_file
+
+    from mergeflow.merge import streaming
+
+    monkeypatch.setattr(streaming, "DEVICE_BLOCK", 1000)
+    generator = torch.Generator().manual_seed(0)
+
+    def write(name: str, positive: bool = False) -> Path:
+        shapes = {"layer.weight": (64, 48), "layer.bias": (64,), "head.weight": (5, 64)}
+        state = {k: torch.rand(s, generator=generator) if positive else torch.randn(s, generator=generator)
+                 for k, s in shapes.items()}  # fmt: skip
+        save_file(state | ({} if positive else {"steps": torch.tensor([3])}), str(tmp_path / name))
+        return tmp_path / name
+
+    count = 2 if DECLARED[method].model_count_problem(3) else 3  # slerp merges exactly two
+    inputs = {"paths": [write(f"model_{k}.safetensors") for k in range(count)], "weights": [1.0, 2.0, 4.0][:count]}
+    if "base" in METHODS[method].needs | METHODS[method].uses:
+        inputs["base"] = write("base.safetensors")
+    if "fishers" in METHODS[method].needs:
+        inputs["fishers"] = [write(f"fisher_{k}.safetensors", positive=True) for k in range(count)]
+    merged = {}
+    for device in ("cpu", DEVICE, DEVICE):
+        out = tmp_path / f"merged_{len(merged)}.safetensors"
+        streaming.merge_files(method, out=out, device=device, **inputs)
+        merged[len(merged)] = load_file(str(out))
+    cpu, on_device, again = merged[0], merged[1], merged[2]
+    assert all(torch.equal(on_device[k], again[k]) for k in cpu)  # the same seed, the same merge there
+    if method not in DEVICE_DRAWS:
+        for name in cpu:
+            _close(on_device[name], cpu[name], rtol=1e-5, atol=1e-6)
