@@ -414,7 +414,7 @@ class _Masks:
             return row[:n].view(shape)
 
         masks = everything[: count * n].view(count, n)
-        drawn = item.method.masks(TaskVectors(count, task), shape, item.key, self._options)
+        drawn = item.method.masks(TaskVectors(count, task, self._device), shape, item.key, self._options)
         for k, mask in enumerate(drawn):
             masks[k].copy_(mask.reshape(-1))
         self._current = masks

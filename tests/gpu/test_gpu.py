@@ -25,7 +25,7 @@ import pytest
 import torch
 from device_cases import DEVICE_DRAWS, merge_cases, merge_inputs, tiny_classifier, tiny_data
 
-from mergeflow.merge import METHODS, run_merge
+from mergeflow.merge import METHODS, merge, run_merge
 from mergeflow.schema.merge import DECLARED
 
 DEVICE = torch.device(os.environ.get("MERGEFLOW_TEST_DEVICE", "cuda"))
@@ -279,6 +279,18 @@ def test_every_streamed_merge_on_the_device_matches_the_cpu(method, tmp_path, mo
         merged[len(merged)] = load_file(str(out))
     cpu, on_device, again = merged[0], merged[1], merged[2]
     assert all(torch.equal(on_device[k], again[k]) for k in cpu)  # the same seed, the same merge there
+
+    def read(paths: list[Path]) -> list[dict[str, torch.Tensor]]:
+        return [load_file(str(path), device=str(DEVICE)) for path in paths]
+
+    in_memory = merge(  # the same draws and arithmetic as the whole tensors on the device, block by block
+        method,
+        read(inputs["paths"]),
+        base=read([inputs["base"]])[0] if "base" in inputs else None,
+        weights=inputs["weights"],
+        fishers=read(inputs["fishers"]) if "fishers" in inputs else None,
+    )
+    _states_close(in_memory, on_device, rtol=1e-6, atol=1e-7)
     if method not in DEVICE_DRAWS:
         for name in cpu:
             _close(on_device[name], cpu[name], rtol=1e-5, atol=1e-6)
