@@ -6,6 +6,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mergeflow.device import module_device, to_device
 from mergeflow.training import as_inputs
 
 CONV1D = "conv1d:"  # key prefix of a Gram whose layer stores its weight as (inputs, outputs)
@@ -46,12 +47,13 @@ def linear_input_grams(
 
         hooks.append(module.register_forward_hook(accumulate))
     inputs = as_inputs(X, dtype=next(model.parameters()).dtype)
+    device = module_device(model)  # the rows go there a batch at a time
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             for start in range(0, len(inputs), batch_size):
-                model(inputs[start : start + batch_size])
+                model(to_device(inputs[start : start + batch_size], device))
     finally:
         model.train(was_training)
         for hook in hooks:

@@ -95,6 +95,14 @@ def test_fisher_paths_make_their_tensors_on_the_models_device(kind, backend):
     assert {t.device.type for t in [*diagonal.values(), factors, sketch, *grams.values()]} == {"cpu"}
 
 
+def test_grams_move_host_rows_to_the_models_device():
+    """Rows given on the host go where the model is (a model on ``meta`` stands in for a GPU here)."""
+    model, (X, _) = tiny_classifier().to("meta"), tiny_data()
+    with strict_devices():
+        grams = linear_input_grams(model, X, batch_size=10)
+    assert grams and {t.device.type for t in grams.values()} == {"meta"}
+
+
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_a_federated_round_makes_its_tensors_on_the_models_device(algorithm):
     if algorithm == "bayes_admm":
