@@ -205,30 +205,11 @@ def test_every_stage_runs_on_the_device_and_scores_as_the_cpu(tmp_path):
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_transformer_trains_and_its_fisher_runs_on_the_device_as_on_the_cpu(lora):
     """A 1-layer BERT (no dropout), full or LoRA fine-tuning, then its diagonal Fisher: within 1e-3 of the CPU's."""
-    from transformers import BertConfig, BertForSequenceClassification
-
     from mergeflow.fisher import diagonal_fisher
     from mergeflow.models.lora import lora as with_lora
-    from mergeflow.models.token_model import TokenModel
     from mergeflow.training import train
 
-    config = BertConfig(
-        vocab_size=50,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=12,
-        num_labels=3,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    torch.manual_seed(0)
-    template = TokenModel(BertForSequenceClassification(config), pad_token_id=0)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1, 50, (32, 12))
-    ids[:, 9:] = 0
-    labels = rng.integers(0, 3, 32)
+    template, ids, labels = _tiny_bert()
     settings = {"r": 2, "alpha": 4.0, "dropout": 0.0, "target_modules": ["query", "value"]}
     results = []
     for device in ("cpu", DEVICE):
@@ -294,3 +275,53 @@ def test_every_streamed_merge_on_the_device_matches_the_cpu(method, tmp_path, mo
     if method not in DEVICE_DRAWS:
         for name in cpu:
             _close(on_device[name], cpu[name], rtol=1e-5, atol=1e-6)
+
+
+def _tiny_bert() -> tuple[torch.nn.Module, np.ndarray, np.ndarray]:
+    """A 1-layer BERT classifier without dropout (seeded), and 32 padded texts of token ids with labels."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from mergeflow.models.token_model import TokenModel
+
+    config = BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=12,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    template = TokenModel(BertForSequenceClassification(config), pad_token_id=0)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 50, (32, 12))
+    ids[:, 9:] = 0
+    return template, ids, rng.integers(0, 3, 32)
+
+
+@pytest.mark.parametrize("arch", ["mlp", "bert"])
+def test_the_same_seed_trains_the_same_weights_on_the_device_unless_torch_warns(arch):
+    """The README's reproducibility promise on a GPU: with ``use_deterministic`` (what every pipeline step
+    asks for), two trainings from the same seed give bit-identical weights, unless torch warned of an op
+    without a deterministic kernel. An MLP has none, so it must repeat exactly."""
+    import warnings
+
+    from mergeflow.device import use_deterministic
+    from mergeflow.training import train
+
+    use_deterministic(DEVICE)
+    template, X, y = (tiny_classifier(), *tiny_data(rows=64)) if arch == "mlp" else _tiny_bert()
+    states = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model = copy.deepcopy(template).to(DEVICE)
+            train(model, X, y, task="classification", epochs=2, lr=1e-3, optimizer="adam", batch_size=8, seed=3)
+            states.append(model.state_dict())
+    same = all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    warned = sorted({str(w.message)[:90] for w in caught if "determinis" in str(w.message)})
+    print(f"\n{arch} on {DEVICE}: {'bit-identical' if same else 'differs'}; torch warned: {warned or 'nothing'}")
+    assert same or (arch != "mlp" and warned)
