@@ -113,6 +113,55 @@ def minibatches(
         yield batches[i]
 
 
+@dataclass
+class _EpochLosses:
+    """An epoch's step losses, read on the host as late as the divergence check allows (one step)."""
+
+    epoch: int
+    result: TrainResult
+    total: float = 0.0
+    unread: list[tuple[int, int, Callable[[], float]]] = field(default_factory=list)  # (step, rows, read)
+
+    def add(self, step: int, rows: int, loss: torch.Tensor) -> None:
+        self.unread.append((step, rows, _read_later(loss)))
+
+    def settle(self, through: float) -> None:
+        """Read the losses of the steps up to ``through``: into the history, or a DivergenceError."""
+        while self.unread and self.unread[0][0] <= through:
+            step, rows, read = self.unread.pop(0)
+            value = read()
+            if not math.isfinite(value):
+                raise DivergenceError(f"non-finite training loss {value} at epoch {self.epoch}, step {step}")
+            self.result.losses.append(value)
+            self.total += value * rows
+
+
+def _on(batches: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """An epoch's index batches on ``device``: in one copy, not a blocking copy every step."""
+    if device.type == "cpu" or not batches:
+        return batches
+    return list(torch.cat(batches).to(device).split([len(b) for b in batches]))
+
+
+def _read_later(loss: torch.Tensor) -> Callable[[], float]:
+    """The loss's value, when called. A GPU's loss is copied to pinned memory without blocking, so that
+    reading it a step later costs no wait: reading it at once would idle the GPU while the host queues
+    the backward pass and the next step."""
+    if loss.device.type != "cuda":
+        value = loss.item()
+        return lambda: value
+    host = torch.empty((), dtype=loss.dtype, pin_memory=True)
+    host.copy_(loss.detach(), non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> float:
+        copied.synchronize()
+        return host.item()
+
+    return read
+
+
 def train(
     model: nn.Module,
     X: np.ndarray | torch.Tensor,
@@ -157,7 +206,8 @@ def train(
         The per-step and per-epoch loss history.
 
     Raises:
-        DivergenceError: as soon as a mini-batch loss is non-finite.
+        DivergenceError: once a mini-batch loss is non-finite, read one step later (on a GPU the host
+            queues the next step before it waits for a loss); the weights are then meaningless.
         ValueError: on an unknown task or optimizer.
     """
     inputs = as_inputs(X)
@@ -174,15 +224,12 @@ def train(
     bar = tqdm(range(epochs), desc=progress, leave=False, disable=None) if progress else None
     model.train()
     for epoch in bar if bar is not None else range(epochs):
-        total = 0.0
-        for step, idx in enumerate(minibatches(n, batch_size, gen, lengths)):
-            idx = idx.to(inputs.device)
+        losses = _EpochLosses(epoch, result)
+        for step, idx in enumerate(_on(list(minibatches(n, batch_size, gen, lengths)), inputs.device)):
             batch, batch_targets = to_device(inputs[idx], device), to_device(targets[idx], device)
             with autocast(device, precision):
                 loss = loss_fn(model(batch), batch_targets)
-            value = loss.item()
-            if not math.isfinite(value):
-                raise DivergenceError(f"non-finite training loss {value} at epoch {epoch}, step {step}")
+            losses.add(step, len(idx), loss)
             opt.zero_grad(set_to_none=True)
             if scaler is None:
                 loss.backward()
@@ -191,11 +238,11 @@ def train(
                 scaler.scale(loss).backward()
                 scaler.step(opt)
                 scaler.update()
-            result.losses.append(value)
-            total += value * len(idx)
-        result.epoch_losses.append(total / n)
+            losses.settle(step - 1)
+        losses.settle(math.inf)
+        result.epoch_losses.append(losses.total / n)
         if bar is not None:
-            bar.set_postfix(loss=f"{total / n:.4g}")
+            bar.set_postfix(loss=f"{losses.total / n:.4g}")
         if on_epoch is not None:
             on_epoch(epoch)
     return result

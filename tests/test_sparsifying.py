@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from mergeflow.errors import ConfigError
-from mergeflow.merge import merge
+from mergeflow.merge import merge, sparsify
 from mergeflow.merge.della import keep_probabilities, pruned
-from mergeflow.merge.sparsify import agreeing_sum, outlier_masks, top_mask
+from mergeflow.merge.registry import TaskVectors
+from mergeflow.merge.sparsify import agreeing_sum, magnitude_masks, outlier_masks, top_mask, top_masks
 from mergeflow.schema.merge import DellaOptions, validate_options
 
 
@@ -188,3 +189,42 @@ def test_radix_selection_makes_its_tensors_on_the_values_device(monkeypatch):
     expected = values.kthvalue(3000 - 100 + 1).values
     with torch.device("meta"):
         assert sparsify.kth_largest(values, 100) == expected
+
+
+def _ragged_magnitudes(rows: int, count: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(count)
+    values = torch.randn(rows, count, generator=generator, dtype=torch.float64).abs()
+    values[1, : count // 2] = 0.5  # a value repeated across half a row
+    values[2] = values[2].round(decimals=1)  # many equal values at any cut
+    values[3] = 0.0  # an all-zero task vector
+    return values
+
+
+@pytest.mark.parametrize("count", [100, 70_000, 300_000])
+@pytest.mark.parametrize("fraction", [0.0001, 0.2, 0.5, 0.999])
+def test_top_masks_of_all_rows_at_once_equal_each_rows_top_mask(count, fraction):
+    """The batched selection (what TIES and Breadcrumbs use on a GPU) picks exactly what row-by-row does:
+    small tensors through ``kthvalue``, large ones through the shared bracket, ties at the cut by index."""
+    values = _ragged_magnitudes(4, count)
+    keep = int(fraction * count)
+    together = top_masks(values.clone(), keep)
+    assert torch.equal(together, torch.stack([top_mask(row.clone(), keep) for row in values]))
+    assert together.sum(1).tolist() == [keep] * 4
+
+
+def test_rows_whose_bracket_misses_are_selected_alone(monkeypatch):
+    values = _ragged_magnitudes(4, 80_000)
+    expected = torch.stack([top_mask(row.clone(), 20_000) for row in values])
+    monkeypatch.setattr(sparsify, "_bracket_ranks", lambda size, count, k: (1, 2))  # brackets the top two only
+    assert torch.equal(top_masks(values.clone(), 20_000), expected)
+
+
+def test_masks_from_task_vectors_together_equal_those_drawn_one_at_a_time():
+    """``TaskVectors.together`` (K vectors in memory on an accelerator) takes the batched path: a ``meta``
+    device on the vectors forces it here on CPU data. TIES' and Breadcrumbs' masks are the same."""
+    generator = torch.Generator().manual_seed(1)
+    vectors = torch.randn(3, 300, 256, generator=generator, dtype=torch.float64)
+    one_at_a_time = TaskVectors(3, lambda k: vectors[k].clone())
+    together = TaskVectors(3, lambda k: vectors[k].clone(), "meta", together=vectors.clone)
+    for masks in (lambda t: magnitude_masks(t, 0.3), lambda t: outlier_masks(t, density=0.3, gamma=0.05)):
+        assert all(torch.equal(a, b) for a, b in zip(masks(together), masks(one_at_a_time), strict=True))

@@ -110,12 +110,21 @@ class TaskVectors(Sequence[torch.Tensor]):
     A streamed merge reads client k's tensor only then, into a reused buffer: a vector is valid
     until the next one is asked for, and the mask function may overwrite it. ``device`` is where
     they are, for a mask function that makes tensors without looking at them (DARE's draws).
+    ``together``, when the K vectors are in memory anyway, makes all of them as one new ``(K, ...)``
+    tensor, for a mask function that selects in all K rows at once.
     """
 
-    def __init__(self, count: int, task: Callable[[int], torch.Tensor], device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        count: int,
+        task: Callable[[int], torch.Tensor],
+        device: torch.device | str = "cpu",
+        together: Callable[[], torch.Tensor] | None = None,
+    ) -> None:
         self._count = count
         self._task = task
         self.device = torch.device(device)
+        self.together = together
 
     def __len__(self) -> int:
         return self._count
@@ -275,7 +284,12 @@ def merged_tensors(
         masks = None
         if method.masks is not None:
             assert base_tensor is not None  # methods with masks need base
-            tasks = TaskVectors(len(tensors), functools.partial(task_vector, tensors, base_tensor), base_tensor.device)
+            tasks = TaskVectors(
+                len(tensors),
+                functools.partial(task_vector, tensors, base_tensor),
+                base_tensor.device,
+                together=functools.partial(task_vectors, tensors, base_tensor),
+            )
             masks = torch.stack(list(method.masks(tasks, tuple(first.shape), key, options)))
         inputs = TensorInputs(
             name=key,
@@ -303,6 +317,11 @@ def gram_matrix(stack: torch.Tensor, base: torch.Tensor | None, kind: str) -> to
 def task_vector(tensors: Sequence[torch.Tensor], base: torch.Tensor, k: int) -> torch.Tensor:
     """θ_k − base, as a new tensor (for ``TaskVectors``)."""
     return tensors[k] - base
+
+
+def task_vectors(tensors: Sequence[torch.Tensor], base: torch.Tensor) -> torch.Tensor:
+    """θ_k − base for every k, as one new ``(K, ...)`` tensor (for ``TaskVectors.together``)."""
+    return torch.stack(list(tensors)) - base
 
 
 def tensor_method(spec: MergeMethod, floating: bool, has_fisher: bool) -> MergeMethod | None:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from mergeflow.merge.registry import TaskVectors
 from mergeflow.merge.sums import running_sum
 
 # From this many entries on, the cut is found by radix selection in blocks, not ``kthvalue``.
@@ -29,11 +30,12 @@ def magnitude_masks(tasks: Iterable[torch.Tensor], density: float) -> Iterator[t
 
     Equal magnitudes at the cut go to the lower index (``topk``, which PEFT and mergekit use, leaves
     that order unspecified). Each task vector is overwritten with its magnitudes; a boolean mask and,
-    for a large tensor, block-sized selection temporaries are all that is added.
+    for a large tensor, block-sized selection temporaries are all that is added. Task vectors in memory
+    together on a GPU (``TaskVectors.together``) are selected in all K rows at once (``top_masks``).
     """
-    for task in tasks:
-        magnitudes = task.reshape(-1).abs_()
-        yield top_mask(magnitudes, min(int(density * magnitudes.numel()), magnitudes.numel())).view(task.shape)
+    for magnitudes, shape in _magnitudes(tasks):
+        count = magnitudes.shape[-1]
+        yield from _rows(_top(magnitudes, min(int(density * count), count)), shape)
 
 
 def outlier_masks(tasks: Iterable[torch.Tensor], density: float, gamma: float) -> Iterator[torch.Tensor]:
@@ -43,15 +45,55 @@ def outlier_masks(tasks: Iterable[torch.Tensor], density: float, gamma: float) -
     Magnitudes ordered as in ``magnitude_masks`` (equal ones by index), so the kept entries are ranks
     ``[n_top, n_top + n_keep)`` of one order. The task vectors are overwritten with their magnitudes.
     """
-    for task in tasks:
-        magnitudes = task.reshape(-1).abs_()
-        count = magnitudes.numel()
+    for magnitudes, shape in _magnitudes(tasks):
+        count = magnitudes.shape[-1]
         top = min(int(gamma * count), count)
         kept = min(int(density * count), count - top)
-        mask = top_mask(magnitudes, top + kept)
+        mask = _top(magnitudes, top + kept)
         if top:
-            mask &= ~top_mask(magnitudes, top)
-        yield mask.view(task.shape)
+            mask &= ~_top(magnitudes, top)
+        yield from _rows(mask, shape)
+
+
+def _magnitudes(tasks: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, tuple[int, ...]]]:
+    """The task vectors' magnitudes, flat, with each vector's shape: all K as one ``(K, n)`` tensor when
+    they are in memory together on an accelerator, else one vector at a time (overwritten with its
+    magnitudes). The CPU selects row by row: there ``kthvalue`` is fast and the batch's sorts 3x slower."""
+    if isinstance(tasks, TaskVectors) and tasks.together is not None and tasks.device.type != "cpu":
+        together = tasks.together()
+        yield together.reshape(len(together), -1).abs_(), tuple(together.shape[1:])
+        return
+    for task in tasks:
+        yield task.reshape(-1).abs_(), tuple(task.shape)
+
+
+def _top(magnitudes: torch.Tensor, keep: int) -> torch.Tensor:
+    return top_masks(magnitudes, keep) if magnitudes.dim() == 2 else top_mask(magnitudes, keep)
+
+
+def _rows(mask: torch.Tensor, shape: tuple[int, ...]) -> Iterator[torch.Tensor]:
+    """Each task vector's mask in its own shape: the rows of a ``(K, n)`` mask, or a single flat one."""
+    yield from (row.view(shape) for row in (mask.unbind(0) if mask.dim() == 2 else [mask]))
+
+
+def top_masks(magnitudes: torch.Tensor, keep: int) -> torch.Tensor:
+    """:func:`top_mask` of every row of a ``(K, n)`` tensor at once: the same masks, from a few kernels
+    and host syncs for all K rows rather than K times as many (launches, not arithmetic, bound a GPU
+    on a model's many small tensors). Rows whose cut the bracket misses are selected alone."""
+    rows, count = magnitudes.shape
+    if keep <= 0 or keep >= count:
+        return torch.full(magnitudes.shape, keep > 0, dtype=torch.bool, device=magnitudes.device)
+    if count >= _SAMPLE_FROM:
+        cuts, found = _bracketed_cuts(magnitudes, keep)
+        for row in (r for r in range(rows) if not found[r]):
+            cuts[row] = kth_largest(magnitudes[row], keep)
+    else:
+        cuts = kth_smallest(magnitudes, count - keep + 1)
+    kept = magnitudes >= cuts[:, None]
+    for row, surplus in enumerate((kept.sum(1) - keep).tolist()):
+        if surplus > 0:  # the cut's value repeats across it: the equal entries at the highest indices go
+            kept[row, (magnitudes[row] == cuts[row]).nonzero().view(-1)[-surplus:]] = False
+    return kept
 
 
 def top_mask(magnitudes: torch.Tensor, keep: int) -> torch.Tensor:
@@ -115,12 +157,35 @@ def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def kth_smallest(values: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k``-th smallest of a 1-D tensor: ``kthvalue`` on the CPU, a sort on an accelerator, where
-    ``kthvalue`` selects a whole slice in one block of threads (8.3 ms against a sort's 0.3 ms for 1.5M
-    doubles on an H200, docs/benchmarks.md). The same value either way."""
+    """The ``k``-th smallest along the last dimension: ``kthvalue`` on the CPU, a sort on an accelerator,
+    where ``kthvalue`` selects a whole slice in one block of threads (8.3 ms against a sort's 0.3 ms for
+    1.5M doubles on an H200, docs/benchmarks.md). The same values either way."""
     if values.device.type == "cpu":
-        return values.kthvalue(k).values
-    return values.sort().values[k - 1]
+        return values.kthvalue(k, dim=-1).values
+    return values.sort(dim=-1).values[..., k - 1]
+
+
+def _bracketed_cuts(values: torch.Tensor, k: int) -> tuple[torch.Tensor, list[bool]]:
+    """:func:`_bracketed_cut` in every row of a ``(K, n)`` tensor at once: each row's ``k``-th largest,
+    and whether its bracket held it (a row whose bracket missed has a meaningless cut)."""
+    rows, count = values.shape
+    sample = values[:, :: max(1, count // _SAMPLE_SIZE)]
+    high_rank, low_rank = _bracket_ranks(sample.shape[1], count, k)
+    ordered = sample.sort(dim=1, descending=True).values
+    high, low = ordered[:, high_rank - 1, None], ordered[:, low_rank - 1, None]
+    between = values >= low
+    reaching = between.sum(1)  # entries at or above each row's bracket
+    if high_rank > 1:
+        between.logical_and_(values <= high)
+    sizes = between.sum(1)
+    inside = values[between]  # row by row, each row's entries in index order
+    above = reaching - sizes
+    row_of = torch.repeat_interleave(torch.arange(rows, device=values.device), sizes, output_size=inside.numel())
+    by_value = inside.argsort(stable=True)
+    ascending = inside[by_value[row_of[by_value].argsort(stable=True)]]  # each row's entries ascending
+    position = (sizes.cumsum(0) + above - k).clamp_(0, max(inside.numel() - 1, 0))  # start + size - (k - above)
+    found = ((above < k) & (k <= reaching)).tolist()
+    return (ascending[position] if inside.numel() else low.view(-1).clone()), found
 
 
 def _bracketed_cut(values: torch.Tensor, k: int) -> tuple[torch.Tensor, int] | None:
@@ -135,10 +200,7 @@ def _bracketed_cut(values: torch.Tensor, k: int) -> tuple[torch.Tensor, int] | N
     """
     count = values.numel()
     sample = values[:: max(1, count // _SAMPLE_SIZE)]
-    size = sample.numel()
-    expected = k * size / count  # k's rank from the top within the sample
-    margin = 4.0 * math.sqrt(expected * (1.0 - k / count)) + 4.0
-    high_rank, low_rank = max(1, int(expected - margin)), min(size, int(expected + margin) + 1)
+    high_rank, low_rank = _bracket_ranks(sample.numel(), count, k)
     ordered = sample.sort(descending=True).values
     high, low = ordered[high_rank - 1], ordered[low_rank - 1]
     between = values >= low
@@ -151,6 +213,14 @@ def _bracketed_cut(values: torch.Tensor, k: int) -> tuple[torch.Tensor, int] | N
         return None
     cut = kth_smallest(inside, inside.numel() - (k - above) + 1)
     return cut, above + int(torch.count_nonzero(inside >= cut))
+
+
+def _bracket_ranks(size: int, count: int, k: int) -> tuple[int, int]:
+    """The ranks from the top, within an evenly spaced sample of ``size`` of ``count`` values, of the two
+    sample values that bracket the ``k``-th largest: a few standard deviations either side of k's rank."""
+    expected = k * size / count  # k's rank from the top within the sample
+    margin = 4.0 * math.sqrt(expected * (1.0 - k / count)) + 4.0
+    return max(1, int(expected - margin)), min(size, int(expected + margin) + 1)
 
 
 def dropout_masks(

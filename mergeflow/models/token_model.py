@@ -92,5 +92,6 @@ def _fill_tied_aliases(module: nn.Module, state: dict[str, Any], prefix: str, *_
 
 def trim_padding(ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
     """Drop the trailing columns that are padding in every row (a batch runs at its own longest)."""
-    used = (ids != pad_token_id).any(0).nonzero()
-    return ids[:, : int(used.max()) + 1] if len(used) else ids[:, :1]
+    used = (ids != pad_token_id).any(0)
+    last = used.numel() - 1 - used.flip(0).to(torch.uint8).argmax()  # the last used column
+    return ids[:, : int(torch.where(used.any(), last + 1, 1))]  # one host sync: the shape depends on the data
