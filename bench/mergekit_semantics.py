@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch
+from gpt2_files import noisy_gpt2s  # bench/ is the script's folder
 
 _MERGEKIT = """
 import json, sys, torch
@@ -77,23 +77,8 @@ CASES = [
 
 def write_models(directory: Path, count: int) -> tuple[list[str], str]:
     """A tiny GPT-2 base and ``count`` noisy copies as HF directories (float32, one file each)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(
-        GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=512, n_positions=128, bos_token_id=0, eos_token_id=0)
-    )
-    model.save_pretrained(directory / "base")
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    paths = []
-    for k in range(count):
-        generator = torch.Generator().manual_seed(k + 1)
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                parameter.copy_(state[name] + 0.02 * torch.randn(parameter.shape, generator=generator))
-        model.save_pretrained(directory / f"model_{k}")
-        paths.append(str(directory / f"model_{k}"))
-    return paths, str(directory / "base")
+    config = {"n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 512, "n_positions": 128}
+    return noisy_gpt2s(directory, count, 0.02, save_base=True, **config), str(directory / "base")
 
 
 def compare(first: Path, second: Path) -> tuple[float, float, float]:

@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from gpt2_files import noisy_gpt2s  # bench/ is the script's folder
 
 from mergeflow.merge import merge
 from mergeflow.merge.streaming import merge_files
@@ -104,21 +105,7 @@ def compare_mergekit_functions(python: str, directory: Path) -> None:
 
 def tiny_gpt2(directory: Path, count: int) -> list[str]:
     """``count`` float32 GPT-2 checkpoints (2 layers, width 64): a random model plus independent noise each."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(config)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    paths = []
-    for k in range(count):
-        generator = torch.Generator().manual_seed(k + 1)
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                parameter.copy_(state[name] + 0.05 * torch.randn(parameter.shape, generator=generator))
-        model.save_pretrained(directory / f"model_{k}")
-        paths.append(str(directory / f"model_{k}"))
-    return paths
+    return noisy_gpt2s(directory, count, 0.05, vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4)
 
 
 def compare_mergekit_files(python: str, directory: Path) -> None:
