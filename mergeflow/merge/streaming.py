@@ -340,7 +340,10 @@ def _merged(
                 item_masks = masks.block(item) if item.method.masks is not None else None
                 x = _tensor_inputs(item, inputs, buffers, weights, norms, item_masks, grams.get(item.key))
                 result = item.method.fn(x, options)
-                target.view(dtype).copy_(result.reshape(-1).to(dtype))  # narrowed where it was computed
+                flat = result.reshape(-1)
+                if flat.device != target.device:  # narrowed on the device: half the bytes come back
+                    flat = flat.to(dtype)
+                target.view(dtype).copy_(flat)
             reader.release(buffers)
             yield item.key, memoryview(target.numpy())
 
