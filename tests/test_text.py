@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -186,6 +188,25 @@ def test_a_pretrained_directory_loads_its_weights_with_a_new_seeded_head(topics,
     assert state["model.classifier.weight"].shape == (7, 32) and loaded_spec["output_dim"] == 7
     assert torch.equal(state["model.classifier.weight"], again.state_dict()["model.classifier.weight"])
     assert load_tokenizer(tmp_path / "pretrained").get_vocab() == tokenizer.get_vocab()
+
+
+def test_a_pretrained_load_is_quiet_about_its_new_head_and_warns_of_a_missing_body_tensor(tmp_path, capfd):
+    """transformers' load report lists the new head as missing: by design, so not on the console. A body
+    tensor the checkpoint lacks is another matter: one warning names it."""
+    from safetensors.torch import load_file, save_file
+
+    model, spec = tiny_transformer("bert", num_labels=4)
+    save_pretrained(spec, model.state_dict(), tmp_path / "pretrained", None)
+    options = {"config": {}, "vocab_size": 0, "max_length": 0, "sep_token_id": None, "dropout": 0.0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_base(pretrained=str(tmp_path / "pretrained"), num_labels=7, pad_token_id=0, seed=1, **options)
+    assert "MISSING" not in capfd.readouterr().err
+    weights = tmp_path / "pretrained" / "model.safetensors"
+    state = load_file(str(weights))
+    save_file({k: v for k, v in state.items() if "pooler" not in k}, str(weights), metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"2 tensors of the pretrained body are not in the checkpoint .*pooler"):
+        build_base(pretrained=str(tmp_path / "pretrained"), num_labels=7, pad_token_id=0, seed=1, **options)
 
 
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(topics, tmp_path):

@@ -19,6 +19,7 @@ checkpoint rebuilds without the directory or hub name the base model came from.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,6 +63,19 @@ def seeded(seed: int) -> Iterator[None]:
     with _INIT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
         yield
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' own log at errors only, meanwhile (builds hold ``_INIT_LOCK``, one at a time)."""
+    from transformers.utils import logging
+
+    before = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(before)
 
 
 def _config_from_dict(values: dict[str, Any]):
@@ -128,13 +142,21 @@ def build_base(
     with seeded(seed):
         if pretrained:
             # A new head (another number of classes) replaces the checkpoint's; the body must load as it is.
-            model, report = model_class.from_pretrained(
-                pretrained, config=hf_config, ignore_mismatched_sizes=True, output_loading_info=True
-            )
+            with _quiet_transformers():  # its load report lists the new head as missing, which it is by design
+                model, report = model_class.from_pretrained(
+                    pretrained, config=hf_config, ignore_mismatched_sizes=True, output_loading_info=True
+                )
             prefix = f"{model.base_model_prefix}."
             body = [key for key, *_ in report["mismatched_keys"] if str(key).startswith(prefix)]
             if body:
                 raise ValueError(f"{pretrained}: the config overrides change the pretrained body ({body[0]}, …)")
+            missing = sorted(str(key) for key in report["missing_keys"] if str(key).startswith(prefix))
+            if missing:
+                warnings.warn(
+                    f"{pretrained}: {len(missing)} tensors of the pretrained body are not in the checkpoint and "
+                    f"start from the seeded init ({missing[0]}, …)",
+                    stacklevel=2,
+                )
         else:
             model = model_class.from_config(hf_config)
     spec = {
