@@ -46,7 +46,8 @@ class TokenModel(nn.Module):
             length = ids.shape[1]
             keep = keep & torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
         dtype = next(self.model.parameters()).dtype
-        if torch.is_autocast_enabled(ids.device.type):  # a mask in the attention's own dtype keeps SDPA's fused kernels
+        # Under autocast the mask takes the attention's dtype: SDPA keeps its fused kernels, eager its bf16 scores.
+        if torch.is_autocast_enabled(ids.device.type):
             dtype = torch.get_autocast_dtype(ids.device.type)
         mask = (1.0 - keep.to(dtype)) * torch.finfo(dtype).min
         extra = {}
