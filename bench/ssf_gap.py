@@ -91,7 +91,7 @@ def composite_optimum(
     inputs: ModelInputs, delta: float, masked: int, max_masks: int, mc_masks: int, seed: int = 0
 ) -> torch.Tensor:
     """θ_CL, the minimiser of SSF's objective averaged over masks of ``masked`` coordinates (window = D)."""
-    clients = [c.scaled() for c in client_precisions(inputs, by_size=True)]
+    clients = client_precisions(inputs, by_size=True)
     dim = len(clients[0].theta)
     if math.comb(dim, masked) <= max_masks:
         masks = torch.tensor(list(itertools.combinations(range(dim), masked)))
@@ -102,7 +102,7 @@ def composite_optimum(
     system = -(count - 1) * delta * masked / dim * torch.eye(dim, dtype=torch.float64)
     rhs = torch.zeros(dim, dtype=torch.float64)
     for c in clients:
-        u = c.factors.to(torch.float64)
+        u = c.factors.to(torch.float64) * c.factor_scale**0.5
         precision = u.T @ u + torch.diag(c.diagonal + delta)
         a = torch.zeros(dim, dim, dtype=torch.float64)
         for chunk in torch.split(masks, max(1, min(4096, 2**24 // dim**2))):

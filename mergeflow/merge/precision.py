@@ -81,11 +81,6 @@ class ClientPrecision:
         """diag(s(UᵀU + D)), in float64."""
         return self.factor_scale * _squared_column_sums(self.factors, self.scratch) + self.diagonal
 
-    def scaled(self) -> ClientPrecision:
-        """The same precision with the scale multiplied into (a float64 copy of) the factors."""
-        factors = self.factors.to(torch.float64) * self.factor_scale**0.5
-        return ClientPrecision(self.theta, factors, self.diagonal)
-
 
 def _squared_column_sums(factors: torch.Tensor, scratch: _Scratch | None = None) -> torch.Tensor:
     """diag(UᵀU) in float64, squaring a block of rows at a time in a reused float64 buffer."""

@@ -97,9 +97,16 @@ _MaskedSystem = _LowRankSystem | _DenseSystem
 _DENSE_MAX_BYTES = 512 << 20
 
 
+def _wide_factors(client: ClientPrecision, columns: torch.Tensor | None = None) -> torch.Tensor:
+    """√s · U (its ``columns`` only, when given) in float64: widened and scaled as it is used, never as a
+    float64 copy of all the factors (five clients of a 22.7M-parameter model: 14.5 GB)."""
+    factors = client.factors if columns is None else client.factors[:, columns]
+    return factors.to(torch.float64) * client.factor_scale**0.5
+
+
 def _dense_precision(client: ClientPrecision, delta: float) -> torch.Tensor:
-    """Λ_k = UᵀU + diag(D) + δI as a D × D float64 matrix."""
-    factors = client.factors.to(torch.float64)
+    """Λ_k = s·UᵀU + diag(D) + δI as a D × D float64 matrix."""
+    factors = _wide_factors(client)
     dense = factors.T @ factors
     dense.diagonal().add_(client.diagonal + delta)
     return dense
@@ -113,8 +120,8 @@ def _masked_system(
         lam_masked = dense[masked[:, :, None], masked[:, None, :]]
         return _DenseSystem(lam_masked, dense[masked[:, :, None], rest[:, None, :]], torch.linalg.cholesky(lam_masked))
     diagonal = client.diagonal[masked] + delta
-    u_masked = client.factors[:, masked].permute(1, 0, 2).to(diagonal.dtype)
-    u_rest = client.factors[:, rest].permute(1, 0, 2).to(diagonal.dtype)
+    u_masked = _wide_factors(client, masked).permute(1, 0, 2)
+    u_rest = _wide_factors(client, rest).permute(1, 0, 2)
     direct = u_masked.shape[1] >= masked.shape[1]
     if direct:
         matrix = u_masked.transpose(1, 2) @ u_masked
@@ -127,11 +134,11 @@ def _masked_system(
 
 
 def _compressed(client: ClientPrecision) -> ClientPrecision:
-    """The same precision with at most D factor rows: UᵀU = RᵀR for U's QR factor R."""
+    """The same precision with at most D factor rows: s·UᵀU = RᵀR for the QR factor R of √s·U."""
     rows, dim = client.factors.shape
     if rows <= dim:
         return client
-    r = torch.linalg.qr(client.factors.to(torch.float64), mode="r").R
+    r = torch.linalg.qr(_wide_factors(client), mode="r").R
     return ClientPrecision(client.theta, r, client.diagonal)
 
 
@@ -148,7 +155,7 @@ def ssf_iterates(x: ModelInputs, options: SSFOptions) -> Iterator[tuple[torch.Te
 
     The merge method keeps the last θ; experiments can watch θ converge step by step.
     """
-    clients = [_compressed(c.scaled()) for c in client_precisions(x, by_size=options.by_size)]
+    clients = [_compressed(c) for c in client_precisions(x, by_size=options.by_size)]
     delta = options.prior_precision
     theta0 = prior_mean(x, options.prior_mean)  # as in the exact merge
     generator = torch.Generator().manual_seed(options.seed)
