@@ -19,11 +19,13 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mergeflow.errors import MergeflowError
 from mergeflow.files import atomic_path
 from mergeflow.import_graph import import_closure
 from tasks.store import STATE_DIR, ArtifactStore, hash_paths
@@ -32,6 +34,9 @@ StepFunction = Callable[[dict[str, Any], Path, Path], dict[str, Any]]
 
 # Bump to invalidate every cached step (e.g. after a change to the manifest format).
 CACHE_VERSION = "1"
+# When this process started keying steps (the CLI imports this module before any step runs): a code
+# file changed after it may not be the code this process runs.
+_STARTED_NS = time.time_ns()
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,21 @@ def project_root_of_code() -> Path:
 
 
 CodeHashes = dict[tuple[str, ...], dict[str, str]]
+_OWN_CODE = project_root_of_code()  # the tree this process imports its steps from
+
+
+def _refuse_code_changed_since_start(code_root: Path, paths: tuple[str, ...]) -> None:
+    """Raise if a file of a step's code changed after this process started. The process runs the
+    modules it imported before, so a key hashing the file as it is now would record a result under
+    code that did not make it: a stale result for every later run."""
+    for rel in paths:
+        path = code_root / rel
+        if path.exists() and path.stat().st_mtime_ns > _STARTED_NS:
+            started = time.strftime("%H:%M:%S", time.localtime(_STARTED_NS / 1e9))
+            raise MergeflowError(
+                f"{rel} changed after this run started ({started}): its results would be keyed by code this "
+                "process is not running. Start the run again (the steps finished so far stay cached)."
+            )
 
 
 def step_key(step: Step, root: Path, code_hashes: CodeHashes | None = None) -> str:
@@ -85,7 +105,10 @@ def step_key(step: Step, root: Path, code_hashes: CodeHashes | None = None) -> s
     """
     code = None if code_hashes is None else code_hashes.get(step.code)
     if code is None:
-        code = hash_paths(project_root_of_code(), step.code)
+        code_root = project_root_of_code()
+        if code_root == _OWN_CODE:
+            _refuse_code_changed_since_start(code_root, step.code)
+        code = hash_paths(code_root, step.code)
         if code_hashes is not None:
             code_hashes[step.code] = code
     payload = {

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mergeflow.data import save_dataset
+from mergeflow.errors import MergeflowError
 from tasks.execution import run_steps
 from tasks.steps import Step
 from tasks.store import sha256_file
@@ -357,3 +358,16 @@ def test_records_are_mergeflows_own_json_and_a_foreign_record_is_a_miss(tmp_path
     assert read_record(tmp_path, step, "k2") is None  # another key: a miss
     path.write_text(json.dumps({"metadata": {}, "result": json.dumps(outcome)}))  # Prefect's old format
     assert read_record(tmp_path, step, "k1") is None
+
+
+def test_a_step_is_not_keyed_by_code_that_changed_after_the_run_started(tmp_path, monkeypatch):
+    """A process runs the modules it imported at its start; a key that hashed a file edited since would
+    file a result under code that did not make it. Keying stops instead, naming the file."""
+    import tasks.steps
+    from tasks.steps import step_key
+
+    step = Step("s", "tasks.store:hash_paths", {"name": "s"})
+    step_key(step, tmp_path)  # every code file older than the process: keyed as usual
+    monkeypatch.setattr(tasks.steps, "_STARTED_NS", 0)  # as if each of them had changed since
+    with pytest.raises(MergeflowError, match=r"^\S+\.py changed after this run started .* Start the run again"):
+        step_key(step, tmp_path)
