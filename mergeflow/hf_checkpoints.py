@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 from huggingface_hub.serialization import split_state_dict_into_shards_factory
 
@@ -65,6 +66,10 @@ class Checkpoint(Mapping[str, torch.Tensor]):
     def read_into(self, key: str, buffer: memoryview, offset: int = 0) -> None:
         """Fill ``buffer`` with tensor ``key``'s bytes from ``offset`` on."""
         self._where[key].read_into(key, buffer, offset)
+
+    def every(self, key: str, step: int) -> np.ndarray:
+        """Every ``step``-th element of float32 or float64 tensor ``key`` (``SafetensorsFile.every``)."""
+        return self._where[key].every(key, step)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         entry = self.entry(key)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 import torch
 
 from mergeflow.errors import MergeflowError
@@ -82,6 +84,7 @@ class SafetensorsFile:
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self.entries = {key: self._entry(key, value, 8 + length, size) for key, value in header.items()}
         self._fd = os.open(path, os.O_RDONLY)
+        self._map: mmap.mmap | None = None
 
     def _entry(self, key: str, value: object, data_start: int, size: int) -> TensorEntry:
         try:
@@ -109,8 +112,22 @@ class SafetensorsFile:
                 raise MergeflowError(f"{self.path}: truncated safetensors file (tensor {key!r})")
             done += got
 
+    def every(self, key: str, step: int) -> np.ndarray:
+        """Every ``step``-th element of a tensor stored as float32 or float64, as a new array: read through a
+        memory map of the file, so only the pages that hold them are touched."""
+        entry = self.entries[key]
+        if self._map is None:
+            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+        dtype = np.dtype(str(entry.torch_dtype).removeprefix("torch."))
+        stored = np.frombuffer(self._map, dtype=dtype, count=entry.numel, offset=entry.start)
+        sample = stored[::step].copy()
+        del stored  # release the map's buffer, so that close() can unmap it
+        return sample
+
     def close(self) -> None:
         """Close the file."""
+        if self._map is not None:
+            self._map.close()
         os.close(self._fd)
 
 

@@ -105,6 +105,7 @@ def test_streaming_equals_the_in_memory_merge_on_sharded_checkpoints(gpt2_dirs, 
     dtype, models, base, fishers = gpt2_dirs
     monkeypatch.setattr(streaming, "BLOCK", 1024)  # several blocks per tensor, and a partial last one
     monkeypatch.setattr(streaming, "_MASK_READ_BLOCK", 1000)  # task vectors read for masks in several blocks too
+    monkeypatch.setattr(streaming, "_OPERAND_BLOCK", 1000)  # and the compiled masks' operands (fp32)
     spec = METHODS[method]
     count = 2 if method == "slerp" else 3
     files, memory = {}, {}

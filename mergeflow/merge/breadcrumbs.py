@@ -12,8 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from mergeflow.merge.registry import TaskVectors, TensorInputs, merge_method
-from mergeflow.merge.sparsify import agreeing_sum, outlier_masks
-from mergeflow.merge.sums import running_sum
+from mergeflow.merge.sparsify import masked_merge, outlier_masks
 from mergeflow.schema.merge import BreadcrumbsOptions
 
 
@@ -23,22 +22,13 @@ def _crumbs(
     return outlier_masks(tasks, options.density, options.gamma)
 
 
-def _masked(x: TensorInputs) -> torch.Tensor:
-    assert x.base is not None and x.masks is not None  # needs base (schema), masks=
-    return (x.stacked() - x.base).mul_(x.masks)
-
-
 @merge_method("breadcrumbs", masks=_crumbs)
 def breadcrumbs(x: TensorInputs, options: BreadcrumbsOptions) -> torch.Tensor:
     """Breadcrumbs: base + λ · Σ_k (or the mean, ``normalize``) of the task vectors without outliers and smallest."""
-    total = running_sum(_masked(x))
-    return x.base + (options.scaling / len(x.tensors) if options.normalize else options.scaling) * total
+    return masked_merge(x, options.scaling / len(x.tensors) if options.normalize else options.scaling, "sum")
 
 
 @merge_method("breadcrumbs_ties", masks=_crumbs)
 def breadcrumbs_ties(x: TensorInputs, options: BreadcrumbsOptions) -> torch.Tensor:
     """Breadcrumbs + TIES: base + λ · the sum (or mean, ``normalize``) of the sign-agreeing masked entries."""
-    total, count = agreeing_sum(_masked(x), overwrite=True)
-    if options.normalize:
-        total.div_(count.clamp_(min=1))
-    return x.base + options.scaling * total
+    return masked_merge(x, options.scaling, "agreeing_mean" if options.normalize else "agreeing_sum")

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from pydantic import BaseModel
 
@@ -104,6 +105,26 @@ class MergeResult:
     summary: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class TaskOperands:
+    """One client's tensor θ_k and the base, flat and as stored (float32 or float64, one dtype), for a
+    compiled mask function that takes their difference itself, a chunk at a time, never holding it.
+
+    ``every(step)``: every ``step``-th element of each; ``chunks()``: ``(start, θ_k part, base part)`` in
+    order, each part valid until the next.
+    """
+
+    count: int
+    every: Callable[[int], tuple[np.ndarray, np.ndarray]]
+    chunks: Callable[[], Iterator[tuple[int, np.ndarray, np.ndarray]]]
+
+    @classmethod
+    def whole(cls, x: torch.Tensor, base: torch.Tensor) -> TaskOperands:
+        """The operands of two tensors in memory (on the CPU), one chunk of everything."""
+        xs, bs = x.reshape(-1).numpy(), base.reshape(-1).numpy()
+        return cls(xs.shape[0], lambda step: (xs[::step].copy(), bs[::step].copy()), lambda: iter([(0, xs, bs)]))
+
+
 class TaskVectors(Sequence[torch.Tensor]):
     """The K task vectors θ_k − base of one tensor (float64), each computed when it is indexed.
 
@@ -111,7 +132,9 @@ class TaskVectors(Sequence[torch.Tensor]):
     until the next one is asked for, and the mask function may overwrite it. ``device`` is where
     they are, for a mask function that makes tensors without looking at them (DARE's draws).
     ``together``, when the K vectors are in memory anyway, makes all of them as one new ``(K, ...)``
-    tensor, for a mask function that selects in all K rows at once.
+    tensor, for a mask function that selects in all K rows at once. ``operands(k)``, where given, is
+    θ_k and the base as stored (``TaskOperands``), for a compiled mask function that takes the
+    difference itself (``sparsify.top_of_difference``).
     """
 
     def __init__(
@@ -120,11 +143,13 @@ class TaskVectors(Sequence[torch.Tensor]):
         task: Callable[[int], torch.Tensor],
         device: torch.device | str = "cpu",
         together: Callable[[], torch.Tensor] | None = None,
+        operands: Callable[[int], TaskOperands] | None = None,
     ) -> None:
         self._count = count
         self._task = task
         self.device = torch.device(device)
         self.together = together
+        self.operands = operands
 
     def __len__(self) -> int:
         return self._count
@@ -289,8 +314,9 @@ def merged_tensors(
                 functools.partial(task_vector, tensors, base_tensor),
                 base_tensor.device,
                 together=functools.partial(task_vectors, tensors, base_tensor),
+                operands=functools.partial(task_operands, tensors, base_tensor),
             )
-            masks = torch.stack(list(method.masks(tasks, tuple(first.shape), key, options)))
+            masks = torch.stack([m.view(first.shape) for m in method.masks(tasks, tuple(first.shape), key, options)])
         inputs = TensorInputs(
             name=key,
             tensors=tensors,
@@ -317,6 +343,11 @@ def gram_matrix(stack: torch.Tensor, base: torch.Tensor | None, kind: str) -> to
 def task_vector(tensors: Sequence[torch.Tensor], base: torch.Tensor, k: int) -> torch.Tensor:
     """θ_k − base, as a new tensor (for ``TaskVectors``)."""
     return tensors[k] - base
+
+
+def task_operands(tensors: Sequence[torch.Tensor], base: torch.Tensor, k: int) -> TaskOperands:
+    """θ_k and the base (for ``TaskVectors.operands``)."""
+    return TaskOperands.whole(tensors[k], base)
 
 
 def task_vectors(tensors: Sequence[torch.Tensor], base: torch.Tensor) -> torch.Tensor:

@@ -7,13 +7,15 @@ vectors (ties go to +), and the disjoint mean averages only the non-zero entries
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 
-from mergeflow.merge.registry import TaskVectors
+from mergeflow.merge.registry import TaskOperands, TaskVectors, TensorInputs
 from mergeflow.merge.sums import running_sum
 
 # From this many entries on, the cut is found by radix selection in blocks, not ``kthvalue``.
@@ -33,6 +35,11 @@ def magnitude_masks(tasks: Iterable[torch.Tensor], density: float) -> Iterator[t
     for a large tensor, block-sized selection temporaries are all that is added. Task vectors in memory
     together on a GPU (``TaskVectors.together``) are selected in all K rows at once (``top_masks``).
     """
+    if _compiled(tasks):
+        for k in range(len(tasks)):
+            operands = tasks.operands(k)
+            yield top_of_difference(operands, min(int(density * operands.count), operands.count))
+        return
     for magnitudes, shape in _magnitudes(tasks):
         count = magnitudes.shape[-1]
         yield from _rows(_top(magnitudes, min(int(density * count), count)), shape)
@@ -45,14 +52,77 @@ def outlier_masks(tasks: Iterable[torch.Tensor], density: float, gamma: float) -
     Magnitudes ordered as in ``magnitude_masks`` (equal ones by index), so the kept entries are ranks
     ``[n_top, n_top + n_keep)`` of one order. The task vectors are overwritten with their magnitudes.
     """
-    for magnitudes, shape in _magnitudes(tasks):
-        count = magnitudes.shape[-1]
+
+    def ranks(count: int) -> tuple[int, int]:
         top = min(int(gamma * count), count)
-        kept = min(int(density * count), count - top)
+        return top, min(int(density * count), count - top)
+
+    if _compiled(tasks):
+        for k in range(len(tasks)):
+            operands = tasks.operands(k)
+            top, kept = ranks(operands.count)
+            mask = top_of_difference(operands, top + kept)
+            if top:
+                mask &= ~top_of_difference(operands, top)
+            yield mask
+        return
+    for magnitudes, shape in _magnitudes(tasks):
+        top, kept = ranks(magnitudes.shape[-1])
         mask = _top(magnitudes, top + kept)
         if top:
             mask &= ~_top(magnitudes, top)
         yield from _rows(mask, shape)
+
+
+def _compiled(tasks: Iterable[torch.Tensor]) -> bool:
+    """Whether the masks are selected by the compiled CPU kernels, from each client's tensor and the base."""
+    return isinstance(tasks, TaskVectors) and tasks.operands is not None and tasks.device.type == "cpu"
+
+
+def top_of_difference(operands: TaskOperands, keep: int) -> torch.Tensor:
+    """:func:`top_mask` of |θ_k − base| (flat), computed in float64 by compiled kernels on the CPU from the
+    operands as stored, a chunk at a time: the cut is bracketed from an evenly spaced sample as in
+    :func:`_bracketed_cut`, then one pass marks the entries above the bracket and gathers those inside
+    it. The same mask, bit for bit; with NaNs, the eager code's."""
+    from mergeflow.merge import cpu_kernels
+
+    count = operands.count
+    if keep <= 0 or keep >= count:
+        return torch.full((count,), keep > 0, dtype=torch.bool, device="cpu")
+    step = max(1, count // _SAMPLE_SIZE)
+    sample = np.sort(cpu_kernels.magnitudes(*operands.every(step)))[::-1]
+    high_rank, low_rank = _bracket_ranks(len(sample), count, keep)
+    bracket = (
+        float(sample[low_rank - 1]),
+        float(sample[high_rank - 1]) if high_rank > 1 else math.inf,
+        min(count, 2 * (low_rank - high_rank + 1) * step + (1 << 12)),  # room for twice its expected share
+    )
+    mask = np.empty(count, dtype=np.bool_)
+    # the bracket, else (it missed) everything; NaNs, which neither can order, get the eager code
+    for low, high, room in (bracket, (0.0, math.inf, count)):
+        if _select(operands, keep, low, high, room, mask):
+            return torch.from_numpy(mask)
+    chunks = [cpu_kernels.magnitudes(x, b) for _, x, b in operands.chunks()]
+    return top_mask(torch.from_numpy(np.concatenate(chunks)), keep)
+
+
+def _select(operands: TaskOperands, keep: int, low: float, high: float, room: int, mask: np.ndarray) -> bool:
+    """Mark in ``mask`` the ``keep`` largest |θ_k − base| by gathering those in ``[low, high]`` (at most
+    ``room``); False when that cannot find them (the bracket misses the cut, overflows, or NaNs)."""
+    from mergeflow.merge import cpu_kernels
+
+    gathered = (np.empty(room), np.empty(room, dtype=np.int64))
+    above = inside = 0
+    for start, x, b in operands.chunks():
+        part = mask[start : start + x.shape[0]]
+        over, between, unordered = cpu_kernels.split(x, b, low, high, part, gathered, min(inside, room), start)
+        if unordered:
+            return False
+        above, inside = above + over, inside + between
+    if inside > room or not above < keep <= above + inside:
+        return False
+    cpu_kernels.finish(mask, gathered[0][:inside], gathered[1][:inside], keep - above)
+    return True
 
 
 def _magnitudes(tasks: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, tuple[int, ...]]]:
@@ -243,9 +313,97 @@ def bernoulli_draws(shape: tuple[int, ...], keep: float | torch.Tensor, generato
 
     A float64 uniform below ``keep``: on the CPU the same draws, bit for bit, and the same generator state
     after, as ``torch.bernoulli`` of a float64 tensor of probabilities (both compare one 53-bit uniform
-    per entry with p), in half its time and without the tensor of probabilities.
+    per entry with p), in half its time and without the tensor of probabilities. The CPU draws them
+    from the generator's own MT19937 state with a compiled loop (``cpu_kernels.uniforms_below``), twice
+    as fast as ``torch.rand``: the same uniforms, and the generator is advanced past them.
     """
+    if generator.device.type == "cpu" and _compiled_draws_match():
+        return _compiled_draws(shape, keep, generator)
     return torch.rand(shape, dtype=torch.float64, device=generator.device, generator=generator) < keep
+
+
+# torch's CPU generator state: its MT19937 ``left`` (int32 at byte 8), ``next`` (uint64 at 16) and 624
+# words (each a uint64 from byte 24), in a 5,056-byte CPUGeneratorImplState.
+_STATE_BYTES, _LEFT, _NEXT, _WORDS = 5056, 8, 16, 24
+
+
+def _compiled_draws(shape: tuple[int, ...], keep: float | torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    from mergeflow.merge import cpu_kernels
+
+    raw = generator.get_state()
+    state = raw.numpy()
+    words = state[_WORDS : _WORDS + 624 * 8].view(np.uint64).astype(np.uint32)
+    left, following = state[_LEFT : _LEFT + 4].view(np.int32)[0], state[_NEXT : _NEXT + 8].view(np.uint64)[0]
+    position = np.array([left, following], dtype=np.int64)
+    each = keep.reshape(-1).numpy() if isinstance(keep, torch.Tensor) else np.empty(0)
+    out = np.empty(math.prod(shape), dtype=np.bool_)
+    cpu_kernels.uniforms_below(words, position, float(keep) if not len(each) else 0.0, each, out)
+    state[_WORDS : _WORDS + 624 * 8].view(np.uint64)[:] = words
+    state[_LEFT : _LEFT + 4].view(np.int32)[0] = position[0]
+    state[_NEXT : _NEXT + 8].view(np.uint64)[0] = position[1]
+    generator.set_state(raw)
+    return torch.from_numpy(out).view(shape)
+
+
+@functools.cache
+def _compiled_draws_match() -> bool:
+    """Whether the compiled draws equal ``torch.rand``'s here (this torch's generator layout and stream)."""
+    cpu = torch.device("cpu")
+    if torch.Generator(device=cpu).get_state().numel() != _STATE_BYTES:
+        return False
+    ours, theirs = torch.Generator(device=cpu).manual_seed(1), torch.Generator(device=cpu).manual_seed(1)
+    probabilities = torch.rand(1000, dtype=torch.float64, device=cpu, generator=torch.Generator(device=cpu))
+    for keep in (0.5, probabilities):
+        expected = torch.rand(1000, dtype=torch.float64, device=cpu, generator=theirs) < keep
+        if not torch.equal(_compiled_draws((1000,), keep, ours), expected):
+            return False
+    return torch.equal(ours.get_state(), theirs.get_state())
+
+
+_COMBINE = {"sum": 0, "agreeing_sum": 1, "agreeing_mean": 2}  # cpu_kernels.SUM, AGREEING_SUM, AGREEING_MEAN
+
+
+def masked_merge(x: TensorInputs, coefficient: float, combine: str, divisor: float | None = None) -> torch.Tensor:
+    """``base + coefficient · combine_k((θ_k − base) · mask_k / divisor)``: the merge step of TIES, DARE and
+    Breadcrumbs, elementwise over ``x``'s tensors (or block) with their ``masks``.
+
+    ``combine``: ``"sum"`` (in order k = 0..K−1), ``"agreeing_sum"`` (``agreeing_sum``'s total) or
+    ``"agreeing_mean"`` (TIES' disjoint mean). On the CPU one compiled loop
+    (``cpu_kernels.masked_merge``) does what the eager code (``masked_merge_eager``, every other device)
+    does in about fifteen passes, with the same bits.
+    """
+    assert x.base is not None and x.masks is not None  # methods with masks need base (schema), masks=
+    if x.base.device.type != "cpu":
+        return masked_merge_eager(x, coefficient, combine, divisor)
+    from mergeflow.merge import cpu_kernels
+
+    stack, base = x.stacked(), x.base
+    out = torch.empty(base.shape, dtype=torch.float64, device=base.device)
+    cpu_kernels.masked_merge(
+        stack.reshape(len(stack), -1).numpy(),
+        base.reshape(-1).numpy(),
+        x.masks.reshape(len(stack), -1).numpy(),
+        divisor or 0.0,
+        coefficient,
+        _COMBINE[combine],
+        out.view(-1).numpy(),
+    )
+    return out
+
+
+def masked_merge_eager(x: TensorInputs, coefficient: float, combine: str, divisor: float | None = None) -> torch.Tensor:
+    """:func:`masked_merge` in torch ops, on any device."""
+    assert x.base is not None and x.masks is not None
+    tasks = (x.stacked() - x.base).mul_(x.masks)
+    if divisor is not None:
+        tasks.div_(divisor)
+    if combine == "sum":
+        total = running_sum(tasks)
+    else:
+        total, count = agreeing_sum(tasks, overwrite=True)
+        if combine == "agreeing_mean":
+            total.div_(count.clamp_(min=1))
+    return x.base + coefficient * total
 
 
 def disjoint_mean(tasks: torch.Tensor, overwrite: bool = False) -> torch.Tensor:

@@ -37,6 +37,7 @@ from contextlib import ExitStack, closing, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from pydantic import BaseModel
 
@@ -55,6 +56,7 @@ from mergeflow.merge.reader import Reader
 from mergeflow.merge.registry import (
     METHODS,
     MergeMethod,
+    TaskOperands,
     TaskVectors,
     TensorInputs,
     fisher_norms,
@@ -364,14 +366,17 @@ def _intra_op_threads(count: int) -> Iterator[None]:
 
 
 _MASK_READ_BLOCK = 1 << 20  # elements of a task vector read (and less the base) at a time while drawing masks
+_OPERAND_BLOCK = 1 << 18  # elements of a client's tensor read at a time for a compiled mask function (in cache)
 
 
 class _Masks:
     """The per-client masks of a method with ``masks`` (TIES, DARE), drawn once per tensor before its blocks.
 
-    Each client's task vector is read whole only when the mask function asks for it (DARE's draws
-    need none), into one reused float64 row, less the base read once: a tensor's masks cost K
-    booleans per element and one task vector's float64 temporaries, never K float64 copies.
+    Each client's tensor is read whole only when the mask function asks for it (DARE's draws need
+    none). On the CPU, when the client's and the base's dtype is float32 or float64, it is read as it
+    is and the mask function takes the difference itself (``TaskVectors.operands``); otherwise it is
+    read into one reused float64 row, less the base read once. A tensor's masks cost K booleans per
+    element and one client's tensor, never K float64 copies.
     """
 
     def __init__(self, inputs: _Inputs, items: Sequence[_Item], options: BaseModel, device: torch.device) -> None:
@@ -380,47 +385,74 @@ class _Masks:
         self._device = device
         self._capacity = max((math.prod(i.total) for i in items if i.method is not None and i.method.masks), default=0)
         self._current: torch.Tensor | None = None
-        self._buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Staging] | None = None
+        self._buffers: dict[str, torch.Tensor | _Staging] = {}
 
-    def _allocate(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Staging]:
-        if self._buffers is None:
+    def _buffer(self, name: str) -> torch.Tensor | _Staging:
+        """A buffer made on first use: the K masks, the base and a client's tensor in their dtype (bytes),
+        a float64 task vector, and the staging of its reads."""
+        if name not in self._buffers:
             n, count, itemsize = self._capacity, len(self._inputs.models), self._inputs.itemsize()
-            row = torch.empty(n, dtype=torch.float64, device=self._device)
-            base = torch.empty(n * itemsize, dtype=torch.uint8, device=self._device)  # the base in its own dtype
+            on = {"device": self._device}
             # On the CPU a block-sized scratch keeps each block in cache while it is widened and less the base.
             chunk = max(min(n, _MASK_READ_BLOCK) if self._device.type == "cpu" else n, 1)
-            masks = torch.empty(count * n, dtype=torch.bool, device=self._device)
-            self._buffers = (masks, row, base, _Staging(chunk * itemsize, self._device))
-        return self._buffers
+            self._buffers[name] = {
+                "masks": lambda: torch.empty(count * n, dtype=torch.bool, **on),
+                "base": lambda: torch.empty(n * itemsize, dtype=torch.uint8, **on),
+                "model": lambda: torch.empty(max(min(n, _OPERAND_BLOCK), 1) * 8, dtype=torch.uint8),
+                "row": lambda: torch.empty(n, dtype=torch.float64, **on),
+                "staging": lambda: _Staging(chunk * itemsize, self._device),
+            }[name]()
+        return self._buffers[name]
 
     def draw(self, item: _Item) -> None:
         """Draw the masks of ``item``'s tensor (its first block)."""
         assert item.method is not None and item.method.masks is not None and self._inputs.base is not None
-        everything, row, base_bytes, staging = self._allocate()
-        shape, count = item.total, len(self._inputs.models)
+        shape, count, key = item.total, len(self._inputs.models), item.key
         n = math.prod(shape)
-        chunk = staging.host.numel() // self._inputs.itemsize()
-        base_dtype = self._inputs.base.entry(item.key).torch_dtype
-        base_row = base_bytes[: n * base_dtype.itemsize].view(base_dtype)
+        base_dtype = self._inputs.base.entry(key).torch_dtype
+        base_row = self._buffer("base")[: n * base_dtype.itemsize].view(base_dtype)
         base_read: list[bool] = []
 
-        def task(k: int) -> torch.Tensor:
-            if not base_read:  # read the base once, and only for a mask function that looks at the task vectors
-                for start in range(0, n, chunk):
-                    part = base_row[start : start + chunk]
-                    staging.read(self._inputs.base, item.key, start, part.numel(), part)
+        def base() -> torch.Tensor:  # read once, and only for a mask function that looks at the task vectors
+            if not base_read:
+                self._read(self._inputs.base, key, base_row)
                 base_read.append(True)
-            for start in range(0, n, chunk):
-                part = row[start : min(start + chunk, n)]
-                staging.read(self._inputs.models[k], item.key, start, part.numel(), part)
-                part.sub_(base_row[start : start + part.numel()])  # while the block is in cache
-            return row[:n].view(shape)
+            return base_row.view(shape)
 
-        masks = everything[: count * n].view(count, n)
-        drawn = item.method.masks(TaskVectors(count, task, self._device), shape, item.key, self._options)
-        for k, mask in enumerate(drawn):
+        def task(k: int) -> torch.Tensor:
+            row = self._buffer("row")[:n]
+            self._read(self._inputs.models[k], key, row, subtract=base().view(-1))
+            return row.view(shape)
+
+        def operands(k: int) -> TaskOperands:
+            model, stored = self._inputs.models[k], base().view(-1).numpy()
+            raw = self._buffer("model").view(base_dtype)
+
+            def chunks() -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+                for start in range(0, n, raw.numel()):
+                    part = raw[: min(raw.numel(), n - start)]
+                    model.read_into(key, memoryview(part.view(torch.uint8).numpy()), start * base_dtype.itemsize)
+                    yield start, part.numpy(), stored[start : start + part.numel()]
+
+            return TaskOperands(n, lambda step: (model.every(key, step), stored[::step].copy()), chunks)
+
+        dtypes = {base_dtype, *(model.entry(key).torch_dtype for model in self._inputs.models)}
+        raw = self._device.type == "cpu" and len(dtypes) == 1 and base_dtype in (torch.float32, torch.float64)
+        tasks = TaskVectors(count, task, self._device, operands=operands if raw else None)
+        masks = self._buffer("masks")[: count * n].view(count, n)
+        for k, mask in enumerate(item.method.masks(tasks, shape, key, self._options)):
             masks[k].copy_(mask.reshape(-1))
         self._current = masks
+
+    def _read(self, checkpoint: Checkpoint, key: str, out: torch.Tensor, subtract: torch.Tensor | None = None) -> None:
+        """``key``'s elements into ``out`` (any dtype) block by block, less ``subtract`` while a block is in cache."""
+        staging = self._buffer("staging")
+        chunk = staging.host.numel() // self._inputs.itemsize()
+        for start in range(0, out.numel(), chunk):
+            part = out[start : start + chunk]
+            staging.read(checkpoint, key, start, part.numel(), part)
+            if subtract is not None:
+                part.sub_(subtract[start : start + part.numel()])
 
     def block(self, item: _Item) -> torch.Tensor:
         """The masks of ``item``'s block, ``(K, count)``."""

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import torch
 
 from mergeflow.merge.registry import TaskVectors, TensorInputs, merge_method
-from mergeflow.merge.sparsify import disjoint_mean, magnitude_masks
+from mergeflow.merge.sparsify import magnitude_masks, masked_merge
 from mergeflow.schema.merge import TiesOptions
 
 
@@ -18,6 +18,4 @@ def _trimmed(tasks: TaskVectors, shape: tuple[int, ...], name: str, options: Tie
 @merge_method("ties", masks=_trimmed)
 def ties(x: TensorInputs, options: TiesOptions) -> torch.Tensor:
     """TIES: base + λ · disjoint mean of the trimmed, sign-elected task vectors."""
-    assert x.base is not None and x.masks is not None  # needs base (schema), masks=
-    tasks = (x.stacked() - x.base).mul_(x.masks)
-    return x.base + options.scaling * disjoint_mean(tasks, overwrite=True)
+    return masked_merge(x, options.scaling, "agreeing_mean")

@@ -1,0 +1,175 @@
+"""Compiled CPU kernels for the sparsifying merges: one pass where eager torch makes a dozen.
+
+TIES, DARE, Breadcrumbs and DELLA spend their time in short elementwise chains (less the base, mask,
+elect, sum, scale) and in selections and draws over whole task vectors. As eager torch ops each
+chain is a pass over memory per op; compiled with numba each is one loop over the elements. Every
+kernel does the same IEEE float64 operations in the same order as the torch code it stands in for
+(``mergeflow.merge.sparsify``, ``mergeflow.merge.della``), so the results are the same bit for bit;
+the tests hold each against that code. numba compiles without fast-math, so no operation is fused
+or reordered. Kernels are compiled on first use and cached beside this file.
+
+Only the CPU uses these; an accelerator runs the torch code.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_jit = numba.njit(cache=True, nogil=True, error_model="numpy")
+
+SUM, AGREEING_SUM, AGREEING_MEAN = 0, 1, 2  # how ``masked_merge`` combines the K masked task vectors
+
+
+@_jit
+def masked_merge(stack, base, masks, divisor, coefficient, combine, out):  # pragma: no cover - compiled
+    """``out = base + coefficient · combine_k((stack_k − base) · mask_k / divisor)`` for ``(K, n)`` float64
+    ``stack``, ``(n,)`` ``base`` and ``(K, n)`` boolean ``masks`` (``divisor`` 0: no division).
+
+    ``combine``: ``SUM`` (in order k = 0..K−1), ``AGREEING_SUM`` (the entries whose sign agrees with their
+    sum's, ties to +, as ``sparsify.agreeing_sum``) or ``AGREEING_MEAN`` (that sum over their number, at
+    least 1: TIES' disjoint mean).
+    """
+    count, n = stack.shape
+    tasks = np.empty(count)
+    divide = divisor != 0.0
+    for j in range(n):
+        b = base[j]
+        total = 0.0
+        for k in range(count):
+            task = (stack[k, j] - b) * (1.0 if masks[k, j] else 0.0)
+            if divide:
+                task = task / divisor
+            tasks[k] = task
+            total = task if k == 0 else total + task
+        if combine != SUM:
+            sign = -1.0 if total < 0 else 1.0
+            agreeing = 0
+            for k in range(count):
+                flipped = tasks[k] * sign
+                agreeing += flipped > 0
+                kept = flipped if flipped > 0 else 0.0
+                total = kept if k == 0 else total + kept
+            total = total * sign + 0.0
+            if combine == AGREEING_MEAN:
+                total = total / max(agreeing, 1)
+        out[j] = b + coefficient * total
+
+
+@_jit
+def _magnitudes(x, b):  # pragma: no cover - compiled
+    values = np.empty(x.shape[0])
+    for i in range(x.shape[0]):
+        values[i] = abs(np.float64(x[i]) - np.float64(b[i]))
+    return values
+
+
+@_jit
+def _split(x, b, high, low, mask, values, indices, offset):  # pragma: no cover - compiled
+    above = 0
+    inside = 0
+    unordered = 0
+    room = values.shape[0]
+    for i in range(x.shape[0]):
+        value = abs(np.float64(x[i]) - np.float64(b[i]))
+        over = value > high
+        mask[i] = over
+        above += over
+        unordered += value != value
+        if value >= low and not over:
+            if inside < room:
+                values[inside] = value
+                indices[inside] = offset + i
+            inside += 1
+    return above, inside, unordered
+
+
+@_jit
+def _finish(mask, values, indices, wanted):  # pragma: no cover - compiled
+    cut = np.partition(values.copy(), values.shape[0] - wanted)[values.shape[0] - wanted]
+    at_cut = wanted
+    for q in range(values.shape[0]):
+        at_cut -= values[q] > cut
+    for q in range(values.shape[0]):
+        if values[q] > cut:
+            mask[indices[q]] = True
+        elif values[q] == cut and at_cut > 0:
+            mask[indices[q]] = True
+            at_cut -= 1
+
+
+def magnitudes(x: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|x − b| in float64 (1-D, float32 or float64 alike)."""
+    return _magnitudes(x, b)
+
+
+def split(
+    x: np.ndarray, b: np.ndarray, low: float, high: float, mask: np.ndarray, gathered: tuple[np.ndarray, np.ndarray],
+    at: int, offset: int,
+) -> tuple[int, int, int]:  # fmt: skip
+    """One pass over |x − b| (computed in float64): ``mask`` marks the entries above ``high``, and those in
+    ``[low, high]`` are gathered (value, ``offset`` + index) into ``gathered`` from position ``at``, as many
+    as fit. Returns how many were above, how many in the bracket, and how many are NaN."""
+    values, indices = gathered
+    return _split(x, b, high, low, mask, values[at:], indices[at:], offset)
+
+
+def finish(mask: np.ndarray, values: np.ndarray, indices: np.ndarray, wanted: int) -> None:
+    """Mark in ``mask`` the ``wanted`` largest of the gathered ``values`` (at ``indices``), equal ones to the
+    lower index (the gathered entries are in index order)."""
+    _finish(mask, values, indices, wanted)
+
+
+@_jit
+def _twist(state, tempered):  # pragma: no cover - compiled
+    """MT19937's next 624 words in place (Matsumoto & Nishimura's generator, as torch's CPU engine), and
+    their tempered outputs into ``tempered``."""
+    upper, lower, matrix, one = np.uint32(0x80000000), np.uint32(0x7FFFFFFF), np.uint32(0x9908B0DF), np.uint32(1)
+    for i in range(227):
+        y = (state[i] & upper) | (state[i + 1] & lower)
+        state[i] = state[i + 397] ^ (y >> one) ^ (matrix * (state[i + 1] & one))
+    for i in range(227, 623):
+        y = (state[i] & upper) | (state[i + 1] & lower)
+        state[i] = state[i - 227] ^ (y >> one) ^ (matrix * (state[i + 1] & one))
+    y = (state[623] & upper) | (state[0] & lower)
+    state[623] = state[396] ^ (y >> one) ^ (matrix * (state[0] & one))
+    _temper_all(state, tempered)
+
+
+@_jit
+def _temper_all(state, tempered):  # pragma: no cover - compiled
+    for i in range(624):
+        y = state[i]
+        y ^= y >> np.uint32(11)
+        y ^= (y << np.uint32(7)) & np.uint32(0x9D2C5680)
+        y ^= (y << np.uint32(15)) & np.uint32(0xEFC60000)
+        tempered[i] = y ^ (y >> np.uint32(18))
+
+
+@_jit
+def uniforms_below(state, position, keep, keep_each, out):  # pragma: no cover - compiled
+    """``out[i] = u_i < keep`` (or ``< keep_each[i]`` when that has entries) for consecutive float64
+    uniforms u_i of an MT19937 stream: ``state`` its 624 words, ``position`` (left, next) as torch's CPU
+    engine keeps them, both advanced in place. Each uniform is torch's: the 53 low bits of two words
+    (the first the high half) times 2⁻⁵³."""
+    left, following = position[0], position[1]
+    tempered = np.empty(624, dtype=np.uint32)
+    _temper_all(state, tempered)
+    scale = 1.0 / 9007199254740992.0
+    each = keep_each.shape[0] > 0
+    for i in range(out.shape[0]):
+        left -= 1
+        if left == 0:
+            _twist(state, tempered)
+            left, following = 624, 0
+        high = np.uint64(tempered[following])
+        following += 1
+        left -= 1
+        if left == 0:
+            _twist(state, tempered)
+            left, following = 624, 0
+        low = np.uint64(tempered[following])
+        following += 1
+        uniform = np.float64(((high << np.uint64(32)) | low) & np.uint64(0x1FFFFFFFFFFFFF)) * scale
+        out[i] = uniform < (keep_each[i] if each else keep)
+    position[0], position[1] = left, following
