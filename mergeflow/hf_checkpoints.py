@@ -67,9 +67,9 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         """Fill ``buffer`` with tensor ``key``'s bytes from ``offset`` on."""
         self._where[key].read_into(key, buffer, offset)
 
-    def every(self, key: str, step: int) -> np.ndarray:
-        """Every ``step``-th element of float32 or float64 tensor ``key`` (``SafetensorsFile.every``)."""
-        return self._where[key].every(key, step)
+    def array(self, key: str) -> np.ndarray:
+        """Float32 or float64 tensor ``key``, read-only, over its file's memory map (``SafetensorsFile.array``)."""
+        return self._where[key].array(key)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         entry = self.entry(key)

@@ -112,22 +112,18 @@ class SafetensorsFile:
                 raise MergeflowError(f"{self.path}: truncated safetensors file (tensor {key!r})")
             done += got
 
-    def every(self, key: str, step: int) -> np.ndarray:
-        """Every ``step``-th element of a tensor stored as float32 or float64, as a new array: read through a
-        memory map of the file, so only the pages that hold them are touched."""
+    def array(self, key: str) -> np.ndarray:
+        """A float32 or float64 tensor's stored elements as a read-only array over a memory map of the file:
+        nothing is read until used, and then straight from the page cache, without a copy."""
         entry = self.entries[key]
         if self._map is None:
             self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
         dtype = np.dtype(str(entry.torch_dtype).removeprefix("torch."))
-        stored = np.frombuffer(self._map, dtype=dtype, count=entry.numel, offset=entry.start)
-        sample = stored[::step].copy()
-        del stored  # release the map's buffer, so that close() can unmap it
-        return sample
+        return np.frombuffer(self._map, dtype=dtype, count=entry.numel, offset=entry.start)
 
     def close(self) -> None:
         """Close the file."""
-        if self._map is not None:
-            self._map.close()
+        self._map = None  # unmapped once no array over it is left
         os.close(self._fd)
 
 

@@ -8,7 +8,7 @@ import torch
 
 from mergeflow.merge import sparsify
 from mergeflow.merge.registry import TaskOperands, TensorInputs
-from mergeflow.merge.sparsify import bernoulli_draws, masked_merge, masked_merge_eager, top_mask, top_of_difference
+from mergeflow.merge.sparsify import bernoulli_draws, masked_merge, masked_merge_eager, top_mask, top_of_differences
 
 
 def _tasks(count: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,36 +38,38 @@ def test_masked_merge_equals_the_eager_code(combine, divisor):
         assert torch.equal(compiled.view(torch.int64), eager.view(torch.int64))  # bits, signed zeros included
 
 
-def _chunked(x: torch.Tensor, b: torch.Tensor, size: int) -> TaskOperands:
-    xs, bs = x.numpy(), b.numpy()
-    chunks = lambda: ((s, xs[s : s + size], bs[s : s + size]) for s in range(0, len(xs), size))  # noqa: E731
-    return TaskOperands(len(xs), lambda step: (xs[::step].copy(), bs[::step].copy()), chunks)
+def _chunked(tensors: list[torch.Tensor], base: torch.Tensor, size: int) -> TaskOperands:
+    """The operands in chunks of ``size``, as a streamed merge reads them."""
+    xs, bs = [t.numpy() for t in tensors], base.numpy()
+    chunks = lambda ks: ((s, [xs[k][s : s + size] for k in ks], bs[s : s + size]) for s in range(0, len(bs), size))  # noqa: E731
+    return TaskOperands(len(xs), len(bs), lambda k, step: (xs[k][::step].copy(), bs[::step].copy()), chunks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_top_of_difference_equals_the_eager_selection(dtype):
+def test_top_of_differences_equals_the_eager_selection(dtype):
     generator = torch.Generator().manual_seed(2)
     n = 200_000
     b = torch.randn(n, generator=generator).to(dtype)
-    x = (b + torch.randint(-40, 41, (n,), generator=generator) * 0.125).to(dtype)  # many equal magnitudes
-    magnitudes = (x.double() - b.double()).abs_()
+    xs = [(b + torch.randint(-40, 41, (n,), generator=generator) * 0.125).to(dtype) for _ in range(3)]  # ties
     for keep in (0, 1, 7, 1000, n // 5, n // 2, n - 1, n):
-        expected = top_mask(magnitudes.clone(), keep)
-        for operands in (TaskOperands.whole(x, b), _chunked(x, b, 30_001)):
-            assert torch.equal(top_of_difference(operands, keep), expected), keep
+        expected = [top_mask((x.double() - b.double()).abs_(), keep) for x in xs]
+        for operands in (TaskOperands.whole(xs, b), _chunked(xs, b, 30_001)):
+            masks = torch.from_numpy(top_of_differences(operands, keep))
+            assert all(torch.equal(m, e) for m, e in zip(masks, expected, strict=True)), keep
 
 
-def test_top_of_difference_when_the_bracket_misses_and_with_nans(monkeypatch):
+def test_top_of_differences_when_a_bracket_misses_and_with_nans():
     """A sample that lies about the rest (every sampled entry large) misses the cut: everything is gathered.
-    NaNs, which the compiled comparisons cannot order, get the eager code's order."""
+    NaNs, which the compiled comparisons cannot order, get the eager code's order. Each client alone."""
     n = 100_000
     b = torch.zeros(n, dtype=torch.float64)
-    x = torch.rand(n, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    step = n // sparsify._SAMPLE_SIZE
-    x[::step] += 10.0
-    assert torch.equal(top_of_difference(TaskOperands.whole(x, b), 50_000), top_mask(x.clone(), 50_000))
-    x[[5, 17, 99_999]] = float("nan")
-    assert torch.equal(top_of_difference(TaskOperands.whole(x, b), 50_000), top_mask(x.abs(), 50_000))
+    generator = torch.Generator().manual_seed(3)
+    honest, lying, with_nans = (torch.rand(n, generator=generator, dtype=torch.float64) for _ in range(3))
+    lying[:: n // sparsify._SAMPLE_SIZE] += 10.0
+    with_nans[[5, 17, 99_999]] = float("nan")
+    masks = torch.from_numpy(top_of_differences(_chunked([honest, lying, with_nans], b, 40_000), 50_000))
+    for mask, x in zip(masks, (honest, lying, with_nans), strict=True):
+        assert torch.equal(mask, top_mask(x.abs(), 50_000))
 
 
 def test_compiled_draws_equal_torch_rand_and_leave_the_same_state():

@@ -107,22 +107,32 @@ class MergeResult:
 
 @dataclass(frozen=True)
 class TaskOperands:
-    """One client's tensor θ_k and the base, flat and as stored (float32 or float64, one dtype), for a
-    compiled mask function that takes their difference itself, a chunk at a time, never holding it.
+    """The K clients' tensors and the base, flat and as stored (float32 or float64, one dtype), for a
+    compiled mask function that takes the differences θ_k − base itself, a chunk at a time.
 
-    ``every(step)``: every ``step``-th element of each; ``chunks()``: ``(start, θ_k part, base part)`` in
-    order, each part valid until the next.
+    ``every(k, step)``: every ``step``-th element of θ_k and of the base. ``chunks(clients)``: ``(start,
+    [θ_k's part for each k in clients], the base's part)`` in order, each valid until the next: the
+    differences of a chunk are taken while the base's part is in cache. Disjoint sets of clients may
+    be iterated from different threads at once. ``out``: a ``(K, count)`` boolean array that the masks
+    may be written into (the streamed merge's own), or None.
     """
 
+    clients: int
     count: int
-    every: Callable[[int], tuple[np.ndarray, np.ndarray]]
-    chunks: Callable[[], Iterator[tuple[int, np.ndarray, np.ndarray]]]
+    every: Callable[[int, int], tuple[np.ndarray, np.ndarray]]
+    chunks: Callable[[Sequence[int]], Iterator[tuple[int, list[np.ndarray], np.ndarray]]]
+    out: np.ndarray | None = None
 
     @classmethod
-    def whole(cls, x: torch.Tensor, base: torch.Tensor) -> TaskOperands:
-        """The operands of two tensors in memory (on the CPU), one chunk of everything."""
-        xs, bs = x.reshape(-1).numpy(), base.reshape(-1).numpy()
-        return cls(xs.shape[0], lambda step: (xs[::step].copy(), bs[::step].copy()), lambda: iter([(0, xs, bs)]))
+    def whole(cls, tensors: Sequence[torch.Tensor], base: torch.Tensor) -> TaskOperands:
+        """The operands of tensors in memory (on the CPU): one chunk of everything."""
+        xs, bs = [t.reshape(-1).numpy() for t in tensors], base.reshape(-1).numpy()
+        return cls(
+            len(xs),
+            len(bs),
+            lambda k, step: (xs[k][::step].copy(), bs[::step].copy()),
+            lambda clients: iter([(0, [xs[k] for k in clients], bs)]),
+        )
 
 
 class TaskVectors(Sequence[torch.Tensor]):
@@ -132,9 +142,9 @@ class TaskVectors(Sequence[torch.Tensor]):
     until the next one is asked for, and the mask function may overwrite it. ``device`` is where
     they are, for a mask function that makes tensors without looking at them (DARE's draws).
     ``together``, when the K vectors are in memory anyway, makes all of them as one new ``(K, ...)``
-    tensor, for a mask function that selects in all K rows at once. ``operands(k)``, where given, is
-    θ_k and the base as stored (``TaskOperands``), for a compiled mask function that takes the
-    difference itself (``sparsify.top_of_difference``).
+    tensor, for a mask function that selects in all K rows at once. ``operands``, where given, are the
+    K tensors and the base as stored (``TaskOperands``), for a compiled mask function that takes the
+    differences itself (``sparsify.top_of_differences``).
     """
 
     def __init__(
@@ -143,7 +153,7 @@ class TaskVectors(Sequence[torch.Tensor]):
         task: Callable[[int], torch.Tensor],
         device: torch.device | str = "cpu",
         together: Callable[[], torch.Tensor] | None = None,
-        operands: Callable[[int], TaskOperands] | None = None,
+        operands: TaskOperands | None = None,
     ) -> None:
         self._count = count
         self._task = task
@@ -314,7 +324,7 @@ def merged_tensors(
                 functools.partial(task_vector, tensors, base_tensor),
                 base_tensor.device,
                 together=functools.partial(task_vectors, tensors, base_tensor),
-                operands=functools.partial(task_operands, tensors, base_tensor),
+                operands=TaskOperands.whole(tensors, base_tensor) if base_tensor.device.type == "cpu" else None,
             )
             masks = torch.stack([m.view(first.shape) for m in method.masks(tasks, tuple(first.shape), key, options)])
         inputs = TensorInputs(
@@ -343,11 +353,6 @@ def gram_matrix(stack: torch.Tensor, base: torch.Tensor | None, kind: str) -> to
 def task_vector(tensors: Sequence[torch.Tensor], base: torch.Tensor, k: int) -> torch.Tensor:
     """θ_k − base, as a new tensor (for ``TaskVectors``)."""
     return tensors[k] - base
-
-
-def task_operands(tensors: Sequence[torch.Tensor], base: torch.Tensor, k: int) -> TaskOperands:
-    """θ_k and the base (for ``TaskVectors.operands``)."""
-    return TaskOperands.whole(tensors[k], base)
 
 
 def task_vectors(tensors: Sequence[torch.Tensor], base: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import math
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -36,9 +37,8 @@ def magnitude_masks(tasks: Iterable[torch.Tensor], density: float) -> Iterator[t
     together on a GPU (``TaskVectors.together``) are selected in all K rows at once (``top_masks``).
     """
     if _compiled(tasks):
-        for k in range(len(tasks)):
-            operands = tasks.operands(k)
-            yield top_of_difference(operands, min(int(density * operands.count), operands.count))
+        count = tasks.operands.count
+        yield from torch.from_numpy(top_of_differences(tasks.operands, min(int(density * count), count))).unbind(0)
         return
     for magnitudes, shape in _magnitudes(tasks):
         count = magnitudes.shape[-1]
@@ -58,13 +58,11 @@ def outlier_masks(tasks: Iterable[torch.Tensor], density: float, gamma: float) -
         return top, min(int(density * count), count - top)
 
     if _compiled(tasks):
-        for k in range(len(tasks)):
-            operands = tasks.operands(k)
-            top, kept = ranks(operands.count)
-            mask = top_of_difference(operands, top + kept)
-            if top:
-                mask &= ~top_of_difference(operands, top)
-            yield mask
+        top, kept = ranks(tasks.operands.count)
+        masks = top_of_differences(tasks.operands, top + kept)
+        if top:
+            masks &= ~top_of_differences(tasks.operands, top, np.empty_like(masks))
+        yield from torch.from_numpy(masks).unbind(0)
         return
     for magnitudes, shape in _magnitudes(tasks):
         top, kept = ranks(magnitudes.shape[-1])
@@ -79,50 +77,73 @@ def _compiled(tasks: Iterable[torch.Tensor]) -> bool:
     return isinstance(tasks, TaskVectors) and tasks.operands is not None and tasks.device.type == "cpu"
 
 
-def top_of_difference(operands: TaskOperands, keep: int) -> torch.Tensor:
-    """:func:`top_mask` of |θ_k − base| (flat), computed in float64 by compiled kernels on the CPU from the
-    operands as stored, a chunk at a time: the cut is bracketed from an evenly spaced sample as in
-    :func:`_bracketed_cut`, then one pass marks the entries above the bracket and gathers those inside
-    it. The same mask, bit for bit; with NaNs, the eager code's."""
+def top_of_differences(operands: TaskOperands, keep: int, out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`top_mask` of each |θ_k − base| (flat), computed in float64 by compiled kernels on the CPU from
+    the operands as stored, a chunk at a time: each cut is bracketed from an evenly spaced sample as in
+    :func:`_bracketed_cut`, then one pass over the chunks marks the entries above each bracket and
+    gathers those inside it. The same masks, bit for bit; with NaNs, the eager code's. Written into
+    ``out``, else ``operands.out``, else a new ``(K, count)`` array."""
     from mergeflow.merge import cpu_kernels
 
-    count = operands.count
+    clients, count = operands.clients, operands.count
+    masks = out if out is not None else operands.out if operands.out is not None else np.empty((clients, count), bool)
     if keep <= 0 or keep >= count:
-        return torch.full((count,), keep > 0, dtype=torch.bool, device="cpu")
+        masks[:] = keep > 0
+        return masks
     step = max(1, count // _SAMPLE_SIZE)
-    sample = np.sort(cpu_kernels.magnitudes(*operands.every(step)))[::-1]
-    high_rank, low_rank = _bracket_ranks(len(sample), count, keep)
-    bracket = (
-        float(sample[low_rank - 1]),
-        float(sample[high_rank - 1]) if high_rank > 1 else math.inf,
-        min(count, 2 * (low_rank - high_rank + 1) * step + (1 << 12)),  # room for twice its expected share
-    )
-    mask = np.empty(count, dtype=np.bool_)
-    # the bracket, else (it missed) everything; NaNs, which neither can order, get the eager code
-    for low, high, room in (bracket, (0.0, math.inf, count)):
-        if _select(operands, keep, low, high, room, mask):
-            return torch.from_numpy(mask)
-    chunks = [cpu_kernels.magnitudes(x, b) for _, x, b in operands.chunks()]
-    return top_mask(torch.from_numpy(np.concatenate(chunks)), keep)
+    brackets = {}
+    for k in range(clients):
+        sample = np.sort(cpu_kernels.magnitudes(*operands.every(k, step)))[::-1]
+        high_rank, low_rank = _bracket_ranks(len(sample), count, keep)
+        high = float(sample[high_rank - 1]) if high_rank > 1 else math.inf
+        room = min(count, 2 * (low_rank - high_rank + 1) * step + (1 << 12))  # twice the bracket's expected share
+        brackets[k] = (float(sample[low_rank - 1]), high, room)
+    missed = _select(operands, keep, brackets, masks)
+    missed = _select(operands, keep, dict.fromkeys(missed, (0.0, math.inf, count)), masks)  # all entries
+    for k in missed:  # NaNs, which the compiled comparisons cannot order: the eager code's order
+        magnitudes = np.concatenate([cpu_kernels.magnitudes(xs[0], b) for _, xs, b in operands.chunks([k])])
+        masks[k] = top_mask(torch.from_numpy(magnitudes), keep).numpy()
+    return masks
 
 
-def _select(operands: TaskOperands, keep: int, low: float, high: float, room: int, mask: np.ndarray) -> bool:
-    """Mark in ``mask`` the ``keep`` largest |θ_k − base| by gathering those in ``[low, high]`` (at most
-    ``room``); False when that cannot find them (the bracket misses the cut, overflows, or NaNs)."""
+def _select(
+    operands: TaskOperands, keep: int, brackets: dict[int, tuple[float, float, int]], masks: np.ndarray
+) -> list[int]:
+    """Mark in ``masks[k]`` the ``keep`` largest |θ_k − base| by gathering those in client k's bracket
+    ``(low, high, room)``; the clients for which that cannot find them (the bracket misses the cut or
+    overflows, or NaNs). The clients are split between torch's intra-op threads, each its own pass."""
+    groups = [list(brackets)[g :: torch.get_num_threads()] for g in range(min(torch.get_num_threads(), len(brackets)))]
+    if len(groups) < 2:
+        return _select_group(operands, keep, brackets, masks, groups[0]) if groups else []
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="mergeflow-masks") as pool:
+        found = pool.map(lambda group: _select_group(operands, keep, brackets, masks, group), groups)
+        return sorted(k for missed in found for k in missed)
+
+
+def _select_group(
+    operands: TaskOperands,
+    keep: int,
+    brackets: dict[int, tuple[float, float, int]],
+    masks: np.ndarray,
+    group: list[int],
+) -> list[int]:
     from mergeflow.merge import cpu_kernels
 
-    gathered = (np.empty(room), np.empty(room, dtype=np.int64))
-    above = inside = 0
-    for start, x, b in operands.chunks():
-        part = mask[start : start + x.shape[0]]
-        over, between, unordered = cpu_kernels.split(x, b, low, high, part, gathered, min(inside, room), start)
-        if unordered:
-            return False
-        above, inside = above + over, inside + between
-    if inside > room or not above < keep <= above + inside:
-        return False
-    cpu_kernels.finish(mask, gathered[0][:inside], gathered[1][:inside], keep - above)
-    return True
+    gathered = {k: (np.empty(brackets[k][2]), np.empty(brackets[k][2], dtype=np.int64)) for k in group}
+    above, inside, unordered = dict.fromkeys(group, 0), dict.fromkeys(group, 0), dict.fromkeys(group, 0)
+    for start, xs, b in operands.chunks(group):
+        for k, x in zip(group, xs, strict=True):
+            low, high, room = brackets[k]
+            part = masks[k, start : start + b.shape[0]]
+            found = cpu_kernels.split(x, b, low, high, part, gathered[k], min(inside[k], room), start)
+            above[k], inside[k], unordered[k] = above[k] + found[0], inside[k] + found[1], unordered[k] + found[2]
+    missed = []
+    for k in group:
+        if unordered[k] or inside[k] > brackets[k][2] or not above[k] < keep <= above[k] + inside[k]:
+            missed.append(k)
+        else:
+            cpu_kernels.finish(masks[k], gathered[k][0][: inside[k]], gathered[k][1][: inside[k]], keep - above[k])
+    return missed
 
 
 def _magnitudes(tasks: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, tuple[int, ...]]]:

@@ -398,7 +398,6 @@ class _Masks:
             self._buffers[name] = {
                 "masks": lambda: torch.empty(count * n, dtype=torch.bool, **on),
                 "base": lambda: torch.empty(n * itemsize, dtype=torch.uint8, **on),
-                "model": lambda: torch.empty(max(min(n, _OPERAND_BLOCK), 1) * 8, dtype=torch.uint8),
                 "row": lambda: torch.empty(n, dtype=torch.float64, **on),
                 "staging": lambda: _Staging(chunk * itemsize, self._device),
             }[name]()
@@ -424,24 +423,24 @@ class _Masks:
             self._read(self._inputs.models[k], key, row, subtract=base().view(-1))
             return row.view(shape)
 
-        def operands(k: int) -> TaskOperands:
-            model, stored = self._inputs.models[k], base().view(-1).numpy()
-            raw = self._buffer("model").view(base_dtype)
+        def operands() -> TaskOperands:
+            stored, tensors = base().view(-1).numpy(), [model.array(key) for model in self._inputs.models]
 
-            def chunks() -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-                for start in range(0, n, raw.numel()):
-                    part = raw[: min(raw.numel(), n - start)]
-                    model.read_into(key, memoryview(part.view(torch.uint8).numpy()), start * base_dtype.itemsize)
-                    yield start, part.numpy(), stored[start : start + part.numel()]
+            def chunks(clients: Sequence[int]) -> Iterator[tuple[int, list[np.ndarray], np.ndarray]]:
+                for start in range(0, n, _OPERAND_BLOCK):
+                    end = start + _OPERAND_BLOCK
+                    yield start, [tensors[k][start:end] for k in clients], stored[start:end]
 
-            return TaskOperands(n, lambda step: (model.every(key, step), stored[::step].copy()), chunks)
+            every = lambda k, step: (tensors[k][::step].copy(), stored[::step].copy())  # noqa: E731
+            return TaskOperands(count, n, every, chunks, out=masks.numpy())
 
+        masks = self._buffer("masks")[: count * n].view(count, n)
         dtypes = {base_dtype, *(model.entry(key).torch_dtype for model in self._inputs.models)}
         raw = self._device.type == "cpu" and len(dtypes) == 1 and base_dtype in (torch.float32, torch.float64)
-        tasks = TaskVectors(count, task, self._device, operands=operands if raw else None)
-        masks = self._buffer("masks")[: count * n].view(count, n)
+        tasks = TaskVectors(count, task, self._device, operands=operands() if raw else None)
         for k, mask in enumerate(item.method.masks(tasks, shape, key, self._options)):
-            masks[k].copy_(mask.reshape(-1))
+            if mask.data_ptr() != masks[k].data_ptr():  # not written in place (``TaskOperands.out``)
+                masks[k].copy_(mask.reshape(-1))
         self._current = masks
 
     def _read(self, checkpoint: Checkpoint, key: str, out: torch.Tensor, subtract: torch.Tensor | None = None) -> None:
