@@ -25,7 +25,17 @@ import functools
 from collections.abc import Iterator
 from pathlib import Path
 
-RECORDED_PACKAGES = ("torch", "numpy", "transformers", "peft", "ivon-opt", "safetensors", "scikit-learn", "datasets")
+RECORDED_PACKAGES = (
+    "torch",
+    "numpy",
+    "numba",
+    "transformers",
+    "peft",
+    "ivon-opt",
+    "safetensors",
+    "scikit-learn",
+    "datasets",
+)
 
 
 @functools.cache

@@ -157,19 +157,29 @@ def uniforms_below(state, position, keep, keep_each, out):  # pragma: no cover -
     _temper_all(state, tempered)
     scale = 1.0 / 9007199254740992.0
     each = keep_each.shape[0] > 0
-    for i in range(out.shape[0]):
-        left -= 1
-        if left == 0:
-            _twist(state, tempered)
-            left, following = 624, 0
-        high = np.uint64(tempered[following])
-        following += 1
-        left -= 1
-        if left == 0:
-            _twist(state, tempered)
-            left, following = 624, 0
-        low = np.uint64(tempered[following])
-        following += 1
-        uniform = np.float64(((high << np.uint64(32)) | low) & np.uint64(0x1FFFFFFFFFFFFF)) * scale
-        out[i] = uniform < (keep_each[i] if each else keep)
+    done, total = 0, out.shape[0]
+    while done < total:
+        pairs = min((left - 1) // 2, total - done)  # uniforms whose two words come before the next twist
+        for q in range(pairs):
+            word = (np.uint64(tempered[following + 2 * q]) << np.uint64(32)) | np.uint64(
+                tempered[following + 2 * q + 1]
+            )
+            uniform = np.float64(word & np.uint64(0x1FFFFFFFFFFFFF)) * scale
+            out[done + q] = uniform < (keep_each[done + q] if each else keep)
+        done, left, following = done + pairs, left - 2 * pairs, following + 2 * pairs
+        if done < total:  # one uniform across a twist, word by word
+            left -= 1
+            if left == 0:
+                _twist(state, tempered)
+                left, following = 624, 0
+            high = np.uint64(tempered[following])
+            following += 1
+            left -= 1
+            if left == 0:
+                _twist(state, tempered)
+                left, following = 624, 0
+            word = (high << np.uint64(32)) | np.uint64(tempered[following])
+            following += 1
+            out[done] = np.float64(word & np.uint64(0x1FFFFFFFFFFFFF)) * scale < (keep_each[done] if each else keep)
+            done += 1
     position[0], position[1] = left, following
