@@ -12,7 +12,8 @@ from mergeflow.schema.merge import DareOptions
 
 
 def _drops(tasks: TaskVectors, shape: tuple[int, ...], name: str, options: DareOptions) -> Iterator[torch.Tensor]:
-    return dropout_masks(len(tasks), shape, options.drop_rate, tensor_generator(options.seed, name, tasks.device))
+    generator = tensor_generator(options.seed, name, tasks.device)
+    return dropout_masks(len(tasks), shape, options.drop_rate, generator, tasks.out)
 
 
 def _merged(x: TensorInputs, options: DareOptions, combine: str) -> torch.Tensor:

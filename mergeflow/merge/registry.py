@@ -113,15 +113,13 @@ class TaskOperands:
     ``every(k, step)``: every ``step``-th element of θ_k and of the base. ``chunks(clients)``: ``(start,
     [θ_k's part for each k in clients], the base's part)`` in order, each valid until the next: the
     differences of a chunk are taken while the base's part is in cache. Disjoint sets of clients may
-    be iterated from different threads at once. ``out``: a ``(K, count)`` boolean array that the masks
-    may be written into (the streamed merge's own), or None.
+    be iterated from different threads at once.
     """
 
     clients: int
     count: int
     every: Callable[[int, int], tuple[np.ndarray, np.ndarray]]
     chunks: Callable[[Sequence[int]], Iterator[tuple[int, list[np.ndarray], np.ndarray]]]
-    out: np.ndarray | None = None
 
     @classmethod
     def whole(cls, tensors: Sequence[torch.Tensor], base: torch.Tensor) -> TaskOperands:
@@ -144,7 +142,8 @@ class TaskVectors(Sequence[torch.Tensor]):
     ``together``, when the K vectors are in memory anyway, makes all of them as one new ``(K, ...)``
     tensor, for a mask function that selects in all K rows at once. ``operands``, where given, are the
     K tensors and the base as stored (``TaskOperands``), for a compiled mask function that takes the
-    differences itself (``sparsify.top_of_differences``).
+    differences itself (``sparsify.top_of_differences``). ``out``, where given, is a ``(K, n)`` boolean
+    tensor on ``device`` that a mask function may write its masks into (the streamed merge's own).
     """
 
     def __init__(
@@ -154,12 +153,14 @@ class TaskVectors(Sequence[torch.Tensor]):
         device: torch.device | str = "cpu",
         together: Callable[[], torch.Tensor] | None = None,
         operands: TaskOperands | None = None,
+        out: torch.Tensor | None = None,
     ) -> None:
         self._count = count
         self._task = task
         self.device = torch.device(device)
         self.together = together
         self.operands = operands
+        self.out = out
 
     def __len__(self) -> int:
         return self._count

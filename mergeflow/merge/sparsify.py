@@ -37,8 +37,8 @@ def magnitude_masks(tasks: Iterable[torch.Tensor], density: float) -> Iterator[t
     together on a GPU (``TaskVectors.together``) are selected in all K rows at once (``top_masks``).
     """
     if _compiled(tasks):
-        count = tasks.operands.count
-        yield from torch.from_numpy(top_of_differences(tasks.operands, min(int(density * count), count))).unbind(0)
+        count, out = tasks.operands.count, tasks.out.numpy() if tasks.out is not None else None
+        yield from torch.from_numpy(top_of_differences(tasks.operands, min(int(density * count), count), out)).unbind(0)
         return
     for magnitudes, shape in _magnitudes(tasks):
         count = magnitudes.shape[-1]
@@ -59,7 +59,7 @@ def outlier_masks(tasks: Iterable[torch.Tensor], density: float, gamma: float) -
 
     if _compiled(tasks):
         top, kept = ranks(tasks.operands.count)
-        masks = top_of_differences(tasks.operands, top + kept)
+        masks = top_of_differences(tasks.operands, top + kept, tasks.out.numpy() if tasks.out is not None else None)
         if top:
             masks &= ~top_of_differences(tasks.operands, top, np.empty_like(masks))
         yield from torch.from_numpy(masks).unbind(0)
@@ -82,11 +82,11 @@ def top_of_differences(operands: TaskOperands, keep: int, out: np.ndarray | None
     the operands as stored, a chunk at a time: each cut is bracketed from an evenly spaced sample as in
     :func:`_bracketed_cut`, then one pass over the chunks marks the entries above each bracket and
     gathers those inside it. The same masks, bit for bit; with NaNs, the eager code's. Written into
-    ``out``, else ``operands.out``, else a new ``(K, count)`` array."""
+    ``out`` (``(K, count)`` booleans), else a new array."""
     from mergeflow.merge import cpu_kernels
 
     clients, count = operands.clients, operands.count
-    masks = out if out is not None else operands.out if operands.out is not None else np.empty((clients, count), bool)
+    masks = out if out is not None else np.empty((clients, count), bool)
     if keep <= 0 or keep >= count:
         masks[:] = keep > 0
         return masks
@@ -315,20 +315,22 @@ def _bracket_ranks(size: int, count: int, k: int) -> tuple[int, int]:
 
 
 def dropout_masks(
-    count: int, shape: tuple[int, ...], drop_rate: float, generator: torch.Generator
+    count: int, shape: tuple[int, ...], drop_rate: float, generator: torch.Generator, out: torch.Tensor | None = None
 ) -> Iterator[torch.Tensor]:
     """DARE's drops: ``count`` masks that keep each entry with probability 1 − ``drop_rate``, drawn one task
     vector after another from ``generator`` (as PEFT's ``random_pruning`` with the same seed), on the
-    generator's device (``bernoulli_draws``)."""
-    device = generator.device
-    for _ in range(count):
+    generator's device (``bernoulli_draws``); into the rows of ``out`` (``(count, n)`` booleans) if given."""
+    for k in range(count):
+        mask = out[k].view(shape) if out is not None else torch.empty(shape, dtype=torch.bool, device=generator.device)
         if drop_rate == 0:
-            yield torch.ones(shape, dtype=torch.bool, device=device)
+            yield mask.fill_(True)
         else:
-            yield bernoulli_draws(shape, 1.0 - drop_rate, generator)
+            yield bernoulli_draws(shape, 1.0 - drop_rate, generator, out=mask)
 
 
-def bernoulli_draws(shape: tuple[int, ...], keep: float | torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def bernoulli_draws(
+    shape: tuple[int, ...], keep: float | torch.Tensor, generator: torch.Generator, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Booleans, each True with probability ``keep`` (a number, or a float64 tensor of ``shape``), on the
     generator's device.
 
@@ -336,11 +338,13 @@ def bernoulli_draws(shape: tuple[int, ...], keep: float | torch.Tensor, generato
     after, as ``torch.bernoulli`` of a float64 tensor of probabilities (both compare one 53-bit uniform
     per entry with p), in half its time and without the tensor of probabilities. The CPU draws them
     from the generator's own MT19937 state with a compiled loop (``cpu_kernels.uniforms_below``), twice
-    as fast as ``torch.rand``: the same uniforms, and the generator is advanced past them.
+    as fast as ``torch.rand``: the same uniforms, and the generator is advanced past them. ``out``: a
+    contiguous boolean tensor of ``shape`` to write them into.
     """
     if generator.device.type == "cpu" and _compiled_draws_match():
-        return _compiled_draws(shape, keep, generator)
-    return torch.rand(shape, dtype=torch.float64, device=generator.device, generator=generator) < keep
+        return _compiled_draws(shape, keep, generator, out)
+    drawn = torch.rand(shape, dtype=torch.float64, device=generator.device, generator=generator) < keep
+    return out.copy_(drawn) if out is not None else drawn
 
 
 # torch's CPU generator state: its MT19937 ``left`` (int32 at byte 8), ``next`` (uint64 at 16) and 624
@@ -348,7 +352,9 @@ def bernoulli_draws(shape: tuple[int, ...], keep: float | torch.Tensor, generato
 _STATE_BYTES, _LEFT, _NEXT, _WORDS = 5056, 8, 16, 24
 
 
-def _compiled_draws(shape: tuple[int, ...], keep: float | torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def _compiled_draws(
+    shape: tuple[int, ...], keep: float | torch.Tensor, generator: torch.Generator, out: torch.Tensor | None = None
+) -> torch.Tensor:
     from mergeflow.merge import cpu_kernels
 
     raw = generator.get_state()
@@ -357,13 +363,13 @@ def _compiled_draws(shape: tuple[int, ...], keep: float | torch.Tensor, generato
     left, following = state[_LEFT : _LEFT + 4].view(np.int32)[0], state[_NEXT : _NEXT + 8].view(np.uint64)[0]
     position = np.array([left, following], dtype=np.int64)
     each = keep.reshape(-1).numpy() if isinstance(keep, torch.Tensor) else np.empty(0)
-    out = np.empty(math.prod(shape), dtype=np.bool_)
-    cpu_kernels.uniforms_below(words, position, float(keep) if not len(each) else 0.0, each, out)
+    out = out if out is not None else torch.empty(shape, dtype=torch.bool, device=generator.device)
+    cpu_kernels.uniforms_below(words, position, float(keep) if not len(each) else 0.0, each, out.view(-1).numpy())
     state[_WORDS : _WORDS + 624 * 8].view(np.uint64)[:] = words
     state[_LEFT : _LEFT + 4].view(np.int32)[0] = position[0]
     state[_NEXT : _NEXT + 8].view(np.uint64)[0] = position[1]
     generator.set_state(raw)
-    return torch.from_numpy(out).view(shape)
+    return out
 
 
 @functools.cache

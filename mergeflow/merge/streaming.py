@@ -432,14 +432,14 @@ class _Masks:
                     yield start, [tensors[k][start:end] for k in clients], stored[start:end]
 
             every = lambda k, step: (tensors[k][::step].copy(), stored[::step].copy())  # noqa: E731
-            return TaskOperands(count, n, every, chunks, out=masks.numpy())
+            return TaskOperands(count, n, every, chunks)
 
         masks = self._buffer("masks")[: count * n].view(count, n)
         dtypes = {base_dtype, *(model.entry(key).torch_dtype for model in self._inputs.models)}
         raw = self._device.type == "cpu" and len(dtypes) == 1 and base_dtype in (torch.float32, torch.float64)
-        tasks = TaskVectors(count, task, self._device, operands=operands() if raw else None)
+        tasks = TaskVectors(count, task, self._device, operands=operands() if raw else None, out=masks)
         for k, mask in enumerate(item.method.masks(tasks, shape, key, self._options)):
-            if mask.data_ptr() != masks[k].data_ptr():  # not written in place (``TaskOperands.out``)
+            if mask.data_ptr() != masks[k].data_ptr():  # not written in place (``TaskVectors.out``)
                 masks[k].copy_(mask.reshape(-1))
         self._current = masks
 
