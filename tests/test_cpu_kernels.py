@@ -90,3 +90,20 @@ def test_compiled_draws_equal_torch_rand_and_leave_the_same_state():
     assert np.isclose(
         bernoulli_draws((100_000,), 0.3, torch.Generator().manual_seed(1)).double().mean(), 0.3, atol=0.01
     )
+
+
+def test_draws_split_between_threads_equal_one_run(monkeypatch):
+    """Each thread skips to its share of the stream; the booleans and the state after are one run's."""
+    monkeypatch.setattr(sparsify, "_DRAWS_PER_THREAD", 1000)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for first, shape in [(0, (3, 4001)), (623, (2, 5000)), (5, (624 * 7 + 1,))]:
+            ours, theirs = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+            torch.rand(first, dtype=torch.float64, generator=ours)
+            torch.rand(first, dtype=torch.float64, generator=theirs)
+            drawn = bernoulli_draws(shape, 0.25, ours)
+            assert torch.equal(drawn, torch.rand(shape, dtype=torch.float64, generator=theirs) < 0.25)
+            assert torch.equal(ours.get_state(), theirs.get_state())
+    finally:
+        torch.set_num_threads(threads)

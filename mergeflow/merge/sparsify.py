@@ -320,6 +320,9 @@ def dropout_masks(
     """DARE's drops: ``count`` masks that keep each entry with probability 1 − ``drop_rate``, drawn one task
     vector after another from ``generator`` (as PEFT's ``random_pruning`` with the same seed), on the
     generator's device (``bernoulli_draws``); into the rows of ``out`` (``(count, n)`` booleans) if given."""
+    if out is not None and drop_rate:  # all K at once: the same draws, one task vector after another
+        yield from bernoulli_draws((count, *shape), 1.0 - drop_rate, generator, out.view(count, *shape)).unbind(0)
+        return
     for k in range(count):
         mask = out[k].view(shape) if out is not None else torch.empty(shape, dtype=torch.bool, device=generator.device)
         if drop_rate == 0:
@@ -350,21 +353,38 @@ def bernoulli_draws(
 # torch's CPU generator state: its MT19937 ``left`` (int32 at byte 8), ``next`` (uint64 at 16) and 624
 # words (each a uint64 from byte 24), in a 5,056-byte CPUGeneratorImplState.
 _STATE_BYTES, _LEFT, _NEXT, _WORDS = 5056, 8, 16, 24
+_DRAWS_PER_THREAD = 1 << 20  # uniforms a thread draws, at least, when a run of draws is split
 
 
 def _compiled_draws(
     shape: tuple[int, ...], keep: float | torch.Tensor, generator: torch.Generator, out: torch.Tensor | None = None
 ) -> torch.Tensor:
+    """The draws of ``bernoulli_draws`` on the CPU, from the generator's own MT19937 state, which is then
+    advanced past them. A long run of draws is split between torch's intra-op threads: each skips to
+    its first uniform (``cpu_kernels.skip``, a seventh of the cost of making them) and draws its share."""
     from mergeflow.merge import cpu_kernels
 
     raw = generator.get_state()
     state = raw.numpy()
     words = state[_WORDS : _WORDS + 624 * 8].view(np.uint64).astype(np.uint32)
     left, following = state[_LEFT : _LEFT + 4].view(np.int32)[0], state[_NEXT : _NEXT + 8].view(np.uint64)[0]
-    position = np.array([left, following], dtype=np.int64)
-    each = keep.reshape(-1).numpy() if isinstance(keep, torch.Tensor) else np.empty(0)
     out = out if out is not None else torch.empty(shape, dtype=torch.bool, device=generator.device)
-    cpu_kernels.uniforms_below(words, position, float(keep) if not len(each) else 0.0, each, out.view(-1).numpy())
+    flat, each = out.view(-1).numpy(), keep.reshape(-1).numpy() if isinstance(keep, torch.Tensor) else np.empty(0)
+    parts = max(1, min(torch.get_num_threads(), len(flat) // _DRAWS_PER_THREAD))
+    bounds = [len(flat) * p // parts for p in range(parts + 1)]
+    streams = [(words.copy(), np.array([left, following], dtype=np.int64)) for _ in range(parts)]
+
+    def draw(p: int) -> None:
+        a, z = bounds[p], bounds[p + 1]
+        cpu_kernels.skip(*streams[p], 2 * a)  # two words a uniform
+        cpu_kernels.uniforms_below(*streams[p], float(keep) if not len(each) else 0.0, each[a:z], flat[a:z])
+
+    if parts == 1:
+        draw(0)
+    else:
+        with ThreadPoolExecutor(parts, thread_name_prefix="mergeflow-draws") as pool:
+            list(pool.map(draw, range(parts)))
+    words, position = streams[-1]
     state[_WORDS : _WORDS + 624 * 8].view(np.uint64)[:] = words
     state[_LEFT : _LEFT + 4].view(np.int32)[0] = position[0]
     state[_NEXT : _NEXT + 8].view(np.uint64)[0] = position[1]
