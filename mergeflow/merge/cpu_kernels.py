@@ -21,6 +21,9 @@ _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 SUM, AGREEING_SUM, AGREEING_MEAN = 0, 1, 2  # how ``masked_merge`` combines the K masked task vectors
 
 
+_TILE = 1024  # elements merged at a time: each client's pass over a tile vectorizes, and the tile stays in L1
+
+
 @_jit
 def masked_merge(stack, base, masks, divisor, coefficient, combine, out):  # pragma: no cover - compiled
     """``out = base + coefficient · combine_k((stack_k − base) · mask_k / divisor)`` for ``(K, n)`` float64
@@ -28,32 +31,41 @@ def masked_merge(stack, base, masks, divisor, coefficient, combine, out):  # pra
 
     ``combine``: ``SUM`` (in order k = 0..K−1), ``AGREEING_SUM`` (the entries whose sign agrees with their
     sum's, ties to +, as ``sparsify.agreeing_sum``) or ``AGREEING_MEAN`` (that sum over their number, at
-    least 1: TIES' disjoint mean).
+    least 1: TIES' disjoint mean). A tile at a time, client by client, so that each inner loop is
+    over elements and vectorizes; every element's sums still run k = 0..K−1.
     """
     count, n = stack.shape
-    tasks = np.empty(count)
-    divide = divisor != 0.0
-    for j in range(n):
-        b = base[j]
-        total = 0.0
+    total, sign, kept, agreeing = np.empty(_TILE), np.empty(_TILE), np.empty(_TILE), np.empty(_TILE)
+    for start in range(0, n, _TILE):
+        end = min(n, start + _TILE)
+        b = base[start:end]
         for k in range(count):
-            task = (stack[k, j] - b) * (1.0 if masks[k, j] else 0.0)
-            if divide:
-                task = task / divisor
-            tasks[k] = task
-            total = task if k == 0 else total + task
+            x, m = stack[k, start:end], masks[k, start:end]
+            for j in range(end - start):
+                task = _masked(x[j], b[j], m[j], divisor)
+                total[j] = task if k == 0 else total[j] + task
         if combine != SUM:
-            sign = -1.0 if total < 0 else 1.0
-            agreeing = 0
+            for j in range(end - start):
+                sign[j] = -1.0 if total[j] < 0 else 1.0
             for k in range(count):
-                flipped = tasks[k] * sign
-                agreeing += flipped > 0
-                kept = flipped if flipped > 0 else 0.0
-                total = kept if k == 0 else total + kept
-            total = total * sign + 0.0
-            if combine == AGREEING_MEAN:
-                total = total / max(agreeing, 1)
-        out[j] = b + coefficient * total
+                x, m = stack[k, start:end], masks[k, start:end]
+                for j in range(end - start):
+                    flipped = _masked(x[j], b[j], m[j], divisor) * sign[j]
+                    agrees = 1.0 if flipped > 0 else 0.0
+                    positive = 0.0 if flipped <= 0 else flipped  # as clamp(min=0): NaN stays NaN
+                    agreeing[j] = agrees if k == 0 else agreeing[j] + agrees
+                    kept[j] = positive if k == 0 else kept[j] + positive
+            for j in range(end - start):
+                merged = kept[j] * sign[j] + 0.0
+                total[j] = merged / max(agreeing[j], 1.0) if combine == AGREEING_MEAN else merged
+        for j in range(end - start):
+            out[start + j] = b[j] + coefficient * total[j]
+
+
+@numba.njit(inline="always", error_model="numpy")
+def _masked(x, b, keep, divisor):  # pragma: no cover - compiled
+    task = (x - b) * (1.0 if keep else 0.0)
+    return task / divisor if divisor != 0.0 else task
 
 
 @_jit
