@@ -110,3 +110,20 @@ def test_draws_split_between_threads_equal_one_run(monkeypatch):
             assert torch.equal(ours.get_state(), theirs.get_state())
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_windows_of_differences_equal_two_eager_selections(dtype):
+    """Breadcrumbs' window, ranks ``skip`` to ``skip + keep − 1``, in one pass with two brackets, equals
+    ``top(skip + keep) & ~top(skip)`` of the eager code, ties included; so do the edge cases and the
+    brackets that overlap (a narrow window), which take two passes."""
+    generator = torch.Generator().manual_seed(5)
+    n = 150_000
+    b = torch.randn(n, generator=generator).to(dtype)
+    xs = [(b + torch.randint(-60, 61, (n,), generator=generator) * 0.0625).to(dtype) for _ in range(3)]
+    magnitudes = [(x.double() - b.double()).abs_() for x in xs]
+    for skip, keep in [(1500, 30_000), (1, 1), (10, 0), (100, n), (n // 2, n - n // 2), (40_000, 20), (n - 1, 1)]:
+        expected = [top_mask(m.clone(), min(skip + keep, n)) & ~top_mask(m.clone(), skip) for m in magnitudes]
+        for operands in (TaskOperands.whole(xs, b), _chunked(xs, b, 20_011)):
+            masks = torch.from_numpy(top_of_differences(operands, keep, skip=skip))
+            assert all(torch.equal(m, e) for m, e in zip(masks, expected, strict=True)), (skip, keep)

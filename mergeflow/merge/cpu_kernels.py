@@ -77,36 +77,47 @@ def _magnitudes(x, b):  # pragma: no cover - compiled
 
 
 @_jit
-def _split(x, b, high, low, mask, values, indices, offset):  # pragma: no cover - compiled
-    above = 0
-    inside = 0
-    unordered = 0
-    room = values.shape[0]
+def _split(x, b, bracket, upper, mask, values, indices, upper_values, upper_indices, offset):  # pragma: no cover
+    lower_low, lower_high = bracket
+    above = top = inside = inside_top = unordered = 0
+    room, top_room = values.shape[0], upper_values.shape[0]
     for i in range(x.shape[0]):
         value = abs(np.float64(x[i]) - np.float64(b[i]))
-        over = value > high
+        unordered += value != value
+        if upper is not None and value >= upper[0]:  # numba compiles a ``None`` upper without this branch
+            above += 1
+            if value > upper[1]:  # among the top ``skip``
+                mask[i] = False
+                top += 1
+            else:  # in the upper bracket: in the window unless among the top ``skip``
+                mask[i] = True
+                if inside_top < top_room:
+                    upper_values[inside_top] = value
+                    upper_indices[inside_top] = offset + i
+                inside_top += 1
+            continue
+        over = value > lower_high
         mask[i] = over
         above += over
-        unordered += value != value
-        if value >= low and not over:
+        if value >= lower_low and not over:
             if inside < room:
                 values[inside] = value
                 indices[inside] = offset + i
             inside += 1
-    return above, inside, unordered
+    return above, inside, top, inside_top, unordered
 
 
 @_jit
-def _finish(mask, values, indices, wanted):  # pragma: no cover - compiled
+def _finish(mask, values, indices, wanted, mark):  # pragma: no cover - compiled
     cut = np.partition(values.copy(), values.shape[0] - wanted)[values.shape[0] - wanted]
     at_cut = wanted
     for q in range(values.shape[0]):
         at_cut -= values[q] > cut
     for q in range(values.shape[0]):
         if values[q] > cut:
-            mask[indices[q]] = True
+            mask[indices[q]] = mark
         elif values[q] == cut and at_cut > 0:
-            mask[indices[q]] = True
+            mask[indices[q]] = mark
             at_cut -= 1
 
 
@@ -116,20 +127,27 @@ def magnitudes(x: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def split(
-    x: np.ndarray, b: np.ndarray, low: float, high: float, mask: np.ndarray, gathered: tuple[np.ndarray, np.ndarray],
-    at: int, offset: int,
-) -> tuple[int, int, int]:  # fmt: skip
-    """One pass over |x − b| (computed in float64): ``mask`` marks the entries above ``high``, and those in
-    ``[low, high]`` are gathered (value, ``offset`` + index) into ``gathered`` from position ``at``, as many
-    as fit. Returns how many were above, how many in the bracket, and how many are NaN."""
-    values, indices = gathered
-    return _split(x, b, high, low, mask, values[at:], indices[at:], offset)
+    x: np.ndarray, b: np.ndarray, bracket: tuple[float, float], upper: tuple[float, float] | None, mask: np.ndarray,
+    gathered: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], at: tuple[int, int], offset: int,
+) -> tuple[int, int, int, int, int]:  # fmt: skip
+    """One pass over |x − b| (computed in float64) for a window of ranks: entries above the ``upper``
+    bracket (the top ones to skip) are marked False, those in it True and gathered; below it, entries
+    above ``bracket`` are marked True, those in it False and gathered. Gathered: (value, ``offset`` +
+    index) into ``gathered`` (the bracket's values and indices, then the upper bracket's) from the
+    positions ``at``, as many as fit. ``upper`` None: no top to skip. Returns how many were
+    above the bracket, in it, above the upper bracket, in it, and how many are NaN."""
+    values, indices, upper_values, upper_indices = gathered
+    at_lower, at_upper = at
+    return _split(
+        x, b, bracket, upper, mask, values[at_lower:], indices[at_lower:], upper_values[at_upper:],
+        upper_indices[at_upper:], offset,
+    )  # fmt: skip
 
 
-def finish(mask: np.ndarray, values: np.ndarray, indices: np.ndarray, wanted: int) -> None:
-    """Mark in ``mask`` the ``wanted`` largest of the gathered ``values`` (at ``indices``), equal ones to the
-    lower index (the gathered entries are in index order)."""
-    _finish(mask, values, indices, wanted)
+def finish(mask: np.ndarray, values: np.ndarray, indices: np.ndarray, wanted: int, mark: bool = True) -> None:
+    """Set to ``mark`` in ``mask`` the ``wanted`` largest of the gathered ``values`` (at ``indices``), equal
+    ones to the lower index (the gathered entries are in index order)."""
+    _finish(mask, values, indices, wanted, mark)
 
 
 @_jit

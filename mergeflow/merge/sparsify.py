@@ -59,10 +59,8 @@ def outlier_masks(tasks: Iterable[torch.Tensor], density: float, gamma: float) -
 
     if _compiled(tasks):
         top, kept = ranks(tasks.operands.count)
-        masks = top_of_differences(tasks.operands, top + kept, tasks.out.numpy() if tasks.out is not None else None)
-        if top:
-            masks &= ~top_of_differences(tasks.operands, top, np.empty_like(masks))
-        yield from torch.from_numpy(masks).unbind(0)
+        out = tasks.out.numpy() if tasks.out is not None else None
+        yield from torch.from_numpy(top_of_differences(tasks.operands, kept, out, skip=top)).unbind(0)
         return
     for magnitudes, shape in _magnitudes(tasks):
         top, kept = ranks(magnitudes.shape[-1])
@@ -77,72 +75,102 @@ def _compiled(tasks: Iterable[torch.Tensor]) -> bool:
     return isinstance(tasks, TaskVectors) and tasks.operands is not None and tasks.device.type == "cpu"
 
 
-def top_of_differences(operands: TaskOperands, keep: int, out: np.ndarray | None = None) -> np.ndarray:
+def top_of_differences(operands: TaskOperands, keep: int, out: np.ndarray | None = None, skip: int = 0) -> np.ndarray:
     """:func:`top_mask` of each |θ_k − base| (flat), computed in float64 by compiled kernels on the CPU from
-    the operands as stored, a chunk at a time: each cut is bracketed from an evenly spaced sample as in
-    :func:`_bracketed_cut`, then one pass over the chunks marks the entries above each bracket and
-    gathers those inside it. The same masks, bit for bit; with NaNs, the eager code's. Written into
-    ``out`` (``(K, count)`` booleans), else a new array."""
-    from mergeflow.merge import cpu_kernels
+    the operands as stored, a chunk at a time; with ``skip``, the entries ranked ``skip`` to
+    ``skip + keep − 1`` from the top (Breadcrumbs' window: ``top(skip + keep) & ~top(skip)``).
 
+    Each cut is bracketed from an evenly spaced sample as in :func:`_bracketed_cut`; one pass over the
+    chunks marks the entries between the brackets and gathers those inside them, and the cuts are
+    finished among the gathered ones. The same masks, bit for bit; with NaNs, the eager code's. Written
+    into ``out`` (``(K, count)`` booleans), else a new array."""
     clients, count = operands.clients, operands.count
     masks = out if out is not None else np.empty((clients, count), bool)
-    if keep <= 0 or keep >= count:
+    if keep <= 0 or (keep >= count and not skip):
         masks[:] = keep > 0
         return masks
-    step = max(1, count // _SAMPLE_SIZE)
-    brackets = {}
-    for k in range(clients):
-        sample = np.sort(cpu_kernels.magnitudes(*operands.every(k, step)))[::-1]
-        high_rank, low_rank = _bracket_ranks(len(sample), count, keep)
-        high = float(sample[high_rank - 1]) if high_rank > 1 else math.inf
-        room = min(count, 2 * (low_rank - high_rank + 1) * step + (1 << 12))  # twice the bracket's expected share
-        brackets[k] = (float(sample[low_rank - 1]), high, room)
-    missed = _select(operands, keep, brackets, masks)
-    missed = _select(operands, keep, dict.fromkeys(missed, (0.0, math.inf, count)), masks)  # all entries
+    if skip + keep >= count:  # a window that reaches the bottom: all but the top
+        masks[:] = True
+        masks &= ~top_of_differences(operands, skip)
+        return masks
+    if skip:
+        brackets = {k: (*_bracket(operands, k, skip + keep), *_bracket(operands, k, skip)) for k in range(clients)}
+        disjoint = all(upper_low > high for _, high, _, upper_low, _, _ in brackets.values())
+        if disjoint and not _select(operands, skip, keep, brackets, masks):
+            return masks
+        masks = top_of_differences(operands, skip + keep, masks)  # brackets that overlap or missed: two cuts
+        masks &= ~top_of_differences(operands, skip)
+        return masks
+    none = (math.nan, math.nan, 0)
+    missed = _select(operands, 0, keep, {k: (*_bracket(operands, k, keep), *none) for k in range(clients)}, masks)
+    missed = _select(operands, 0, keep, dict.fromkeys(missed, (0.0, math.inf, count, *none)), masks)  # everything
     for k in missed:  # NaNs, which the compiled comparisons cannot order: the eager code's order
+        from mergeflow.merge import cpu_kernels
+
         magnitudes = np.concatenate([cpu_kernels.magnitudes(xs[0], b) for _, xs, b in operands.chunks([k])])
         masks[k] = top_mask(torch.from_numpy(magnitudes), keep).numpy()
     return masks
 
 
-def _select(
-    operands: TaskOperands, keep: int, brackets: dict[int, tuple[float, float, int]], masks: np.ndarray
-) -> list[int]:
-    """Mark in ``masks[k]`` the ``keep`` largest |θ_k − base| by gathering those in client k's bracket
-    ``(low, high, room)``; the clients for which that cannot find them (the bracket misses the cut or
-    overflows, or NaNs). The clients are split between torch's intra-op threads, each its own pass."""
-    groups = [list(brackets)[g :: torch.get_num_threads()] for g in range(min(torch.get_num_threads(), len(brackets)))]
+def _bracket(operands: TaskOperands, k: int, keep: int) -> tuple[float, float, int]:
+    """Client k's bracket of its ``keep``-th largest |θ_k − base|, from an evenly spaced sample: its low
+    and high values and room for twice the entries expected inside."""
+    from mergeflow.merge import cpu_kernels
+
+    count = operands.count
+    step = max(1, count // _SAMPLE_SIZE)
+    sample = np.sort(cpu_kernels.magnitudes(*operands.every(k, step)))[::-1]
+    high_rank, low_rank = _bracket_ranks(len(sample), count, keep)
+    high = float(sample[high_rank - 1]) if high_rank > 1 else math.inf
+    return float(sample[low_rank - 1]), high, min(count, 2 * (low_rank - high_rank + 1) * step + (1 << 12))
+
+
+Brackets = dict[int, tuple[float, float, int, float, float, int]]
+
+
+def _select(operands: TaskOperands, skip: int, keep: int, brackets: Brackets, masks: np.ndarray) -> list[int]:
+    """Mark in ``masks[k]`` the entries ranked ``skip`` to ``skip + keep − 1`` of |θ_k − base| by gathering
+    those in client k's brackets ``(low, high, room)`` of the window's bottom and (``skip`` > 0) top;
+    the clients for which that cannot find them (a bracket misses its cut or overflows, or NaNs). The
+    clients are split between torch's intra-op threads, each its own pass."""
+    threads = min(torch.get_num_threads(), len(brackets))
+    groups = [list(brackets)[g::threads] for g in range(threads)]
     if len(groups) < 2:
-        return _select_group(operands, keep, brackets, masks, groups[0]) if groups else []
+        return _select_group(operands, skip, keep, brackets, masks, groups[0]) if groups else []
     with ThreadPoolExecutor(len(groups), thread_name_prefix="mergeflow-masks") as pool:
-        found = pool.map(lambda group: _select_group(operands, keep, brackets, masks, group), groups)
+        found = pool.map(lambda group: _select_group(operands, skip, keep, brackets, masks, group), groups)
         return sorted(k for missed in found for k in missed)
 
 
 def _select_group(
-    operands: TaskOperands,
-    keep: int,
-    brackets: dict[int, tuple[float, float, int]],
-    masks: np.ndarray,
-    group: list[int],
+    operands: TaskOperands, skip: int, keep: int, brackets: Brackets, masks: np.ndarray, group: list[int]
 ) -> list[int]:
     from mergeflow.merge import cpu_kernels
 
-    gathered = {k: (np.empty(brackets[k][2]), np.empty(brackets[k][2], dtype=np.int64)) for k in group}
-    above, inside, unordered = dict.fromkeys(group, 0), dict.fromkeys(group, 0), dict.fromkeys(group, 0)
+    gathered = {}
+    for k in group:
+        room, upper_room = brackets[k][2], brackets[k][5]
+        gathered[k] = (np.empty(room), np.empty(room, np.int64), np.empty(upper_room), np.empty(upper_room, np.int64))
+    counts = {k: np.zeros(5, dtype=np.int64) for k in group}  # above, inside, top, inside the top's, NaNs
     for start, xs, b in operands.chunks(group):
         for k, x in zip(group, xs, strict=True):
-            low, high, room = brackets[k]
+            low, high, room, upper_low, upper_high, upper_room = brackets[k]
+            at = (min(counts[k][1], room), min(counts[k][3], upper_room))
             part = masks[k, start : start + b.shape[0]]
-            found = cpu_kernels.split(x, b, low, high, part, gathered[k], min(inside[k], room), start)
-            above[k], inside[k], unordered[k] = above[k] + found[0], inside[k] + found[1], unordered[k] + found[2]
+            upper = (upper_low, upper_high) if skip else None
+            counts[k] += cpu_kernels.split(x, b, (low, high), upper, part, gathered[k], at, start)
     missed = []
     for k in group:
-        if unordered[k] or inside[k] > brackets[k][2] or not above[k] < keep <= above[k] + inside[k]:
+        above, inside, top, inside_top, unordered = (int(c) for c in counts[k])
+        room, upper_room = brackets[k][2], brackets[k][5]
+        found = above < skip + keep <= above + inside and (not skip or top < skip <= top + inside_top)
+        if unordered or inside > room or inside_top > upper_room or not found:
             missed.append(k)
-        else:
-            cpu_kernels.finish(masks[k], gathered[k][0][: inside[k]], gathered[k][1][: inside[k]], keep - above[k])
+            continue
+        values, indices, upper_values, upper_indices = gathered[k]
+        cpu_kernels.finish(masks[k], values[:inside], indices[:inside], skip + keep - above)
+        if skip:  # the upper bracket's largest are among the top skip, out of the window
+            cpu_kernels.finish(masks[k], upper_values[:inside_top], upper_indices[:inside_top], skip - top, False)
     return missed
 
 
