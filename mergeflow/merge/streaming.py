@@ -424,14 +424,15 @@ class _Masks:
             return row.view(shape)
 
         def operands() -> TaskOperands:
-            stored, tensors = base().view(-1).numpy(), [model.array(key) for model in self._inputs.models]
+            tensors = [model.array(key) for model in self._inputs.models]
+            stored = lambda: base().view(-1).numpy()  # noqa: E731 - read on first use, not for DARE's draws
 
             def chunks(clients: Sequence[int]) -> Iterator[tuple[int, list[np.ndarray], np.ndarray]]:
                 for start in range(0, n, _OPERAND_BLOCK):
                     end = start + _OPERAND_BLOCK
-                    yield start, [tensors[k][start:end] for k in clients], stored[start:end]
+                    yield start, [tensors[k][start:end] for k in clients], stored()[start:end]
 
-            every = lambda k, step: (tensors[k][::step].copy(), stored[::step].copy())  # noqa: E731
+            every = lambda k, step: (tensors[k][::step].copy(), stored()[::step].copy())  # noqa: E731
             return TaskOperands(count, n, every, chunks)
 
         masks = self._buffer("masks")[: count * n].view(count, n)
