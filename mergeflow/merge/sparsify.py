@@ -348,7 +348,9 @@ def dropout_masks(
     """DARE's drops: ``count`` masks that keep each entry with probability 1 − ``drop_rate``, drawn one task
     vector after another from ``generator`` (as PEFT's ``random_pruning`` with the same seed), on the
     generator's device (``bernoulli_draws``); into the rows of ``out`` (``(count, n)`` booleans) if given."""
-    if out is not None and drop_rate:  # all K at once: the same draws, one task vector after another
+    if out is not None and drop_rate and generator.device.type == "cpu":
+        # all K at once: on the CPU's serial stream the same draws, one task vector after another (a GPU's
+        # Philox offsets each call, so there one draw of K vectors differs from K draws of one)
         yield from bernoulli_draws((count, *shape), 1.0 - drop_rate, generator, out.view(count, *shape)).unbind(0)
         return
     for k in range(count):
