@@ -9,10 +9,11 @@ that runs ahead of the merge, and writes the merged tensors into the output as t
   the registered method sums the K blocks in place (``mergeflow.merge.sums``); the float64
   result is rounded once to the output dtype. Anonymous memory stays near the buffers' few
   MiB whatever the models' size (measured in docs/benchmarks.md).
-- Methods with per-client masks (``ties``, ``dare_linear``, ``dare_ties``) first draw each
-  tensor's K masks from its whole task vectors, one client at a time (``_Masks``: one float64
-  task vector and its top-k temporaries, plus K booleans per element), then merge blocks like
-  the elementwise methods.
+- Methods with per-client masks (``ties``, ``dare_*``, ``breadcrumbs*``) first draw each tensor's
+  K masks from its whole task vectors (``_Masks``: K booleans per element; on the CPU the compiled
+  kernels of ``mergeflow.merge.cpu_kernels`` read the clients' float32/float64 tensors through
+  memory maps, elsewhere one float64 task vector at a time and its top-k temporaries), then merge
+  blocks like the elementwise methods.
 - Methods that read a tensor only through the Gram matrix of its K inputs or task vectors
   (``model_stock``, ``slerp``) take two passes over its blocks: the first sums the K × K Gram, the
   second merges blocks like the elementwise methods. Each such tensor is read twice, never held whole.
@@ -372,11 +373,12 @@ _OPERAND_BLOCK = 1 << 18  # elements of a client's tensor read at a time for a c
 class _Masks:
     """The per-client masks of a method with ``masks`` (TIES, DARE), drawn once per tensor before its blocks.
 
-    Each client's tensor is read whole only when the mask function asks for it (DARE's draws need
-    none). On the CPU, when the client's and the base's dtype is float32 or float64, it is read as it
-    is and the mask function takes the difference itself (``TaskVectors.operands``); otherwise it is
-    read into one reused float64 row, less the base read once. A tensor's masks cost K booleans per
-    element and one client's tensor, never K float64 copies.
+    Each client's tensor is read only when the mask function asks for it (DARE's draws need none). On
+    the CPU, when the clients' and the base's dtype is float32 or float64, a compiled mask function
+    takes the differences itself from memory maps of the files (``TaskVectors.operands``) and writes
+    the masks in place (``TaskVectors.out``); otherwise each task vector is read into one reused
+    float64 row, less the base read once. A tensor's masks cost K booleans per element, never K
+    float64 copies.
     """
 
     def __init__(self, inputs: _Inputs, items: Sequence[_Item], options: BaseModel, device: torch.device) -> None:
@@ -388,8 +390,8 @@ class _Masks:
         self._buffers: dict[str, torch.Tensor | _Staging] = {}
 
     def _buffer(self, name: str) -> torch.Tensor | _Staging:
-        """A buffer made on first use: the K masks, the base and a client's tensor in their dtype (bytes),
-        a float64 task vector, and the staging of its reads."""
+        """A buffer made on first use: the K masks, the base in its dtype (bytes), a float64 task vector,
+        and the staging of their reads."""
         if name not in self._buffers:
             n, count, itemsize = self._capacity, len(self._inputs.models), self._inputs.itemsize()
             on = {"device": self._device}
