@@ -10,8 +10,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -26,6 +28,7 @@ _GATHER_BELOW = 1 << 18  # entries sharing the bits found so far, gathered for `
 # From this many entries on, the cut is first bracketed between two values of an evenly spaced sample.
 _SAMPLE_FROM = 1 << 16
 _SAMPLE_SIZE = 1 << 14
+T, R = TypeVar("T"), TypeVar("R")
 
 
 def magnitude_masks(tasks: Iterable[torch.Tensor], density: float) -> Iterator[torch.Tensor]:
@@ -70,6 +73,14 @@ def outlier_masks(tasks: Iterable[torch.Tensor], density: float, gamma: float) -
         yield from _rows(mask, shape)
 
 
+def _kernels() -> ModuleType:
+    """``mergeflow.merge.cpu_kernels``, imported on first use: numba's import and first call (about 0.45 s)
+    stay off every path that merges nothing sparsely on the CPU."""
+    from mergeflow.merge import cpu_kernels
+
+    return cpu_kernels
+
+
 def _compiled(tasks: Iterable[torch.Tensor]) -> bool:
     """Whether the masks are selected by the compiled CPU kernels, from each client's tensor and the base."""
     return isinstance(tasks, TaskVectors) and tasks.operands is not None and tasks.device.type == "cpu"
@@ -105,9 +116,7 @@ def top_of_differences(operands: TaskOperands, keep: int, out: np.ndarray | None
     missed = _select(operands, 0, keep, {k: (*_bracket(operands, k, keep), *none) for k in range(clients)}, masks)
     missed = _select(operands, 0, keep, dict.fromkeys(missed, (0.0, math.inf, count, *none)), masks)  # everything
     for k in missed:  # NaNs, which the compiled comparisons cannot order: the eager code's order
-        from mergeflow.merge import cpu_kernels
-
-        magnitudes = np.concatenate([cpu_kernels.magnitudes(xs[0], b) for _, xs, b in operands.chunks([k])])
+        magnitudes = np.concatenate([_kernels().magnitudes(xs[0], b) for _, xs, b in operands.chunks([k])])
         masks[k] = top_mask(torch.from_numpy(magnitudes), keep).numpy()
     return masks
 
@@ -115,38 +124,41 @@ def top_of_differences(operands: TaskOperands, keep: int, out: np.ndarray | None
 def _bracket(operands: TaskOperands, k: int, keep: int) -> tuple[float, float, int]:
     """Client k's bracket of its ``keep``-th largest |θ_k − base|, from an evenly spaced sample: its low
     and high values and room for twice the entries expected inside."""
-    from mergeflow.merge import cpu_kernels
-
     count = operands.count
     step = max(1, count // _SAMPLE_SIZE)
-    sample = np.sort(cpu_kernels.magnitudes(*operands.every(k, step)))[::-1]
+    sample = np.sort(_kernels().magnitudes(*operands.every(k, step)))[::-1]
     high_rank, low_rank = _bracket_ranks(len(sample), count, keep)
     high = float(sample[high_rank - 1]) if high_rank > 1 else math.inf
     return float(sample[low_rank - 1]), high, min(count, 2 * (low_rank - high_rank + 1) * step + (1 << 12))
 
 
-Brackets = dict[int, tuple[float, float, int, float, float, int]]
+_Brackets = dict[int, tuple[float, float, int, float, float, int]]
 
 
-def _select(operands: TaskOperands, skip: int, keep: int, brackets: Brackets, masks: np.ndarray) -> list[int]:
+def _select(operands: TaskOperands, skip: int, keep: int, brackets: _Brackets, masks: np.ndarray) -> list[int]:
     """Mark in ``masks[k]`` the entries ranked ``skip`` to ``skip + keep − 1`` of |θ_k − base| by gathering
     those in client k's brackets ``(low, high, room)`` of the window's bottom and (``skip`` > 0) top;
     the clients for which that cannot find them (a bracket misses its cut or overflows, or NaNs). The
     clients are split between torch's intra-op threads, each its own pass."""
     threads = min(torch.get_num_threads(), len(brackets))
     groups = [list(brackets)[g::threads] for g in range(threads)]
-    if len(groups) < 2:
-        return _select_group(operands, skip, keep, brackets, masks, groups[0]) if groups else []
-    with ThreadPoolExecutor(len(groups), thread_name_prefix="mergeflow-masks") as pool:
-        found = pool.map(lambda group: _select_group(operands, skip, keep, brackets, masks, group), groups)
-        return sorted(k for missed in found for k in missed)
+    found = _in_threads(lambda group: _select_group(operands, skip, keep, brackets, masks, group), groups)
+    return sorted(k for missed in found for k in missed)
+
+
+def _in_threads(work: Callable[[T], R], parts: Sequence[T]) -> list[R]:
+    """``work`` of each part, the parts on threads of their own (the compiled kernels release the GIL);
+    a single part on this thread."""
+    if len(parts) < 2:
+        return [work(part) for part in parts]
+    with ThreadPoolExecutor(len(parts), thread_name_prefix="mergeflow-kernels") as pool:
+        return list(pool.map(work, parts))
 
 
 def _select_group(
-    operands: TaskOperands, skip: int, keep: int, brackets: Brackets, masks: np.ndarray, group: list[int]
+    operands: TaskOperands, skip: int, keep: int, brackets: _Brackets, masks: np.ndarray, group: list[int]
 ) -> list[int]:
-    from mergeflow.merge import cpu_kernels
-
+    cpu_kernels = _kernels()
     gathered = {}
     for k in group:
         room, upper_room = brackets[k][2], brackets[k][5]
@@ -392,8 +404,7 @@ def _compiled_draws(
     """The draws of ``bernoulli_draws`` on the CPU, from the generator's own MT19937 state, which is then
     advanced past them. A long run of draws is split between torch's intra-op threads: each skips to
     its first uniform (``cpu_kernels.skip``, a seventh of the cost of making them) and draws its share."""
-    from mergeflow.merge import cpu_kernels
-
+    cpu_kernels = _kernels()
     raw = generator.get_state()
     state = raw.numpy()
     words = state[_WORDS : _WORDS + 624 * 8].view(np.uint64).astype(np.uint32)
@@ -409,11 +420,7 @@ def _compiled_draws(
         cpu_kernels.skip(*streams[p], 2 * a)  # two words a uniform
         cpu_kernels.uniforms_below(*streams[p], float(keep) if not len(each) else 0.0, each[a:z], flat[a:z])
 
-    if parts == 1:
-        draw(0)
-    else:
-        with ThreadPoolExecutor(parts, thread_name_prefix="mergeflow-draws") as pool:
-            list(pool.map(draw, range(parts)))
+    _in_threads(draw, range(parts))
     words, position = streams[-1]
     state[_WORDS : _WORDS + 624 * 8].view(np.uint64)[:] = words
     state[_LEFT : _LEFT + 4].view(np.int32)[0] = position[0]
@@ -437,9 +444,6 @@ def _compiled_draws_match() -> bool:
     return torch.equal(ours.get_state(), theirs.get_state())
 
 
-_COMBINE = {"sum": 0, "agreeing_sum": 1, "agreeing_mean": 2}  # cpu_kernels.SUM, AGREEING_SUM, AGREEING_MEAN
-
-
 def masked_merge(x: TensorInputs, coefficient: float, combine: str, divisor: float | None = None) -> torch.Tensor:
     """``base + coefficient · combine_k((θ_k − base) · mask_k / divisor)``: the merge step of TIES, DARE and
     Breadcrumbs, elementwise over ``x``'s tensors (or block) with their ``masks``.
@@ -452,17 +456,15 @@ def masked_merge(x: TensorInputs, coefficient: float, combine: str, divisor: flo
     assert x.base is not None and x.masks is not None  # methods with masks need base (schema), masks=
     if x.base.device.type != "cpu":
         return masked_merge_eager(x, coefficient, combine, divisor)
-    from mergeflow.merge import cpu_kernels
-
     stack, base = x.stacked(), x.base
     out = torch.empty(base.shape, dtype=torch.float64, device=base.device)
-    cpu_kernels.masked_merge(
+    _kernels().masked_merge(
         stack.reshape(len(stack), -1).numpy(),
         base.reshape(-1).numpy(),
         x.masks.reshape(len(stack), -1).numpy(),
         divisor or 0.0,
         coefficient,
-        _COMBINE[combine],
+        getattr(_kernels(), combine.upper()),  # SUM, AGREEING_SUM or AGREEING_MEAN
         out.view(-1).numpy(),
     )
     return out

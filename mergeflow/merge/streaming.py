@@ -387,23 +387,27 @@ class _Masks:
         self._device = device
         self._capacity = max((math.prod(i.total) for i in items if i.method is not None and i.method.masks), default=0)
         self._current: torch.Tensor | None = None
-        self._buffers: dict[str, torch.Tensor | _Staging] = {}
 
-    def _buffer(self, name: str) -> torch.Tensor | _Staging:
-        """A buffer made on first use: the K masks, the base in its dtype (bytes), a float64 task vector,
-        and the staging of their reads."""
-        if name not in self._buffers:
-            n, count, itemsize = self._capacity, len(self._inputs.models), self._inputs.itemsize()
-            on = {"device": self._device}
-            # On the CPU a block-sized scratch keeps each block in cache while it is widened and less the base.
-            chunk = max(min(n, _MASK_READ_BLOCK) if self._device.type == "cpu" else n, 1)
-            self._buffers[name] = {
-                "masks": lambda: torch.empty(count * n, dtype=torch.bool, **on),
-                "base": lambda: torch.empty(n * itemsize, dtype=torch.uint8, **on),
-                "row": lambda: torch.empty(n, dtype=torch.float64, **on),
-                "staging": lambda: _Staging(chunk * itemsize, self._device),
-            }[name]()
-        return self._buffers[name]
+    # Buffers made on first use, so that a path that needs one does not pay for the others (the compiled
+    # masks never make the float64 row).
+    @functools.cached_property
+    def _masks(self) -> torch.Tensor:
+        return torch.empty(len(self._inputs.models) * self._capacity, dtype=torch.bool, device=self._device)
+
+    @functools.cached_property
+    def _base(self) -> torch.Tensor:  # the base in its own dtype, as bytes
+        return torch.empty(self._capacity * self._inputs.itemsize(), dtype=torch.uint8, device=self._device)
+
+    @functools.cached_property
+    def _row(self) -> torch.Tensor:  # one float64 task vector
+        return torch.empty(self._capacity, dtype=torch.float64, device=self._device)
+
+    @functools.cached_property
+    def _staging(self) -> _Staging:
+        # On the CPU a block-sized scratch keeps each block in cache while it is widened and less the base.
+        n = self._capacity
+        chunk = max(min(n, _MASK_READ_BLOCK) if self._device.type == "cpu" else n, 1)
+        return _Staging(chunk * self._inputs.itemsize(), self._device)
 
     def draw(self, item: _Item) -> None:
         """Draw the masks of ``item``'s tensor (its first block)."""
@@ -411,7 +415,7 @@ class _Masks:
         shape, count, key = item.total, len(self._inputs.models), item.key
         n = math.prod(shape)
         base_dtype = self._inputs.base.entry(key).torch_dtype
-        base_row = self._buffer("base")[: n * base_dtype.itemsize].view(base_dtype)
+        base_row = self._base[: n * base_dtype.itemsize].view(base_dtype)
         base_read: list[bool] = []
 
         def base() -> torch.Tensor:  # read once, when first asked for
@@ -421,7 +425,7 @@ class _Masks:
             return base_row.view(shape)
 
         def task(k: int) -> torch.Tensor:
-            row = self._buffer("row")[:n]
+            row = self._row[:n]
             self._read(self._inputs.models[k], key, row, subtract=base().view(-1))
             return row.view(shape)
 
@@ -438,7 +442,7 @@ class _Masks:
             every = lambda k, step: (tensors[k][::step].copy(), stored[::step].copy())  # noqa: E731
             return TaskOperands(count, n, every, chunks)
 
-        masks = self._buffer("masks")[: count * n].view(count, n)
+        masks = self._masks[: count * n].view(count, n)
         dtypes = {base_dtype, *(model.entry(key).torch_dtype for model in self._inputs.models)}
         raw = self._device.type == "cpu" and len(dtypes) == 1 and base_dtype in (torch.float32, torch.float64)
         tasks = TaskVectors(count, task, self._device, operands=operands() if raw else None, out=masks)
@@ -449,7 +453,7 @@ class _Masks:
 
     def _read(self, checkpoint: Checkpoint, key: str, out: torch.Tensor, subtract: torch.Tensor | None = None) -> None:
         """``key``'s elements into ``out`` (any dtype) block by block, less ``subtract`` while a block is in cache."""
-        staging = self._buffer("staging")
+        staging = self._staging
         chunk = staging.host.numel() // self._inputs.itemsize()
         for start in range(0, out.numel(), chunk):
             part = out[start : start + chunk]
