@@ -286,3 +286,22 @@ def test_a_failed_merge_leaves_the_previous_output_whole(gpt2_dirs, tmp_path, mo
     monkeypatch.undo()
     merge_files("average", models, out, max_shard_size="20KB")  # replaces the older output
     torch.testing.assert_close(_load_dir(out), merge("average", [_load_dir(m) for m in models]), rtol=0, atol=0)
+
+
+def test_the_reader_keeps_its_torch_thread_count_when_another_thread_changes_it():
+    """The reader converts blocks on the thread count it was started with, even when the merging thread then
+    draws masks on every core: a thread's first parallel op would otherwise take the count set last."""
+    before, ready, go, seen = torch.get_num_threads(), threading.Event(), threading.Event(), []
+
+    def reader_start():
+        streaming._torch_threads(1)
+        ready.set()
+        go.wait()
+        seen.append(torch.get_num_threads())
+
+    with streaming.Reader([], lambda item, buffers: None, [], start=reader_start):
+        ready.wait()
+        torch.set_num_threads(3)
+        go.set()
+    torch.set_num_threads(before)
+    assert seen == [1]

@@ -76,35 +76,60 @@ def _magnitudes(x, b):  # pragma: no cover - compiled
     return values
 
 
+_SPLIT_TILE = 1024  # elements whose magnitudes are kept (in L1) between a tile's counting and its gathering
+
+
 @_jit
 def _split(x, b, bracket, upper, mask, values, indices, upper_values, upper_indices, offset):  # pragma: no cover
     lower_low, lower_high = bracket
+    upper_low, upper_high = upper if upper is not None else (np.inf, np.inf)
     above = top = inside = inside_top = unordered = 0
-    room, top_room = values.shape[0], upper_values.shape[0]
-    for i in range(x.shape[0]):
-        value = abs(np.float64(x[i]) - np.float64(b[i]))
-        unordered += value != value
-        if upper is not None and value >= upper[0]:  # numba compiles a ``None`` upper without this branch
-            above += 1
-            if value > upper[1]:  # among the top ``skip``
-                mask[i] = False
-                top += 1
-            else:  # in the upper bracket: in the window unless among the top ``skip``
-                mask[i] = True
-                if inside_top < top_room:
-                    upper_values[inside_top] = value
-                    upper_indices[inside_top] = offset + i
-                inside_top += 1
-            continue
-        over = value > lower_high
-        mask[i] = over
-        above += over
-        if value >= lower_low and not over:
-            if inside < room:
-                values[inside] = value
-                indices[inside] = offset + i
-            inside += 1
+    magnitudes = np.empty(_SPLIT_TILE)
+    for start in range(0, x.shape[0], _SPLIT_TILE):
+        end = start + _SPLIT_TILE
+        xs, bs, marks = x[start:end], b[start:end], mask[start:end]
+        # Counting and marking first, branch-free so that it vectorizes (integer sums of comparisons:
+        # boolean ``&`` keeps LLVM from it); the brackets are disjoint, so "above" is above the lower one.
+        tile_above = tile_top = at_least_low = at_least_upper_low = 0
+        for j in range(xs.shape[0]):
+            value = abs(np.float64(xs[j]) - np.float64(bs[j]))
+            magnitudes[j] = value
+            over = value > lower_high
+            tile_above += np.int64(over)
+            at_least_low += np.int64(value >= lower_low)
+            unordered += np.int64(value != value)
+            if upper is not None:  # numba compiles a ``None`` upper without this branch
+                high = value > upper_high  # among the top ``skip``: out of the window
+                tile_top += np.int64(high)
+                at_least_upper_low += np.int64(value >= upper_low)
+                marks[j] = over > high
+            else:
+                marks[j] = over
+        tile_inside, tile_inside_top = at_least_low - tile_above, at_least_upper_low - tile_top
+        # Then the gathering, also branch-free: each magnitude is written at the next free slot, which only a
+        # magnitude inside the bracket takes (an unpredictable branch per element cost twice as much).
+        if tile_inside:
+            _gather(magnitudes[: xs.shape[0]], lower_low, lower_high, values, indices, inside, offset + start)
+        if tile_inside_top:
+            _gather(magnitudes[: xs.shape[0]], upper_low, upper_high, upper_values, upper_indices, inside_top,
+                    offset + start)  # fmt: skip
+        above, top = above + tile_above, top + tile_top
+        inside, inside_top = inside + tile_inside, inside_top + tile_inside_top
     return above, inside, top, inside_top, unordered
+
+
+@numba.njit(inline="always", error_model="numpy")
+def _gather(magnitudes, low, high, values, indices, filled, offset):  # pragma: no cover - compiled
+    """Append the ``magnitudes`` in [low, high] and their indices (from ``offset``) after the first ``filled``
+    slots of ``values`` and ``indices``, as many as fit."""
+    room = values.shape[0]
+    if filled >= room:
+        return
+    for j in range(magnitudes.shape[0]):
+        at = min(filled, room - 1)  # past the room the count alone goes on: the caller sees it overflowed
+        values[at] = magnitudes[j]
+        indices[at] = offset + j
+        filled += np.int64(magnitudes[j] >= low) - np.int64(magnitudes[j] > high)
 
 
 @_jit
@@ -138,6 +163,7 @@ def split(
     above the bracket, in it, above the upper bracket, in it, and how many are NaN."""
     values, indices, upper_values, upper_indices = gathered
     at_lower, at_upper = at
+    assert upper is None or upper[0] > bracket[1], "the upper bracket must lie above the lower one"
     return _split(
         x, b, bracket, upper, mask, values[at_lower:], indices[at_lower:], upper_values[at_upper:],
         upper_indices[at_upper:], offset,

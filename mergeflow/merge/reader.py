@@ -18,22 +18,35 @@ Buffers = TypeVar("Buffers")
 class Reader(Generic[Item, Buffers]):
     """Runs ``fill(item, buffers)`` for each item in a thread, as far ahead as there are free buffer sets.
 
-    Iterating yields ``(item, buffers)`` in order; hand each set back with ``release`` once merged.
+    ``start``, if given, runs first in the thread (to set it up). Iterating yields ``(item, buffers)`` in
+    order; hand each set back with ``release`` once merged.
     An error in the thread is raised in the iterating one. Use as a context manager: leaving it
     stops and joins the thread, so the files it reads can be closed after.
     """
 
-    def __init__(self, items: Iterable[Item], fill: Callable[[Item, Buffers], None], buffers: list[Buffers]) -> None:
+    def __init__(
+        self,
+        items: Iterable[Item],
+        fill: Callable[[Item, Buffers], None],
+        buffers: list[Buffers],
+        start: Callable[[], None] | None = None,
+    ) -> None:
         self._free: queue.SimpleQueue[Buffers | None] = queue.SimpleQueue()
         for entry in buffers:
             self._free.put(entry)
         self._ready: queue.SimpleQueue[tuple[Item, Buffers] | BaseException | None] = queue.SimpleQueue()
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, args=(items, fill), name="mergeflow-reader", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(items, fill, start), name="mergeflow-reader", daemon=True
+        )
         self._thread.start()
 
-    def _run(self, items: Iterable[Item], fill: Callable[[Item, Buffers], None]) -> None:
+    def _run(
+        self, items: Iterable[Item], fill: Callable[[Item, Buffers], None], start: Callable[[], None] | None
+    ) -> None:
         try:
+            if start is not None:
+                start()
             for item in items:
                 buffers = self._free.get()
                 if self._stopped or buffers is None:

@@ -322,7 +322,8 @@ def _merged(
     grams: dict[str, torch.Tensor] = {}
     threads_before = torch.get_num_threads()
     threads = _intra_op_threads(1) if blocks_only else nullcontext()
-    with threads, Reader(items, fill, buffer_sets) as reader:
+    reader_threads = functools.partial(_torch_threads, torch.get_num_threads())
+    with threads, Reader(items, fill, buffer_sets, reader_threads) as reader:
         for item, buffers in reader:
             if item.gram_pass:
                 assert item.method is not None and item.method.gram is not None
@@ -349,6 +350,17 @@ def _merged(
                 target.view(dtype).copy_(flat)
             reader.release(buffers)
             yield item.key, memoryview(target.numpy())
+
+
+def _torch_threads(count: int) -> None:
+    """Run this thread's torch ops on ``count`` threads from now on.
+
+    A thread's first parallel op otherwise takes the count another thread set last: the reader, started
+    while the merge ran on one thread, took two when the masks were being drawn on every core, and its
+    OpenMP worker spun a core away from the merge (measured: 2 s of CPU in a 3.4 s merge).
+    """
+    torch.get_num_threads()  # torch's per-thread initialisation, which would otherwise override the count later
+    torch.set_num_threads(count)
 
 
 @contextmanager
@@ -430,9 +442,7 @@ class _Masks:
             return row.view(shape)
 
         def operands() -> TaskOperands:
-            # The base is read here even for DARE's draws, which do not look at it: the streamed DARE measured
-            # 10-20% slower (and used more CPU in its blocks) without that read, docs/benchmarks.md.
-            stored, tensors = base().view(-1).numpy(), [model.array(key) for model in self._inputs.models]
+            stored, tensors = self._inputs.base.array(key), [model.array(key) for model in self._inputs.models]
 
             def chunks(clients: Sequence[int]) -> Iterator[tuple[int, list[np.ndarray], np.ndarray]]:
                 for start in range(0, n, _OPERAND_BLOCK):
