@@ -305,3 +305,13 @@ def test_the_reader_keeps_its_torch_thread_count_when_another_thread_changes_it(
         go.set()
     torch.set_num_threads(before)
     assert seen == [1]
+
+
+def test_a_blocked_merge_reads_on_one_torch_thread(gpt2_dirs, tmp_path, monkeypatch):
+    _, models, base, _ = gpt2_dirs
+    counts = []
+    pin = streaming._torch_threads
+    monkeypatch.setattr(streaming, "_torch_threads", lambda count: counts.append(count) or pin(count))
+    with streaming._intra_op_threads(2):
+        merge_files("ties", models, tmp_path / "merged.safetensors", base=base, density=0.5)
+    assert counts == [1]

@@ -146,6 +146,29 @@ def _finish(mask, values, indices, wanted, mark):  # pragma: no cover - compiled
             at_cut -= 1
 
 
+@_jit
+def _sample_ranks(x, b, low_rank, high_rank):  # pragma: no cover - compiled
+    sample = np.empty(x.shape[0])
+    for i in range(sample.shape[0]):
+        sample[i] = abs(np.float64(x[i]) - np.float64(b[i]))
+    if np.isnan(sample).any():  # unordered: a NaN bracket, which every comparison misses
+        return np.nan, np.nan
+    size = sample.shape[0]
+    low_at = size - low_rank  # ascending positions
+    ordered = np.partition(sample, low_at)
+    if high_rank <= 1:
+        return ordered[low_at], np.inf
+    above = ordered[low_at:]
+    return ordered[low_at], np.partition(above, size - high_rank - low_at)[size - high_rank - low_at]
+
+
+def sample_ranks(x: np.ndarray, b: np.ndarray, low_rank: int, high_rank: int) -> tuple[float, float]:
+    """Among |x − b| (float64; strided views of a sample, say), the values ranked ``low_rank`` and
+    ``high_rank`` from the top (1 the largest); ``high_rank`` ≤ 1 gives +inf for the latter, a NaN
+    anywhere NaN for both."""
+    return _sample_ranks(x, b, low_rank, high_rank)
+
+
 def magnitudes(x: np.ndarray, b: np.ndarray) -> np.ndarray:
     """|x − b| in float64 (1-D, float32 or float64 alike)."""
     return _magnitudes(x, b)

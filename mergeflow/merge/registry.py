@@ -110,7 +110,7 @@ class TaskOperands:
     """The K clients' tensors and the base, flat and as stored (float32 or float64, one dtype), for a
     compiled mask function that takes the differences θ_k − base itself, a chunk at a time.
 
-    ``every(k, step)``: every ``step``-th element of θ_k and of the base. ``chunks(clients)``: ``(start,
+    ``every(k, step)``: every ``step``-th element of θ_k and of the base (strided views). ``chunks(clients)``: ``(start,
     [θ_k's part for each k in clients], the base's part)`` in order, each valid until the next: the
     differences of a chunk are taken while the base's part is in cache. Disjoint sets of clients may
     be iterated from different threads at once.
@@ -128,7 +128,7 @@ class TaskOperands:
         return cls(
             len(xs),
             len(bs),
-            lambda k, step: (xs[k][::step].copy(), bs[::step].copy()),
+            lambda k, step: (xs[k][::step], bs[::step]),
             lambda clients: iter([(0, [xs[k] for k in clients], bs)]),
         )
 

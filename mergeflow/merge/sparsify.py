@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
@@ -105,20 +106,23 @@ def top_of_differences(operands: TaskOperands, keep: int, out: np.ndarray | None
         masks &= ~top_of_differences(operands, skip)
         return masks
     if skip:
-        brackets = {k: (*_bracket(operands, k, skip + keep), *_bracket(operands, k, skip)) for k in range(clients)}
-        disjoint = all(upper_low > high for _, high, _, upper_low, _, _ in brackets.values())
-        if disjoint and not _select(operands, skip, keep, brackets, masks):
+        window = lambda k: (*_bracket(operands, k, skip + keep), *_bracket(operands, k, skip))  # noqa: E731
+        if not _select(operands, skip, keep, window, masks, range(clients)):
             return masks
         masks = top_of_differences(operands, skip + keep, masks)  # brackets that overlap or missed: two cuts
         masks &= ~top_of_differences(operands, skip)
         return masks
     none = (math.nan, math.nan, 0)
-    missed = _select(operands, 0, keep, {k: (*_bracket(operands, k, keep), *none) for k in range(clients)}, masks)
-    missed = _select(operands, 0, keep, dict.fromkeys(missed, (0.0, math.inf, count, *none)), masks)  # everything
+    missed = _select(operands, 0, keep, lambda k: (*_bracket(operands, k, keep), *none), masks, range(clients))
+    missed = _select(operands, 0, keep, lambda k: (0.0, math.inf, count, *none), masks, missed)  # everything
     for k in missed:  # NaNs, which the compiled comparisons cannot order: the eager code's order
         magnitudes = np.concatenate([_kernels().magnitudes(xs[0], b) for _, xs, b in operands.chunks([k])])
         masks[k] = top_mask(torch.from_numpy(magnitudes), keep).numpy()
     return masks
+
+
+# A client's brackets: the low and high values and the room of the window's bottom cut, then of its top's.
+_Brackets = Callable[[int], tuple[float, float, int, float, float, int]]
 
 
 def _bracket(operands: TaskOperands, k: int, keep: int) -> tuple[float, float, int]:
@@ -126,22 +130,20 @@ def _bracket(operands: TaskOperands, k: int, keep: int) -> tuple[float, float, i
     and high values and room for twice the entries expected inside."""
     count = operands.count
     step = max(1, count // _SAMPLE_SIZE)
-    sample = np.sort(_kernels().magnitudes(*operands.every(k, step)))[::-1]
-    high_rank, low_rank = _bracket_ranks(len(sample), count, keep)
-    high = float(sample[high_rank - 1]) if high_rank > 1 else math.inf
-    return float(sample[low_rank - 1]), high, min(count, 2 * (low_rank - high_rank + 1) * step + (1 << 12))
+    high_rank, low_rank = _bracket_ranks(len(range(0, count, step)), count, keep)
+    low, high = _kernels().sample_ranks(*operands.every(k, step), low_rank, high_rank)
+    return low, high, min(count, 2 * (low_rank - high_rank + 1) * step + (1 << 12))
 
 
-_Brackets = dict[int, tuple[float, float, int, float, float, int]]
-
-
-def _select(operands: TaskOperands, skip: int, keep: int, brackets: _Brackets, masks: np.ndarray) -> list[int]:
+def _select(
+    operands: TaskOperands, skip: int, keep: int, brackets: _Brackets, masks: np.ndarray, clients: Sequence[int]
+) -> list[int]:
     """Mark in ``masks[k]`` the entries ranked ``skip`` to ``skip + keep − 1`` of |θ_k − base| by gathering
-    those in client k's brackets ``(low, high, room)`` of the window's bottom and (``skip`` > 0) top;
-    the clients for which that cannot find them (a bracket misses its cut or overflows, or NaNs). The
-    clients are split between torch's intra-op threads, each its own pass."""
-    threads = min(torch.get_num_threads(), len(brackets))
-    groups = [list(brackets)[g::threads] for g in range(threads)]
+    those in each client's ``brackets`` of the window's bottom and (``skip`` > 0) top; the clients for
+    which that cannot find them (brackets overlap, a bracket misses its cut or overflows, or NaNs). The
+    clients are split between torch's intra-op threads, each finding its brackets and making its pass."""
+    threads = min(torch.get_num_threads(), len(clients))
+    groups = [list(clients)[g::threads] for g in range(threads)]
     found = _in_threads(lambda group: _select_group(operands, skip, keep, brackets, masks, group), groups)
     return sorted(k for missed in found for k in missed)
 
@@ -151,32 +153,43 @@ def _in_threads(work: Callable[[T], R], parts: Sequence[T]) -> list[R]:
     a single part on this thread."""
     if len(parts) < 2:
         return [work(part) for part in parts]
-    with ThreadPoolExecutor(len(parts), thread_name_prefix="mergeflow-kernels") as pool:
-        return list(pool.map(work, parts))
+    return list(_pool(len(parts)).map(work, parts))
+
+
+@functools.cache
+def _pool(size: int) -> ThreadPoolExecutor:
+    """A pool of ``size`` threads, kept: starting one per tensor cost 0.3 ms, a sixth of a small tensor's masks."""
+    return ThreadPoolExecutor(size, thread_name_prefix="mergeflow-kernels")
+
+
+os.register_at_fork(after_in_child=_pool.cache_clear)  # a forked child has none of the parent's threads
 
 
 def _select_group(
     operands: TaskOperands, skip: int, keep: int, brackets: _Brackets, masks: np.ndarray, group: list[int]
 ) -> list[int]:
     cpu_kernels = _kernels()
+    found = {k: brackets(k) for k in group}
+    overlapping = [k for k in group if skip and found[k][3] <= found[k][1]]  # the top's low not above the bottom's high
+    group = [k for k in group if k not in overlapping]
     gathered = {}
     for k in group:
-        room, upper_room = brackets[k][2], brackets[k][5]
+        room, upper_room = found[k][2], found[k][5]
         gathered[k] = (np.empty(room), np.empty(room, np.int64), np.empty(upper_room), np.empty(upper_room, np.int64))
     counts = {k: np.zeros(5, dtype=np.int64) for k in group}  # above, inside, top, inside the top's, NaNs
-    for start, xs, b in operands.chunks(group):
+    for start, xs, b in operands.chunks(group) if group else ():
         for k, x in zip(group, xs, strict=True):
-            low, high, room, upper_low, upper_high, upper_room = brackets[k]
+            low, high, room, upper_low, upper_high, upper_room = found[k]
             at = (min(counts[k][1], room), min(counts[k][3], upper_room))
             part = masks[k, start : start + b.shape[0]]
             upper = (upper_low, upper_high) if skip else None
             counts[k] += cpu_kernels.split(x, b, (low, high), upper, part, gathered[k], at, start)
-    missed = []
+    missed = overlapping
     for k in group:
         above, inside, top, inside_top, unordered = (int(c) for c in counts[k])
-        room, upper_room = brackets[k][2], brackets[k][5]
-        found = above < skip + keep <= above + inside and (not skip or top < skip <= top + inside_top)
-        if unordered or inside > room or inside_top > upper_room or not found:
+        room, upper_room = found[k][2], found[k][5]
+        hit = above < skip + keep <= above + inside and (not skip or top < skip <= top + inside_top)
+        if unordered or inside > room or inside_top > upper_room or not hit:
             missed.append(k)
             continue
         values, indices, upper_values, upper_indices = gathered[k]

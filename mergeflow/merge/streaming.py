@@ -321,8 +321,9 @@ def _merged(
     masks = _Masks(inputs, items, options, device)
     grams: dict[str, torch.Tensor] = {}
     threads_before = torch.get_num_threads()
+    # Blocks: the merge on one thread and the reader on one, each on its own core; whole tensors: all of them.
     threads = _intra_op_threads(1) if blocks_only else nullcontext()
-    reader_threads = functools.partial(_torch_threads, torch.get_num_threads())
+    reader_threads = functools.partial(_torch_threads, 1 if blocks_only else threads_before)
     with threads, Reader(items, fill, buffer_sets, reader_threads) as reader:
         for item, buffers in reader:
             if item.gram_pass:
@@ -449,8 +450,7 @@ class _Masks:
                     end = start + _OPERAND_BLOCK
                     yield start, [tensors[k][start:end] for k in clients], stored[start:end]
 
-            every = lambda k, step: (tensors[k][::step].copy(), stored[::step].copy())  # noqa: E731
-            return TaskOperands(count, n, every, chunks)
+            return TaskOperands(count, n, lambda k, step: (tensors[k][::step], stored[::step]), chunks)
 
         masks = self._masks[: count * n].view(count, n)
         dtypes = {base_dtype, *(model.entry(key).torch_dtype for model in self._inputs.models)}
