@@ -127,3 +127,36 @@ def test_windows_of_differences_equal_two_eager_selections(dtype):
         for operands in (TaskOperands.whole(xs, b), _chunked(xs, b, 20_011)):
             masks = torch.from_numpy(top_of_differences(operands, keep, skip=skip))
             assert all(torch.equal(m, e) for m, e in zip(masks, expected, strict=True)), (skip, keep)
+
+
+@pytest.mark.parametrize("upper", [False, True])
+def test_split_counts_marks_and_gathers_like_numpy_whatever_the_room(upper):
+    """One pass of the selection over a chunk that spans several tiles and ends in a short one: its counts,
+    its marks and the gathered (value, index) pairs, with room for all of them, exactly all, or fewer."""
+    from mergeflow.merge import cpu_kernels
+
+    generator = np.random.default_rng(0)
+    x, b = generator.standard_normal(10_007).astype(np.float32), generator.standard_normal(10_007).astype(np.float32)
+    values = np.abs(x.astype(np.float64) - b.astype(np.float64))
+    ordered = np.sort(values)
+    bracket = (float(ordered[6000]), float(ordered[6400]))
+    top = (float(ordered[9800]), float(ordered[9900])) if upper else None
+    inside = (values >= bracket[0]) & (values <= bracket[1])
+    inside_top = (values >= top[0]) & (values <= top[1]) if upper else np.zeros_like(inside)
+    expected_mask = values > bracket[1]
+    if upper:
+        expected_mask &= ~(values > top[1])
+    for room in (int(inside.sum()) + 5, int(inside.sum()), 17):
+        upper_room = int(inside_top.sum()) if upper else 0
+        gathered = (np.empty(room), np.empty(room, np.int64), np.empty(upper_room), np.empty(upper_room, np.int64))
+        mask = np.empty(len(x), bool)
+        counts = cpu_kernels.split(x, b, bracket, top, mask, gathered, (0, 0), 100)
+        above = int((values > bracket[1]).sum())
+        assert counts == (above, int(inside.sum()), int((values > top[1]).sum()) if upper else 0, upper_room, 0)
+        assert np.array_equal(mask, expected_mask)
+        fits = min(room, int(inside.sum()))
+        assert np.array_equal(gathered[0][:fits], values[inside][:fits])
+        assert np.array_equal(gathered[1][:fits], 100 + np.flatnonzero(inside)[:fits])
+        assert np.array_equal(gathered[2], values[inside_top]) and np.array_equal(
+            gathered[3], 100 + np.flatnonzero(inside_top)
+        )
