@@ -25,15 +25,27 @@ def _tasks(count: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("combine", ["sum", "agreeing_sum", "agreeing_mean"])
 @pytest.mark.parametrize("divisor", [None, 0.1])
-def test_masked_merge_equals_the_eager_code(combine, divisor):
+def test_masked_merge_equals_the_eager_code(combine, divisor, monkeypatch):
     stack, base = _tasks(4, 6000, 0)
     masks = torch.rand(4, 6000, generator=torch.Generator().manual_seed(1)) < 0.4
     weights = torch.full((4,), 0.25)
     whole = TensorInputs("w", list(stack.view(4, 60, 100)), weights, base.view(60, 100), masks=masks.view(4, 60, 100))
     block = stack[:, :999].contiguous()  # a streamed block: its masks are a column slice of the tensor's
     streamed = TensorInputs("w", list(block), weights, base[:999], stack=block, masks=masks[:, :999])
-    for inputs in (whole, streamed):
-        compiled = masked_merge(inputs, 0.37, combine, divisor)
+    # a block as stored (float32, no stack), merged into a given buffer, split between three threads
+    out = torch.full((2000,), float("nan"), dtype=torch.float64)
+    stored = TensorInputs(
+        "w", list(stack[:, :2000].float()), weights, base[:2000].float(), masks=masks[:, :2000], out=out
+    )
+    monkeypatch.setattr(sparsify, "_MERGE_PER_THREAD", 500)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        merged = [masked_merge(inputs, 0.37, combine, divisor) for inputs in (whole, streamed, stored)]
+    finally:
+        torch.set_num_threads(threads)
+    for inputs, compiled in zip((whole, streamed, stored), merged, strict=True):
+        assert inputs.out is None or compiled.data_ptr() == inputs.out.data_ptr()
         eager = masked_merge_eager(inputs, 0.37, combine, divisor)
         assert compiled.shape == eager.shape
         assert torch.equal(compiled.isnan(), eager.isnan())

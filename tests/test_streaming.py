@@ -315,3 +315,18 @@ def test_a_blocked_merge_reads_on_one_torch_thread(gpt2_dirs, tmp_path, monkeypa
     with streaming._intra_op_threads(2):
         merge_files("ties", models, tmp_path / "merged.safetensors", base=base, density=0.5)
     assert counts == [1]
+
+
+def test_mask_merges_on_the_cpu_merge_float32_files_as_stored_without_reading_them(gpt2_dirs, tmp_path, monkeypatch):
+    """TIES on float32 files merges views of the memory maps (``merge_method(stored=True)``): the reader reads
+    nothing; bf16 files are read and widened as before. Both equal the in-memory merge (the test above)."""
+    dtype, models, base, _ = gpt2_dirs
+    reads = []
+    read = streaming._Staging.read
+    monkeypatch.setattr(
+        streaming._Staging,
+        "read",
+        lambda self, checkpoint, key, *a: reads.append(key) or read(self, checkpoint, key, *a),
+    )
+    merge_files("ties", models, tmp_path / "merged.safetensors", base=base, density=0.5)
+    assert (reads == []) == (dtype == torch.float32)

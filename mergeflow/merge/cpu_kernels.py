@@ -21,45 +21,51 @@ _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 SUM, AGREEING_SUM, AGREEING_MEAN = 0, 1, 2  # how ``masked_merge`` combines the K masked task vectors
 
 
-_TILE = 1024  # elements merged at a time: each client's pass over a tile vectorizes, and the tile stays in L1
+_TILE = 256  # elements merged at a time: the K clients' task vectors of a tile stay in L1 between the two passes
 
 
 @_jit
-def masked_merge(stack, base, masks, divisor, coefficient, combine, out):  # pragma: no cover - compiled
-    """``out = base + coefficient · combine_k((stack_k − base) · mask_k / divisor)`` for ``(K, n)`` float64
-    ``stack``, ``(n,)`` ``base`` and ``(K, n)`` boolean ``masks`` (``divisor`` 0: no division).
+def masked_merge(xs, base, masks, divisor, coefficient, combine, out, start, end):  # pragma: no cover - compiled
+    """``out = base + coefficient · combine_k((x_k − base) · mask_k / divisor)`` over elements ``start:end``,
+    for K 1-D client arrays ``xs`` (a tuple; float32 or float64, widened to float64 here), the base and
+    ``(K, n)`` boolean ``masks`` (``divisor`` 0: no division); ``out`` float64.
 
     ``combine``: ``SUM`` (in order k = 0..K−1), ``AGREEING_SUM`` (the entries whose sign agrees with their
     sum's, ties to +, as ``sparsify.agreeing_sum``) or ``AGREEING_MEAN`` (that sum over their number, at
     least 1: TIES' disjoint mean). A tile at a time, client by client, so that each inner loop is
     over elements and vectorizes; every element's sums still run k = 0..K−1.
     """
-    count, n = stack.shape
+    count = len(xs)
+    tasks = np.empty((count, _TILE))
     total, sign, kept, agreeing = np.empty(_TILE), np.empty(_TILE), np.empty(_TILE), np.empty(_TILE)
-    for start in range(0, n, _TILE):
-        end = min(n, start + _TILE)
-        b = base[start:end]
+    for first in range(start, end, _TILE):
+        size = min(end, first + _TILE) - first
+        b = base[first : first + size]
         for k in range(count):
-            x, m = stack[k, start:end], masks[k, start:end]
-            for j in range(end - start):
-                task = _masked(x[j], b[j], m[j], divisor)
-                total[j] = task if k == 0 else total[j] + task
+            x, m, task = xs[k][first : first + size], masks[k, first : first + size], tasks[k]
+            for j in range(size):
+                task[j] = _masked(np.float64(x[j]), np.float64(b[j]), m[j], divisor)
+        total[:size] = tasks[0, :size]
+        for k in range(1, count):
+            task = tasks[k]
+            for j in range(size):
+                total[j] += task[j]
         if combine != SUM:
-            for j in range(end - start):
+            for j in range(size):
                 sign[j] = -1.0 if total[j] < 0 else 1.0
+                agreeing[j] = 0.0
             for k in range(count):
-                x, m = stack[k, start:end], masks[k, start:end]
-                for j in range(end - start):
-                    flipped = _masked(x[j], b[j], m[j], divisor) * sign[j]
-                    agrees = 1.0 if flipped > 0 else 0.0
+                task = tasks[k]
+                for j in range(size):
+                    flipped = task[j] * sign[j]
+                    agreeing[j] += 1.0 if flipped > 0 else 0.0
                     positive = 0.0 if flipped <= 0 else flipped  # as clamp(min=0): NaN stays NaN
-                    agreeing[j] = agrees if k == 0 else agreeing[j] + agrees
                     kept[j] = positive if k == 0 else kept[j] + positive
-            for j in range(end - start):
+            for j in range(size):
                 merged = kept[j] * sign[j] + 0.0
                 total[j] = merged / max(agreeing[j], 1.0) if combine == AGREEING_MEAN else merged
-        for j in range(end - start):
-            out[start + j] = b[j] + coefficient * total[j]
+        for j in range(size):
+            out[first + j] = np.float64(b[j]) + coefficient * total[j]
 
 
 @numba.njit(inline="always", error_model="numpy")

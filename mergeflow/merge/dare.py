@@ -22,13 +22,13 @@ def _merged(x: TensorInputs, options: DareOptions, combine: str) -> torch.Tensor
     return masked_merge(x, options.scaling, combine, 1.0 - options.drop_rate if options.drop_rate else None)
 
 
-@merge_method("dare_linear", masks=_drops)
+@merge_method("dare_linear", masks=_drops, stored=True)
 def dare_linear(x: TensorInputs, options: DareOptions) -> torch.Tensor:
     """DARE + task arithmetic: base + λ · Σ_k of the dropped-and-rescaled task vectors."""
     return _merged(x, options, "sum")
 
 
-@merge_method("dare_ties", masks=_drops)
+@merge_method("dare_ties", masks=_drops, stored=True)
 def dare_ties(x: TensorInputs, options: DareOptions) -> torch.Tensor:
     """DARE + TIES: base + λ · disjoint mean of the dropped-and-rescaled, sign-elected task vectors."""
     return _merged(x, options, "agreeing_mean")

@@ -35,7 +35,7 @@ Scorer = Callable[[dict[str, torch.Tensor]], float]
 
 @dataclass(frozen=True)
 class TensorInputs:
-    """One tensor across clients, in float64. ``weights`` are n_k/N (uniform without sizes).
+    """One tensor across clients, in float64 (unless stored, below). ``weights`` are n_k/N (uniform without sizes).
 
     For an elementwise method the streaming merge passes a block of the tensor's elements
     (flattened) instead of the whole tensor. Methods must not modify the tensors in place.
@@ -45,6 +45,9 @@ class TensorInputs:
     takes a pass over every Fisher tensor, which most methods never need.
     ``gram`` (``(K, K)`` float64) is the Gram matrix of the whole tensor's K inputs or task vectors, for
     a method registered with ``gram=`` (``merge_method``), whatever block is passed.
+    A method registered with ``stored=True`` may be given its tensors as stored (float32 or float64), and
+    ``out``, a float64 tensor of the block's shape that it may write its result into and return (a
+    streamed merge's reused buffer).
     """
 
     name: str
@@ -56,6 +59,7 @@ class TensorInputs:
     stack: torch.Tensor | None = None
     masks: torch.Tensor | None = None
     gram: torch.Tensor | None = None
+    out: torch.Tensor | None = None
 
     @property
     def fisher_norms(self) -> torch.Tensor | None:
@@ -189,6 +193,7 @@ class MergeMethod:
     elementwise: bool = False
     masks: MaskFunction | None = None
     gram: Literal["inputs", "tasks"] | None = None
+    stored: bool = False
 
 
 METHODS: dict[str, MergeMethod] = {}
@@ -204,6 +209,7 @@ def merge_method(
     elementwise: bool = False,
     masks: MaskFunction | None = None,
     gram: Literal["inputs", "tasks"] | None = None,
+    stored: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a merge method under ``name``.
 
@@ -220,6 +226,9 @@ def merge_method(
     (``"inputs"``) or task vectors θ_k − base (``"tasks"``), ``TensorInputs.gram``, and is otherwise
     elementwise (Model Stock's angle, SLERP's): a streamed merge sums the Gram over blocks in a first
     pass, then merges blocks in a second.
+    ``stored``: ``fn`` takes its tensors as stored (float32 or float64, one dtype for the clients) and
+    widens them itself, so a streamed merge on the CPU may pass views of the files' memory maps instead
+    of float64 copies (``sparsify.masked_merge`` does; elementwise methods only).
     """
     declared = name in DECLARED
     if declared and (options, needs, uses) != (None, None, None):
@@ -230,6 +239,8 @@ def merge_method(
     if elementwise and scope != "tensor":
         raise ValueError(f"merge method {name!r}: only tensor-scope methods can be elementwise")
     needed = DECLARED[name].needs if declared else frozenset(needs or ())
+    if stored and not elementwise:
+        raise ValueError(f"merge method {name!r}: only an elementwise method can take its tensors as stored")
     if (masks is not None or gram == "tasks") and "base" not in needed:
         raise ValueError(f"merge method {name!r}: its masks or Gram are of task vectors, so it needs base")
 
@@ -247,6 +258,7 @@ def merge_method(
             elementwise,
             masks,
             gram,
+            stored,
         )
         return fn
 

@@ -457,36 +457,46 @@ def _compiled_draws_match() -> bool:
     return torch.equal(ours.get_state(), theirs.get_state())
 
 
+_MERGE_PER_THREAD = 1 << 18  # elements a thread merges, at least, when a block is split between threads
+
+
 def masked_merge(x: TensorInputs, coefficient: float, combine: str, divisor: float | None = None) -> torch.Tensor:
     """``base + coefficient · combine_k((θ_k − base) · mask_k / divisor)``: the merge step of TIES, DARE and
-    Breadcrumbs, elementwise over ``x``'s tensors (or block) with their ``masks``.
+    Breadcrumbs, elementwise over ``x``'s tensors (or block) with their ``masks``, in float64.
 
     ``combine``: ``"sum"`` (in order k = 0..K−1), ``"agreeing_sum"`` (``agreeing_sum``'s total) or
-    ``"agreeing_mean"`` (TIES' disjoint mean). On the CPU one compiled loop
-    (``cpu_kernels.masked_merge``) does what the eager code (``masked_merge_eager``, every other device)
-    does in about fifteen passes, with the same bits.
+    ``"agreeing_mean"`` (TIES' disjoint mean). The tensors and the base may be float32 or float64 (a
+    streamed merge passes them as stored); each is widened to float64 first. Into ``x.out`` if given. On
+    the CPU one compiled loop (``cpu_kernels.masked_merge``, a long block split between torch's intra-op
+    threads) does what the eager code (``masked_merge_eager``, every other device) does in about fifteen
+    passes, with the same bits.
     """
     assert x.base is not None and x.masks is not None  # methods with masks need base (schema), masks=
     if x.base.device.type != "cpu":
         return masked_merge_eager(x, coefficient, combine, divisor)
-    stack, base = x.stacked(), x.base
-    out = torch.empty(base.shape, dtype=torch.float64, device=base.device)
-    _kernels().masked_merge(
-        stack.reshape(len(stack), -1).numpy(),
-        base.reshape(-1).numpy(),
-        x.masks.reshape(len(stack), -1).numpy(),
-        divisor or 0.0,
-        coefficient,
-        getattr(_kernels(), combine.upper()),  # SUM, AGREEING_SUM or AGREEING_MEAN
-        out.view(-1).numpy(),
-    )
+    cpu_kernels = _kernels()
+    rows = x.stack.unbind(0) if x.stack is not None else x.tensors
+    # a tuple: compiled once per K and dtype and cached on disk (a numba typed list compiled its own
+    # methods anew in every process, 0.17 s each time)
+    xs, base = tuple(row.reshape(-1).numpy() for row in rows), x.base.reshape(-1).numpy()
+    masks = x.masks.reshape(len(xs), -1).numpy()
+    out = x.out if x.out is not None else torch.empty(x.base.shape, dtype=torch.float64, device=x.base.device)
+    flat, code = out.view(-1).numpy(), getattr(cpu_kernels, combine.upper())  # SUM, AGREEING_SUM or AGREEING_MEAN
+    parts = max(1, min(torch.get_num_threads(), len(base) // _MERGE_PER_THREAD))
+    bounds = [len(base) * p // parts for p in range(parts + 1)]
+
+    def merge(p: int) -> None:
+        cpu_kernels.masked_merge(xs, base, masks, divisor or 0.0, coefficient, code, flat, bounds[p], bounds[p + 1])
+
+    _in_threads(merge, range(parts))
     return out
 
 
 def masked_merge_eager(x: TensorInputs, coefficient: float, combine: str, divisor: float | None = None) -> torch.Tensor:
     """:func:`masked_merge` in torch ops, on any device."""
     assert x.base is not None and x.masks is not None
-    tasks = (x.stacked() - x.base).mul_(x.masks)
+    base = x.base.to(torch.float64)
+    tasks = (x.stacked().to(torch.float64) - base).mul_(x.masks)
     if divisor is not None:
         tasks.div_(divisor)
     if combine == "sum":
@@ -495,7 +505,7 @@ def masked_merge_eager(x: TensorInputs, coefficient: float, combine: str, diviso
         total, count = agreeing_sum(tasks, overwrite=True)
         if combine == "agreeing_mean":
             total.div_(count.clamp_(min=1))
-    return x.base + coefficient * total
+    return base + coefficient * total
 
 
 def disjoint_mean(tasks: torch.Tensor, overwrite: bool = False) -> torch.Tensor:

@@ -74,6 +74,9 @@ from mergeflow.safetensors_io import CODES, DTYPES, SafetensorsWriter
 BLOCK = 1 << 17
 # Elements per block on an accelerator: K float64 blocks of 128 MiB each, few launches per tensor.
 DEVICE_BLOCK = 1 << 24
+# Elements per block merged from the files as stored (nothing read ahead): an 8 MiB float64 result, split
+# between threads.
+STORED_BLOCK = 1 << 20
 _DTYPE_NAMES = {
     "float64": torch.float64,
     "float32": torch.float32,
@@ -95,6 +98,7 @@ class _Item:
     shape: tuple[int, ...]
     total: tuple[int, ...] = ()  # the whole tensor's shape
     gram_pass: bool = False  # a block read only to sum the tensor's Gram matrix (``merge_method(gram=...)``)
+    stored: bool = False  # merged from views of the files as stored (``merge_method(stored=True)``), not read
 
     @property
     def count(self) -> int:
@@ -213,7 +217,7 @@ def merge_files(
         norms = _on_device(fisher_norms(inputs.fishers), where) if inputs.fishers is not None else None
         # closing(): on an error, stop the reader thread before the files close, not when the generator is collected.
         block = BLOCK if where.type == "cpu" else DEVICE_BLOCK
-        items = list(_plan(spec, inputs, sink.order, block))
+        items = list(_plan(spec, inputs, sink.order, block, stored=where.type == "cpu"))
         merged = stack.enter_context(closing(_merged(items, inputs, layout, w, norms, parsed, where)))
         for key, data in merged:
             sink.write(key, data)
@@ -267,8 +271,12 @@ def _out_layout(model: Checkpoint, key: str, dtype: torch.dtype | None) -> tuple
     return (CODES[dtype] if dtype is not None and floating else entry.dtype), entry.shape
 
 
-def _plan(spec: MergeMethod, inputs: _Inputs, order: Sequence[str], block: int) -> Iterator[_Item]:
-    """The merge's items in the output's order: elementwise methods and copies in blocks, other methods whole."""
+def _plan(
+    spec: MergeMethod, inputs: _Inputs, order: Sequence[str], block: int, stored: bool = False
+) -> Iterator[_Item]:
+    """The merge's items in the output's order: elementwise methods and copies in blocks, other methods whole.
+    With ``stored`` (the CPU), a method that takes its tensors as stored merges blocks of ``STORED_BLOCK``
+    straight from the files where every input of the tensor is float32, or every one float64."""
     for key in order:
         entry = inputs.models[0].entry(key)
         method = tensor_method(
@@ -277,11 +285,25 @@ def _plan(spec: MergeMethod, inputs: _Inputs, order: Sequence[str], block: int) 
         if method is not None and not method.elementwise:
             yield _Item(key, method, 0, entry.shape, entry.shape)
             continue
+        if method is not None and stored and method.stored and _stored_dtype(inputs, method, key):
+            blocks = range(0, entry.numel, STORED_BLOCK)
+            yield from (
+                _Item(key, method, a, (min(STORED_BLOCK, entry.numel - a),), entry.shape, stored=True) for a in blocks
+            )
+            continue
         blocks = range(0, max(entry.numel, 1), block)
         if method is not None and method.gram:
             yield from (_Item(key, method, a, (min(block, entry.numel - a),), entry.shape, True) for a in blocks)
         for start in blocks:
             yield _Item(key, method, start, (min(block, entry.numel - start),), entry.shape)
+
+
+def _stored_dtype(inputs: _Inputs, method: MergeMethod, key: str) -> bool:
+    """Whether every input of ``key`` that ``method`` reads is float32, or every one float64."""
+    base, fishers = inputs.used(method)
+    checkpoints = [*inputs.models, *([base] if base is not None else []), *(fishers or [])]
+    dtypes = {checkpoint.entry(key).torch_dtype for checkpoint in checkpoints}
+    return len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64}
 
 
 def _merged(
@@ -295,7 +317,7 @@ def _merged(
 ) -> Iterator[tuple[str, memoryview]]:
     """Each item's merged bytes in the output dtype, in order; each view is valid until the next item."""
     count = len(inputs.models)
-    capacity = max((item.count for item in items), default=0)
+    capacity = max((item.count for item in items if not item.stored), default=0)
     blocks_only = all(item.method is None or item.method.elementwise for item in items)
     # Two buffer sets let the reader run one block ahead; whole tensors get one set, as large as K largest tensors.
     buffer_sets = [
@@ -303,11 +325,12 @@ def _merged(
         for _ in range(2 if blocks_only else 1)
     ]
     staging = _Staging(capacity * inputs.itemsize(), device)
-    out_size = capacity * max(DTYPES[code].itemsize for code, _ in layout.values())
+    largest = max((item.count for item in items), default=0)
+    out_size = largest * max(DTYPES[code].itemsize for code, _ in layout.values())
     out = torch.empty(out_size, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
     def fill(item: _Item, buffers: _Buffers) -> None:
-        if item.method is None:
+        if item.method is None or item.stored:
             return
         base, fishers = inputs.used(item.method)
         n = item.count
@@ -319,6 +342,8 @@ def _merged(
             staging.read(fisher, item.key, item.start, n, buffers.fishers[k * n : (k + 1) * n])
 
     masks = _Masks(inputs, items, options, device)
+    # a stored item's float64 result, made once: a new one per block cost a page fault per 4 KiB (~2 ms a block)
+    stored_out = functools.cache(lambda: torch.empty(STORED_BLOCK, dtype=torch.float64, device=device))
     grams: dict[str, torch.Tensor] = {}
     threads_before = torch.get_num_threads()
     # Blocks: the merge on one thread and the reader on one, each on its own core; whole tensors: all of them.
@@ -343,8 +368,13 @@ def _merged(
                     with _intra_op_threads(threads_before):  # whole-tensor work (top-k): every core
                         masks.draw(item)
                 item_masks = masks.block(item) if item.method.masks is not None else None
-                x = _tensor_inputs(item, inputs, buffers, weights, norms, item_masks, grams.get(item.key))
-                result = item.method.fn(x, options)
+                if item.stored:  # nothing read ahead: the merge takes every core
+                    x = _stored_inputs(item, inputs, weights, norms, item_masks, stored_out()[: item.count])
+                    with _intra_op_threads(threads_before):
+                        result = item.method.fn(x, options)
+                else:
+                    x = _tensor_inputs(item, inputs, buffers, weights, norms, item_masks, grams.get(item.key))
+                    result = item.method.fn(x, options)
                 flat = result.reshape(-1)
                 if flat.device != target.device:  # narrowed on the device: half the bytes come back
                     flat = flat.to(dtype)
@@ -500,4 +530,33 @@ def _tensor_inputs(
         stack=stack,
         masks=masks,
         gram=gram,
+    )
+
+
+def _stored_inputs(
+    item: _Item,
+    inputs: _Inputs,
+    weights: torch.Tensor,
+    norms: Callable[[], torch.Tensor] | None,
+    masks: torch.Tensor | None,
+    out: torch.Tensor,
+) -> TensorInputs:
+    """A stored item's inputs: views of its block in the files' memory maps, in their stored dtype, and the
+    float64 ``out`` to merge into."""
+    assert item.method is not None
+    base, fishers = inputs.used(item.method)
+    end = item.start + item.count
+
+    def block(checkpoint: Checkpoint) -> torch.Tensor:
+        return torch.from_numpy(checkpoint.array(item.key)[item.start : end])
+
+    return TensorInputs(
+        name=item.key,
+        tensors=[block(model) for model in inputs.models],
+        weights=weights,
+        base=block(base) if base is not None else None,
+        fishers=[block(fisher) for fisher in fishers] if fishers is not None else None,
+        norms=norms,
+        masks=masks,
+        out=out.view(item.shape),
     )

@@ -15,7 +15,7 @@ def _trimmed(tasks: TaskVectors, shape: tuple[int, ...], name: str, options: Tie
     return magnitude_masks(tasks, options.density)
 
 
-@merge_method("ties", masks=_trimmed)
+@merge_method("ties", masks=_trimmed, stored=True)
 def ties(x: TensorInputs, options: TiesOptions) -> torch.Tensor:
     """TIES: base + λ · disjoint mean of the trimmed, sign-elected task vectors."""
     return masked_merge(x, options.scaling, "agreeing_mean")
