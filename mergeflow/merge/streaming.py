@@ -13,7 +13,9 @@ that runs ahead of the merge, and writes the merged tensors into the output as t
   K masks from its whole task vectors (``_Masks``: K booleans per element; on the CPU the compiled
   kernels of ``mergeflow.merge.cpu_kernels`` read the clients' float32/float64 tensors through
   memory maps, elsewhere one float64 task vector at a time and its top-k temporaries), then merge
-  blocks like the elementwise methods.
+  blocks like the elementwise methods. On the CPU, where a tensor's inputs are all float32 or all
+  float64, those blocks (``STORED_BLOCK`` elements) are views of the memory maps as stored, which the
+  method widens itself (``merge_method(stored=True)``) on every core: nothing is read ahead.
 - Methods that read a tensor only through the Gram matrix of its K inputs or task vectors
   (``model_stock``, ``slerp``) take two passes over its blocks: the first sums the K × K Gram, the
   second merges blocks like the elementwise methods. Each such tensor is read twice, never held whole.
