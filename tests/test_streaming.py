@@ -30,6 +30,7 @@ def _write(tmp_path, count: int = 3, dtype=torch.float32):
         return {
             "layer.weight": torch.randn(7, 5, generator=generator).to(dtype),
             "layer.bias": torch.randn(7, generator=generator).to(dtype),
+            "layer.empty": torch.randn(0, 4, generator=generator).to(dtype),  # a tensor with no elements
             "steps": torch.tensor([3], dtype=torch.int64),
         }
 
@@ -218,7 +219,12 @@ def test_refusals_name_the_file_and_leave_no_output(tmp_path):
     with pytest.raises(MergeflowError, match="out_dtype 'int8'"):
         merge_files("average", paths, out, out_dtype="int8")
     save_file(
-        {"layer.weight": torch.zeros(7, 4), "layer.bias": torch.zeros(7), "steps": torch.zeros(1)},
+        {
+            "layer.weight": torch.zeros(7, 4),
+            "layer.bias": torch.zeros(7),
+            "layer.empty": torch.zeros(0, 4),
+            "steps": torch.zeros(1),
+        },
         str(tmp_path / "odd.safetensors"),
     )
     with pytest.raises(MergeflowError, match="odd.safetensors.*architectures differ"):

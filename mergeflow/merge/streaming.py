@@ -288,7 +288,7 @@ def _plan(
             yield _Item(key, method, 0, entry.shape, entry.shape)
             continue
         if method is not None and stored and method.stored and _stored_dtype(inputs, method, key):
-            blocks = range(0, entry.numel, STORED_BLOCK)
+            blocks = range(0, max(entry.numel, 1), STORED_BLOCK)
             yield from (
                 _Item(key, method, a, (min(STORED_BLOCK, entry.numel - a),), entry.shape, stored=True) for a in blocks
             )
@@ -475,14 +475,14 @@ class _Masks:
             return row.view(shape)
 
         def operands() -> TaskOperands:
-            stored, tensors = self._inputs.base.array(key), [model.array(key) for model in self._inputs.models]
+            base_array, tensors = self._inputs.base.array(key), [model.array(key) for model in self._inputs.models]
 
             def chunks(clients: Sequence[int]) -> Iterator[tuple[int, list[np.ndarray], np.ndarray]]:
                 for start in range(0, n, _OPERAND_BLOCK):
                     end = start + _OPERAND_BLOCK
-                    yield start, [tensors[k][start:end] for k in clients], stored[start:end]
+                    yield start, [tensors[k][start:end] for k in clients], base_array[start:end]
 
-            return TaskOperands(count, n, lambda k, step: (tensors[k][::step], stored[::step]), chunks)
+            return TaskOperands(count, n, lambda k, step: (tensors[k][::step], base_array[::step]), chunks)
 
         masks = self._masks[: count * n].view(count, n)
         dtypes = {base_dtype, *(model.entry(key).torch_dtype for model in self._inputs.models)}
