@@ -113,12 +113,13 @@ class SafetensorsFile:
             done += got
 
     def array(self, key: str) -> np.ndarray:
-        """A float32 or float64 tensor's stored elements as an array over a memory map of the file: nothing is
-        read until used, and then straight from the page cache, without a copy. The map is copy-on-write, so
-        torch takes it as is; a write would change only this process's copy of the page, never the file."""
+        """A float32 or float64 tensor's stored elements as a read-only array over a memory map of the file:
+        nothing is read until used, and then straight from the page cache, without a copy."""
         entry = self.entries[key]
         if self._map is None:
-            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+            # read-only: a copy-on-write map is charged in full against memory, and one larger than RAM and
+            # swap is refused (ENOMEM), where a read-only one of any size is not
+            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
         dtype = np.dtype(str(entry.torch_dtype).removeprefix("torch."))
         return np.frombuffer(self._map, dtype=dtype, count=entry.numel, offset=entry.start)
 

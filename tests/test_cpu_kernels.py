@@ -81,10 +81,14 @@ def test_top_of_differences_when_a_bracket_misses_and_with_nans():
     generator = torch.Generator().manual_seed(3)
     honest, lying, with_nans = (torch.rand(n, generator=generator, dtype=torch.float64) for _ in range(3))
     lying[:: n // sparsify._SAMPLE_SIZE] += 10.0
-    with_nans[[5, 17, 99_999]] = float("nan")
+    with_nans[[0, 5, 17, 99_999]] = float("nan")  # index 0 is in the sample: its brackets are NaN
     masks = torch.from_numpy(top_of_differences(_chunked([honest, lying, with_nans], b, 40_000), 50_000))
     for mask, x in zip(masks, (honest, lying, with_nans), strict=True):
         assert torch.equal(mask, top_mask(x.abs(), 50_000))
+    # Breadcrumbs' window (drop the top 1,000, keep the next 50,000) with the same clients
+    window = torch.from_numpy(top_of_differences(_chunked([honest, lying, with_nans], b, 40_000), 50_000, skip=1000))
+    for mask, x in zip(window, (honest, lying, with_nans), strict=True):
+        assert torch.equal(mask, top_mask(x.abs(), 51_000) & ~top_mask(x.abs(), 1000))
 
 
 def test_compiled_draws_equal_torch_rand_and_leave_the_same_state():

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mergeflow.errors import MergeflowError
-from mergeflow.merge import METHODS, merge, streaming
+from mergeflow.merge import METHODS, merge, sparsify, streaming
 from mergeflow.merge.streaming import merge_files
 
 TENSOR_METHODS = sorted(name for name, spec in METHODS.items() if spec.scope == "tensor")
@@ -107,6 +107,8 @@ def test_streaming_equals_the_in_memory_merge_on_sharded_checkpoints(gpt2_dirs, 
     monkeypatch.setattr(streaming, "BLOCK", 1024)  # several blocks per tensor, and a partial last one
     monkeypatch.setattr(streaming, "_MASK_READ_BLOCK", 1000)  # task vectors read for masks in several blocks too
     monkeypatch.setattr(streaming, "_OPERAND_BLOCK", 1000)  # and the compiled masks' operands (fp32)
+    monkeypatch.setattr(streaming, "STORED_BLOCK", 1500)  # blocks merged from the files as stored (fp32)
+    monkeypatch.setattr(sparsify, "_MERGE_PER_THREAD", 300)  # each split between the threads
     spec = METHODS[method]
     count = 2 if method == "slerp" else 3
     files, memory = {}, {}
@@ -117,7 +119,8 @@ def test_streaming_equals_the_in_memory_merge_on_sharded_checkpoints(gpt2_dirs, 
     if "sizes" in spec.needs or "fishers" in spec.needs:
         files["weights"] = memory["weights"] = [1.0, 2.0, 4.0][:count]
     assert all(need in ("base", "fishers", "sizes") for need in spec.needs), f"give the test {method}'s inputs"
-    merge_files(method, models[:count], tmp_path / "merged", max_shard_size="20KB", **files)
+    with streaming._intra_op_threads(2):
+        merge_files(method, models[:count], tmp_path / "merged", max_shard_size="20KB", **files)
     expected = merge(method, [_load_dir(m) for m in models[:count]], **memory)
     streamed = _load_dir(tmp_path / "merged")
     assert streamed.keys() == expected.keys()

@@ -227,8 +227,9 @@ def merge_method(
     elementwise (Model Stock's angle, SLERP's): a streamed merge sums the Gram over blocks in a first
     pass, then merges blocks in a second.
     ``stored``: ``fn`` takes its tensors as stored (float32 or float64, one dtype for the clients) and
-    widens them itself, so a streamed merge on the CPU may pass views of the files' memory maps instead
-    of float64 copies (``sparsify.masked_merge`` does; elementwise methods only).
+    widens them itself, never writing them, so a streamed merge on the CPU may pass views of the files'
+    read-only memory maps instead of float64 copies (``sparsify.masked_merge`` does; elementwise methods
+    only).
     """
     declared = name in DECLARED
     if declared and (options, needs, uses) != (None, None, None):

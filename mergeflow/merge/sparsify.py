@@ -158,7 +158,8 @@ def _in_threads(work: Callable[[T], R], parts: Sequence[T]) -> list[R]:
 
 @functools.cache
 def _pool(size: int) -> ThreadPoolExecutor:
-    """A pool of ``size`` threads, kept: starting one per tensor cost 0.3 ms, a sixth of a small tensor's masks."""
+    """A pool of ``size`` threads, kept: starting one per tensor cost 0.3 ms, a sixth of a small tensor's masks.
+    Work run on it must not call :func:`_in_threads` itself (it could wait on its own pool's threads)."""
     return ThreadPoolExecutor(size, thread_name_prefix="mergeflow-kernels")
 
 
@@ -170,7 +171,8 @@ def _select_group(
 ) -> list[int]:
     cpu_kernels = _kernels()
     found = {k: brackets(k) for k in group}
-    overlapping = [k for k in group if skip and found[k][3] <= found[k][1]]  # the top's low not above the bottom's high
+    # the top's low not above the bottom's high (NaN brackets, from a NaN in the sample, are not above either)
+    overlapping = [k for k in group if skip and not found[k][3] > found[k][1]]
     group = [k for k in group if k not in overlapping]
     gathered = {}
     for k in group:
@@ -466,7 +468,7 @@ def masked_merge(x: TensorInputs, coefficient: float, combine: str, divisor: flo
 
     ``combine``: ``"sum"`` (in order k = 0..K−1), ``"agreeing_sum"`` (``agreeing_sum``'s total) or
     ``"agreeing_mean"`` (TIES' disjoint mean). The tensors and the base may be float32 or float64 (a
-    streamed merge passes them as stored); each is widened to float64 first. Into ``x.out`` if given. On
+    streamed merge passes them as stored); each is widened to float64 first. On the CPU, into ``x.out`` if given. On
     the CPU one compiled loop (``cpu_kernels.masked_merge``, a long block split between torch's intra-op
     threads) does what the eager code (``masked_merge_eager``, every other device) does in about fifteen
     passes, with the same bits.

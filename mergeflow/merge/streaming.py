@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, closing, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -550,7 +551,9 @@ def _stored_inputs(
     end = item.start + item.count
 
     def block(checkpoint: Checkpoint) -> torch.Tensor:
-        return torch.from_numpy(checkpoint.array(item.key)[item.start : end])
+        with warnings.catch_warnings():  # read-only memory, which a stored method never writes (merge_method)
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+            return torch.from_numpy(checkpoint.array(item.key)[item.start : end])
 
     return TensorInputs(
         name=item.key,
