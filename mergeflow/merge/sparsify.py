@@ -156,6 +156,14 @@ def _in_threads(work: Callable[[T], R], parts: Sequence[T]) -> list[R]:
     return list(_pool(len(parts)).map(work, parts))
 
 
+def _shares(count: int, least: int) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges that split ``count`` elements evenly between torch's intra-op threads, each at
+    least ``least`` long: a single range when ``count`` is short."""
+    parts = max(1, min(torch.get_num_threads(), count // least))
+    bounds = [count * p // parts for p in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
 @functools.cache
 def _pool(size: int) -> ThreadPoolExecutor:
     """A pool of ``size`` threads, kept: starting one per tensor cost 0.3 ms, a sixth of a small tensor's masks.
@@ -426,16 +434,15 @@ def _compiled_draws(
     left, following = state[_LEFT : _LEFT + 4].view(np.int32)[0], state[_NEXT : _NEXT + 8].view(np.uint64)[0]
     out = out if out is not None else torch.empty(shape, dtype=torch.bool, device=generator.device)
     flat, each = out.view(-1).numpy(), keep.reshape(-1).numpy() if isinstance(keep, torch.Tensor) else np.empty(0)
-    parts = max(1, min(torch.get_num_threads(), len(flat) // _DRAWS_PER_THREAD))
-    bounds = [len(flat) * p // parts for p in range(parts + 1)]
-    streams = [(words.copy(), np.array([left, following], dtype=np.int64)) for _ in range(parts)]
+    shares = _shares(len(flat), _DRAWS_PER_THREAD)
+    streams = [(words.copy(), np.array([left, following], dtype=np.int64)) for _ in shares]
 
-    def draw(p: int) -> None:
-        a, z = bounds[p], bounds[p + 1]
-        cpu_kernels.skip(*streams[p], 2 * a)  # two words a uniform
-        cpu_kernels.uniforms_below(*streams[p], float(keep) if not len(each) else 0.0, each[a:z], flat[a:z])
+    def draw(part: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]]) -> None:
+        (a, z), stream = part
+        cpu_kernels.skip(*stream, 2 * a)  # two words a uniform
+        cpu_kernels.uniforms_below(*stream, float(keep) if not len(each) else 0.0, each[a:z], flat[a:z])
 
-    _in_threads(draw, range(parts))
+    _in_threads(draw, list(zip(shares, streams, strict=True)))
     words, position = streams[-1]
     state[_WORDS : _WORDS + 624 * 8].view(np.uint64)[:] = words
     state[_LEFT : _LEFT + 4].view(np.int32)[0] = position[0]
@@ -468,9 +475,9 @@ def masked_merge(x: TensorInputs, coefficient: float, combine: str, divisor: flo
 
     ``combine``: ``"sum"`` (in order k = 0..K−1), ``"agreeing_sum"`` (``agreeing_sum``'s total) or
     ``"agreeing_mean"`` (TIES' disjoint mean). The tensors and the base may be float32 or float64 (a
-    streamed merge passes them as stored); each is widened to float64 first. On the CPU, into ``x.out`` if given. On
-    the CPU one compiled loop (``cpu_kernels.masked_merge``, a long block split between torch's intra-op
-    threads) does what the eager code (``masked_merge_eager``, every other device) does in about fifteen
+    streamed merge passes them as stored); each is widened to float64 first. On the CPU one compiled loop
+    (``cpu_kernels.masked_merge``, a long block split between torch's intra-op threads, into ``x.out`` if
+    given) does what the eager code (``masked_merge_eager``, every other device) does in about fifteen
     passes, with the same bits.
     """
     assert x.base is not None and x.masks is not None  # methods with masks need base (schema), masks=
@@ -484,13 +491,11 @@ def masked_merge(x: TensorInputs, coefficient: float, combine: str, divisor: flo
     masks = x.masks.reshape(len(xs), -1).numpy()
     out = x.out if x.out is not None else torch.empty(x.base.shape, dtype=torch.float64, device=x.base.device)
     flat, code = out.view(-1).numpy(), getattr(cpu_kernels, combine.upper())  # SUM, AGREEING_SUM or AGREEING_MEAN
-    parts = max(1, min(torch.get_num_threads(), len(base) // _MERGE_PER_THREAD))
-    bounds = [len(base) * p // parts for p in range(parts + 1)]
 
-    def merge(p: int) -> None:
-        cpu_kernels.masked_merge(xs, base, masks, divisor or 0.0, coefficient, code, flat, bounds[p], bounds[p + 1])
+    def merge(share: tuple[int, int]) -> None:
+        cpu_kernels.masked_merge(xs, base, masks, divisor or 0.0, coefficient, code, flat, *share)
 
-    _in_threads(merge, range(parts))
+    _in_threads(merge, _shares(len(base), _MERGE_PER_THREAD))
     return out
 
 
