@@ -3,18 +3,21 @@
 #   bash bench/gpu_all.sh [OUTPUT_DIR]        (default gpu-results/)
 # Each part has its own time limit and its own log in OUTPUT_DIR, so one that hangs or fails costs only
 # itself. Wheels the machine lacks (pydantic, ivon-opt, BackPACK, ...) are installed first from .whl/ when
-# that folder exists (see docs/benchmarks.md for how it is filled). Record the logs in docs/benchmarks.md.
+# that folder exists, and its .tar.xz files (site-packages too large as wheels: numba and llvmlite) are unpacked
+# beside them (see docs/benchmarks.md for how it is filled). Record the logs in docs/benchmarks.md.
 set -u
 out=${1:-gpu-results}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    for packed in .whl/*.tar.xz; do [ -e "$packed" ] && tar -xJf "$packed" -C /tmp/site; done
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/env.log" 2>&1
 python3 -m pip list 2>/dev/null | grep -iE "^(torch|transformers|peft|pyarrow|numpy|scipy|datasets|pydantic) " >>"$out/env.log"
+python3 -c "import numba; print('numba', numba.__version__)" >>"$out/env.log" 2>&1
 
 part() {  # part NAME SECONDS COMMAND...: run with a limit, log to OUTPUT_DIR/NAME.log, say how it ended
     local name=$1 limit=$2
@@ -25,9 +28,9 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to OUTPUT_DIR/NA
 }
 
 part exact 50 python3 bench/gpu_exact.py --cpu
-part merges 120 python3 bench/gpu_merges.py --repeats 2
 # what `make gpu-check` runs (a bare machine may have no make)
-part suite 180 python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider tests/gpu
+part suite 240 python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider tests/gpu
+part merges 120 python3 bench/gpu_merges.py --repeats 2
 part finetune 90 bash -c "python3 bench/gpu_finetune_step.py && python3 bench/gpu_finetune_step.py --precision bf16 \
     && python3 bench/gpu_finetune_step.py --layers 6 --hidden 384 --length 32 --examples 4800"
 part streaming 100 python3 bench/gpu_streaming.py --dir /tmp/gpu-streaming
