@@ -94,7 +94,7 @@ def test_top_of_differences_when_a_bracket_misses_and_with_nans():
 def test_compiled_draws_equal_torch_rand_and_leave_the_same_state():
     """Across MT19937's 624-word refills, from a generator part-way through its stream, with p a number or
     per entry: the same booleans as ``torch.rand(...) < p`` and the same generator state after."""
-    assert sparsify._compiled_draws_match()
+    assert sparsify.compiled_draws_match()
     probabilities = torch.rand(5000, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     for seed, first, shape, keep in [(0, 0, (5000,), 0.3), (2**40 + 7, 311, (50, 100), probabilities.view(50, 100)),
                                      (5, 1, (313,), 0.9), (6, 624, (1,), 0.5)]:  # fmt: skip

@@ -45,27 +45,47 @@ def masked_merge(xs, base, masks, divisor, coefficient, combine, out, start, end
             x, m, task = xs[k][first : first + size], masks[k, first : first + size], tasks[k]
             for j in range(size):
                 task[j] = _masked(np.float64(x[j]), np.float64(b[j]), m[j], divisor)
-        total[:size] = tasks[0, :size]
-        for k in range(1, count):
-            task = tasks[k]
-            for j in range(size):
-                total[j] += task[j]
-        if combine != SUM:
-            for j in range(size):
-                sign[j] = -1.0 if total[j] < 0 else 1.0
-                agreeing[j] = 0.0
-            for k in range(count):
-                task = tasks[k]
-                for j in range(size):
-                    flipped = task[j] * sign[j]
-                    agreeing[j] += 1.0 if flipped > 0 else 0.0
-                    positive = 0.0 if flipped <= 0 else flipped  # as clamp(min=0): NaN stays NaN
-                    kept[j] = positive if k == 0 else kept[j] + positive
-            for j in range(size):
-                merged = kept[j] * sign[j] + 0.0
-                total[j] = merged / max(agreeing[j], 1.0) if combine == AGREEING_MEAN else merged
+        _combine(tasks, size, combine, total, sign, kept, agreeing)
         for j in range(size):
             out[first + j] = np.float64(b[j]) + coefficient * total[j]
+
+
+@_jit
+def merge_tasks(tasks, base, coefficient, combine, out, start, end):  # pragma: no cover - compiled
+    """``out = base + coefficient · combine_k(tasks_k)`` over elements ``start:end``, for ``(K, n)`` float64 task
+    vectors ``tasks`` (``combine`` as in ``masked_merge``); ``base`` float32 or float64, widened here."""
+    total, sign, kept, agreeing = np.empty(_TILE), np.empty(_TILE), np.empty(_TILE), np.empty(_TILE)
+    for first in range(start, end, _TILE):
+        size = min(end, first + _TILE) - first
+        _combine(tasks[:, first : first + size], size, combine, total, sign, kept, agreeing)
+        for j in range(size):
+            out[first + j] = np.float64(base[first + j]) + coefficient * total[j]
+
+
+@numba.njit(inline="always", error_model="numpy")
+def _combine(tasks, size, combine, total, sign, kept, agreeing):  # pragma: no cover - compiled
+    """``total[:size] = combine_k(tasks[k, :size])`` (``masked_merge``'s ``combine``), every element's sums
+    in order k = 0..K−1; ``sign``, ``kept`` and ``agreeing`` are scratch."""
+    count = tasks.shape[0]
+    total[:size] = tasks[0, :size]
+    for k in range(1, count):
+        task = tasks[k]
+        for j in range(size):
+            total[j] += task[j]
+    if combine != SUM:
+        for j in range(size):
+            sign[j] = -1.0 if total[j] < 0 else 1.0
+            agreeing[j] = 0.0
+        for k in range(count):
+            task = tasks[k]
+            for j in range(size):
+                flipped = task[j] * sign[j]
+                agreeing[j] += 1.0 if flipped > 0 else 0.0
+                positive = 0.0 if flipped <= 0 else flipped  # as clamp(min=0): NaN stays NaN
+                kept[j] = positive if k == 0 else kept[j] + positive
+        for j in range(size):
+            merged = kept[j] * sign[j] + 0.0
+            total[j] = merged / max(agreeing[j], 1.0) if combine == AGREEING_MEAN else merged
 
 
 @numba.njit(inline="always", error_model="numpy")
@@ -268,11 +288,19 @@ def _temper_all(state, tempered):  # pragma: no cover - compiled
 def uniforms_below(state, position, keep, keep_each, out):  # pragma: no cover - compiled
     """``out[i] = u_i < keep`` (or ``< keep_each[i]`` when that has entries) for consecutive float64
     uniforms u_i of an MT19937 stream: ``state`` its 624 words, ``position`` (left, next) as torch's CPU
-    engine keeps them, both advanced in place. Each uniform is torch's: the 53 low bits of two words
-    (the first the high half) times 2⁻⁵³."""
-    left, following = position[0], position[1]
+    engine keeps them, both advanced in place (``draw``)."""
     tempered = np.empty(624, dtype=np.uint32)
     _temper_all(state, tempered)
+    draw(state, tempered, position, out, True, keep, keep_each)
+
+
+@numba.njit(inline="always", error_model="numpy")
+def draw(state, tempered, position, out, below, keep, keep_each):  # pragma: no cover - compiled
+    """The next ``len(out)`` float64 uniforms u_i of an MT19937 stream into ``out`` (``below`` False), or
+    ``u_i < keep`` (``< keep_each[i]`` when that has entries): ``state`` its 624 words and ``tempered``
+    their tempered outputs, ``position`` (left, next) as torch's CPU engine keeps them, all advanced in
+    place. Each uniform is torch's: the 53 low bits of two words (the first the high half) times 2⁻⁵³."""
+    left, following = position[0], position[1]
     scale = 1.0 / 9007199254740992.0
     each = keep_each.shape[0] > 0
     done, total = 0, out.shape[0]
@@ -283,7 +311,7 @@ def uniforms_below(state, position, keep, keep_each, out):  # pragma: no cover -
                 tempered[following + 2 * q + 1]
             )
             uniform = np.float64(word & np.uint64(0x1FFFFFFFFFFFFF)) * scale
-            out[done + q] = uniform < (keep_each[done + q] if each else keep)
+            out[done + q] = (uniform < (keep_each[done + q] if each else keep)) if below else uniform
         done, left, following = done + pairs, left - 2 * pairs, following + 2 * pairs
         if done < total:  # one uniform across a twist, word by word
             left -= 1
@@ -298,6 +326,7 @@ def uniforms_below(state, position, keep, keep_each, out):  # pragma: no cover -
                 left, following = 624, 0
             word = (high << np.uint64(32)) | np.uint64(tempered[following])
             following += 1
-            out[done] = np.float64(word & np.uint64(0x1FFFFFFFFFFFFF)) * scale < (keep_each[done] if each else keep)
+            uniform = np.float64(word & np.uint64(0x1FFFFFFFFFFFFF)) * scale
+            out[done] = (uniform < (keep_each[done] if each else keep)) if below else uniform
             done += 1
     position[0], position[1] = left, following

@@ -5,19 +5,35 @@ As mergekit's ``della`` (TIES' sign election and disjoint mean of the pruned vec
 probability rises evenly from ``density − ε`` (smallest) to ``density + ε`` (largest), and a kept entry
 is divided by its probability (``rescale``). Rows are of the whole tensor and ``1/p`` differs per entry,
 so these methods are not elementwise: a streamed merge takes each such tensor whole (the K clients'
-copies of one tensor at a time), not in blocks.
+copies of one tensor at a time), not in blocks. On the CPU a compiled kernel
+(``mergeflow.merge.della_kernels``) ranks, draws and prunes each row in one pass, straight from the
+tensors as stored, and the merge step combines the pruned vectors in another, with the eager code's
+bits; every other device runs the eager code.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
+import numpy as np
 import torch
 
 from mergeflow.merge.registry import TensorInputs, merge_method
-from mergeflow.merge.sparsify import bernoulli_draws, disjoint_mean, tensor_generator
+from mergeflow.merge.sparsify import (
+    bernoulli_draws,
+    compiled_draws_match,
+    disjoint_mean,
+    in_threads,
+    kernels,
+    stream_state,
+    tensor_generator,
+    thread_shares,
+)
 from mergeflow.merge.sums import running_sum
 from mergeflow.schema.merge import DellaOptions
 
 _ROW_CHUNK = 1 << 20  # entries of whole rows ranked and drawn at a time: bounds the temporaries
+_PER_THREAD = 1 << 17  # elements (of each client) a thread prunes and merges, at least, when a tensor is split
 
 
 def keep_probabilities(task: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
@@ -63,9 +79,7 @@ def prune_(tasks: torch.Tensor, options: DellaOptions, name: str) -> torch.Tenso
             if options.rescale == "probability":
                 chunk.div_(probabilities)
         if before is not None:
-            after = task.abs().sum()
-            if before >= 1e-7 and after >= 1e-7:  # mergekit's guard against tiny norms
-                task.mul_(before / after)
+            _to_l1_norm(task, before)
     return tasks
 
 
@@ -76,16 +90,94 @@ def pruned(tasks: torch.Tensor, options: DellaOptions, name: str) -> torch.Tenso
 
 def _pruned_tasks(x: TensorInputs, options: DellaOptions) -> torch.Tensor:
     assert x.base is not None  # needs base (schema)
-    return prune_(x.stacked() - x.base, options, x.name)
+    return prune_(x.stacked().to(torch.float64) - x.base.to(torch.float64), options, x.name)
 
 
-@merge_method("della")
+def _merged(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Tensor:
+    assert x.base is not None  # needs base (schema)
+    if x.base.device.type == "cpu" and compiled_draws_match():
+        return _compiled(x, options, combine)
+    tasks = _pruned_tasks(x, options)
+    combined = disjoint_mean(tasks, overwrite=True) if combine == "agreeing_mean" else running_sum(tasks)
+    return x.base.to(torch.float64) + options.scaling * combined
+
+
+def _compiled(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Tensor:
+    """``_merged`` on the CPU by the compiled kernels (``mergeflow.merge.della_kernels``), from the tensors as
+    given (float32 or float64), into ``x.out`` if given. The tensor's rows are split between threads, each
+    with its own K streams, skipped to its first row: every client's rows of a block are pruned and merged
+    at once. With ``rescale: l1`` the pruned task vectors are written out first (``x.working``), scaled,
+    then merged."""
+    assert x.base is not None
+    della_kernels, cpu_kernels = _della_kernels(), kernels()
+    tensors = [*(x.stack.unbind(0) if x.stack is not None else x.tensors), x.base]
+    if len({t.dtype for t in tensors}) > 1 or tensors[0].dtype not in (torch.float32, torch.float64):
+        tensors = [t.to(torch.float64) for t in tensors]
+    *clients, base = (t.reshape(-1).numpy() for t in tensors)
+    xs, count, n = tuple(clients), len(clients), base.shape[0]  # a tuple: compiled once per K and dtype
+    out = x.out if x.out is not None else torch.empty(x.base.shape, dtype=torch.float64, device=x.base.device)
+    if n == 0:
+        return out
+    width = n // x.base.shape[0] if x.base.dim() >= 2 else n
+    step = 2.0 * options.epsilon / (width - 1) if width > 1 else 0.0  # as _row_probabilities
+    low = options.density - options.epsilon if width > 1 else options.density
+    rescale = della_kernels.PROBABILITY if options.rescale == "probability" else della_kernels.NONE
+    words, position = stream_state(tensor_generator(options.seed, x.name, x.base.device))
+    code, flat = getattr(cpu_kernels, combine.upper()), out.view(-1).numpy()
+    per_thread = max(1, _PER_THREAD // width)  # rows
+    if options.rescale == "l1":
+        tasks = x.working(count * n).view(count, n)
+
+        def prune(rows: tuple[int, int]) -> None:
+            state, at = words.copy(), position.copy()
+            cpu_kernels.skip(state, at, 2 * rows[0] * width)  # two words a uniform
+            della_kernels.prune(xs, base, width, step, low, rescale, state, at, *rows, tasks.numpy().reshape(-1))
+
+        in_threads(prune, thread_shares(count * (n // width), per_thread))
+        for task, client in zip(tasks, clients, strict=True):
+            _to_l1_norm(
+                task,
+                (torch.from_numpy(client).to(torch.float64) - torch.from_numpy(base).to(torch.float64)).abs().sum(),
+            )
+        in_threads(lambda share: cpu_kernels.merge_tasks(tasks.numpy(), base, options.scaling, code, flat, *share),
+                   thread_shares(n, per_thread * width))  # fmt: skip
+        return out
+
+    def merge(rows: tuple[int, int]) -> None:
+        states, positions = np.empty((count, 624), np.uint32), np.empty((count, 2), np.int64)
+        state, at = words.copy(), position.copy()
+        cpu_kernels.skip(state, at, 2 * rows[0] * width)
+        for k in range(count):  # client k's first uniform here is k·n + rows[0]·width
+            states[k], positions[k] = state, at
+            if k + 1 < count:
+                cpu_kernels.skip(state, at, 2 * n)
+        della_kernels.merge(xs, base, width, step, low, rescale, states, positions, *rows, options.scaling, code, flat)
+
+    in_threads(merge, thread_shares(n // width, per_thread))
+    return out
+
+
+def _to_l1_norm(task: torch.Tensor, before: torch.Tensor) -> None:
+    """mergekit 0.1.5's rescale: the pruned ``task`` scaled in place to the L1 norm ``before`` it had unpruned."""
+    after = task.abs().sum()
+    if before >= 1e-7 and after >= 1e-7:  # mergekit's guard against tiny norms
+        task.mul_(before / after)
+
+
+def _della_kernels() -> ModuleType:
+    """``mergeflow.merge.della_kernels``, imported on first use (numba's import stays off other paths)."""
+    from mergeflow.merge import della_kernels
+
+    return della_kernels
+
+
+@merge_method("della", stored=True)
 def della(x: TensorInputs, options: DellaOptions) -> torch.Tensor:
     """DELLA: base + λ · disjoint mean of the magnitude-ranked, randomly pruned, rescaled, sign-elected task vectors."""
-    return x.base + options.scaling * disjoint_mean(_pruned_tasks(x, options), overwrite=True)
+    return _merged(x, options, "agreeing_mean")
 
 
-@merge_method("della_linear")
+@merge_method("della_linear", stored=True)
 def della_linear(x: TensorInputs, options: DellaOptions) -> torch.Tensor:
     """DELLA + task arithmetic: base + λ · Σ_k of the magnitude-ranked, randomly pruned, rescaled task vectors."""
-    return x.base + options.scaling * running_sum(_pruned_tasks(x, options))
+    return _merged(x, options, "sum")

@@ -48,6 +48,9 @@ class TensorInputs:
     A method registered with ``stored=True`` may be given its tensors as stored (float32 or float64), and
     ``out``, a float64 tensor of the block's shape that it may write its result into and return (a
     streamed merge's reused buffer).
+    ``scratch(n)``, when given, is float64 working memory of ``n`` elements (1-D) that a streamed merge
+    reuses from tensor to tensor (its contents are not kept): a large temporary made anew per tensor
+    costs a page fault per 4 KiB.
     """
 
     name: str
@@ -60,6 +63,7 @@ class TensorInputs:
     masks: torch.Tensor | None = None
     gram: torch.Tensor | None = None
     out: torch.Tensor | None = None
+    scratch: Callable[[int], torch.Tensor] | None = None
 
     @property
     def fisher_norms(self) -> torch.Tensor | None:
@@ -69,6 +73,12 @@ class TensorInputs:
     def stacked(self) -> torch.Tensor:
         """The K tensors as one ``(K, ...)`` tensor: the streaming merge's buffer as is, else a new stack."""
         return self.stack if self.stack is not None else torch.stack(self.tensors)
+
+    def working(self, count: int) -> torch.Tensor:
+        """``count`` float64 elements of working memory (1-D) where the tensors are: ``scratch``'s, else new."""
+        if self.scratch is not None:
+            return self.scratch(count)
+        return torch.empty(count, dtype=torch.float64, device=self.tensors[0].device)
 
 
 @dataclass(frozen=True)
@@ -228,8 +238,8 @@ def merge_method(
     pass, then merges blocks in a second.
     ``stored``: ``fn`` takes its tensors as stored (float32 or float64, one dtype for the clients) and
     widens them itself, never writing them, so a streamed merge on the CPU may pass views of the files'
-    read-only memory maps instead of float64 copies (``sparsify.masked_merge`` does; elementwise methods
-    only).
+    read-only memory maps instead of float64 copies (``sparsify.masked_merge`` does, and DELLA's
+    compiled kernel); blocks of them for an elementwise method, else whole tensors.
     """
     declared = name in DECLARED
     if declared and (options, needs, uses) != (None, None, None):
@@ -240,8 +250,8 @@ def merge_method(
     if elementwise and scope != "tensor":
         raise ValueError(f"merge method {name!r}: only tensor-scope methods can be elementwise")
     needed = DECLARED[name].needs if declared else frozenset(needs or ())
-    if stored and not elementwise:
-        raise ValueError(f"merge method {name!r}: only an elementwise method can take its tensors as stored")
+    if stored and scope != "tensor":
+        raise ValueError(f"merge method {name!r}: only a tensor-scope method can take its tensors as stored")
     if (masks is not None or gram == "tasks") and "base" not in needed:
         raise ValueError(f"merge method {name!r}: its masks or Gram are of task vectors, so it needs base")
 

@@ -74,7 +74,7 @@ def outlier_masks(tasks: Iterable[torch.Tensor], density: float, gamma: float) -
         yield from _rows(mask, shape)
 
 
-def _kernels() -> ModuleType:
+def kernels() -> ModuleType:
     """``mergeflow.merge.cpu_kernels``, imported on first use: numba's import and first call (about 0.45 s)
     stay off every path that merges nothing sparsely on the CPU."""
     from mergeflow.merge import cpu_kernels
@@ -116,7 +116,7 @@ def top_of_differences(operands: TaskOperands, keep: int, out: np.ndarray | None
     missed = _select(operands, 0, keep, lambda k: (*_bracket(operands, k, keep), *none), masks, range(clients))
     missed = _select(operands, 0, keep, lambda k: (0.0, math.inf, count, *none), masks, missed)  # everything
     for k in missed:  # NaNs, which the compiled comparisons cannot order: the eager code's order
-        magnitudes = np.concatenate([_kernels().magnitudes(xs[0], b) for _, xs, b in operands.chunks([k])])
+        magnitudes = np.concatenate([kernels().magnitudes(xs[0], b) for _, xs, b in operands.chunks([k])])
         masks[k] = top_mask(torch.from_numpy(magnitudes), keep).numpy()
     return masks
 
@@ -131,7 +131,7 @@ def _bracket(operands: TaskOperands, k: int, keep: int) -> tuple[float, float, i
     count = operands.count
     step = max(1, count // _SAMPLE_SIZE)
     high_rank, low_rank = _bracket_ranks(len(range(0, count, step)), count, keep)
-    low, high = _kernels().sample_ranks(*operands.every(k, step), low_rank, high_rank)
+    low, high = kernels().sample_ranks(*operands.every(k, step), low_rank, high_rank)
     return low, high, min(count, 2 * (low_rank - high_rank + 1) * step + (1 << 12))
 
 
@@ -144,11 +144,11 @@ def _select(
     clients are split between torch's intra-op threads, each finding its brackets and making its pass."""
     threads = min(torch.get_num_threads(), len(clients))
     groups = [list(clients)[g::threads] for g in range(threads)]
-    found = _in_threads(lambda group: _select_group(operands, skip, keep, brackets, masks, group), groups)
+    found = in_threads(lambda group: _select_group(operands, skip, keep, brackets, masks, group), groups)
     return sorted(k for missed in found for k in missed)
 
 
-def _in_threads(work: Callable[[T], R], parts: Sequence[T]) -> list[R]:
+def in_threads(work: Callable[[T], R], parts: Sequence[T]) -> list[R]:
     """``work`` of each part, the parts on threads of their own (the compiled kernels release the GIL);
     a single part on this thread."""
     if len(parts) < 2:
@@ -156,7 +156,7 @@ def _in_threads(work: Callable[[T], R], parts: Sequence[T]) -> list[R]:
     return list(_pool(len(parts)).map(work, parts))
 
 
-def _shares(count: int, least: int) -> list[tuple[int, int]]:
+def thread_shares(count: int, least: int) -> list[tuple[int, int]]:
     """``[start, end)`` ranges that split ``count`` elements evenly between torch's intra-op threads, each at
     least ``least`` long: a single range when ``count`` is short."""
     parts = max(1, min(torch.get_num_threads(), count // least))
@@ -167,7 +167,7 @@ def _shares(count: int, least: int) -> list[tuple[int, int]]:
 @functools.cache
 def _pool(size: int) -> ThreadPoolExecutor:
     """A pool of ``size`` threads, kept: starting one per tensor cost 0.3 ms, a sixth of a small tensor's masks.
-    Work run on it must not call :func:`_in_threads` itself (it could wait on its own pool's threads)."""
+    Work run on it must not call :func:`in_threads` itself (it could wait on its own pool's threads)."""
     return ThreadPoolExecutor(size, thread_name_prefix="mergeflow-kernels")
 
 
@@ -177,7 +177,7 @@ os.register_at_fork(after_in_child=_pool.cache_clear)  # a forked child has none
 def _select_group(
     operands: TaskOperands, skip: int, keep: int, brackets: _Brackets, masks: np.ndarray, group: list[int]
 ) -> list[int]:
-    cpu_kernels = _kernels()
+    cpu_kernels = kernels()
     found = {k: brackets(k) for k in group}
     # the top's low not above the bottom's high (NaN brackets, from a NaN in the sample, are not above either)
     overlapping = [k for k in group if skip and not found[k][3] > found[k][1]]
@@ -409,7 +409,7 @@ def bernoulli_draws(
     as fast as ``torch.rand``: the same uniforms, and the generator is advanced past them. ``out``: a
     contiguous boolean tensor of ``shape`` to write them into.
     """
-    if generator.device.type == "cpu" and _compiled_draws_match():
+    if generator.device.type == "cpu" and compiled_draws_match():
         return _compiled_draws(shape, keep, generator, out)
     drawn = torch.rand(shape, dtype=torch.float64, device=generator.device, generator=generator) < keep
     return out.copy_(drawn) if out is not None else drawn
@@ -427,23 +427,22 @@ def _compiled_draws(
     """The draws of ``bernoulli_draws`` on the CPU, from the generator's own MT19937 state, which is then
     advanced past them. A long run of draws is split between torch's intra-op threads: each skips to
     its first uniform (``cpu_kernels.skip``, a seventh of the cost of making them) and draws its share."""
-    cpu_kernels = _kernels()
-    raw = generator.get_state()
-    state = raw.numpy()
-    words = state[_WORDS : _WORDS + 624 * 8].view(np.uint64).astype(np.uint32)
-    left, following = state[_LEFT : _LEFT + 4].view(np.int32)[0], state[_NEXT : _NEXT + 8].view(np.uint64)[0]
+    cpu_kernels = kernels()
+    words, position = stream_state(generator)
     out = out if out is not None else torch.empty(shape, dtype=torch.bool, device=generator.device)
     flat, each = out.view(-1).numpy(), keep.reshape(-1).numpy() if isinstance(keep, torch.Tensor) else np.empty(0)
-    shares = _shares(len(flat), _DRAWS_PER_THREAD)
-    streams = [(words.copy(), np.array([left, following], dtype=np.int64)) for _ in shares]
+    shares = thread_shares(len(flat), _DRAWS_PER_THREAD)
+    streams = [(words.copy(), position.copy()) for _ in shares]
 
     def draw(part: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]]) -> None:
         (a, z), stream = part
         cpu_kernels.skip(*stream, 2 * a)  # two words a uniform
         cpu_kernels.uniforms_below(*stream, float(keep) if not len(each) else 0.0, each[a:z], flat[a:z])
 
-    _in_threads(draw, list(zip(shares, streams, strict=True)))
+    in_threads(draw, list(zip(shares, streams, strict=True)))
     words, position = streams[-1]
+    raw = generator.get_state()
+    state = raw.numpy()
     state[_WORDS : _WORDS + 624 * 8].view(np.uint64)[:] = words
     state[_LEFT : _LEFT + 4].view(np.int32)[0] = position[0]
     state[_NEXT : _NEXT + 8].view(np.uint64)[0] = position[1]
@@ -451,8 +450,17 @@ def _compiled_draws(
     return out
 
 
+def stream_state(generator: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A CPU generator's MT19937 stream as the compiled kernels take it (``cpu_kernels.draw``): its 624
+    words (uint32) and its position (left, next), copies."""
+    state = generator.get_state().numpy()
+    words = state[_WORDS : _WORDS + 624 * 8].view(np.uint64).astype(np.uint32)
+    left, following = state[_LEFT : _LEFT + 4].view(np.int32)[0], state[_NEXT : _NEXT + 8].view(np.uint64)[0]
+    return words, np.array([left, following], dtype=np.int64)
+
+
 @functools.cache
-def _compiled_draws_match() -> bool:
+def compiled_draws_match() -> bool:
     """Whether the compiled draws equal ``torch.rand``'s here (this torch's generator layout and stream)."""
     cpu = torch.device("cpu")
     if torch.Generator(device=cpu).get_state().numel() != _STATE_BYTES:
@@ -483,7 +491,7 @@ def masked_merge(x: TensorInputs, coefficient: float, combine: str, divisor: flo
     assert x.base is not None and x.masks is not None  # methods with masks need base (schema), masks=
     if x.base.device.type != "cpu":
         return masked_merge_eager(x, coefficient, combine, divisor)
-    cpu_kernels = _kernels()
+    cpu_kernels = kernels()
     rows = x.stack.unbind(0) if x.stack is not None else x.tensors
     # a tuple: compiled once per K and dtype and cached on disk (a numba typed list compiled its own
     # methods anew in every process, 0.17 s each time)
@@ -495,7 +503,7 @@ def masked_merge(x: TensorInputs, coefficient: float, combine: str, divisor: flo
     def merge(share: tuple[int, int]) -> None:
         cpu_kernels.masked_merge(xs, base, masks, divisor or 0.0, coefficient, code, flat, *share)
 
-    _in_threads(merge, _shares(len(base), _MERGE_PER_THREAD))
+    in_threads(merge, thread_shares(len(base), _MERGE_PER_THREAD))
     return out
 
 

@@ -278,17 +278,19 @@ def _plan(
     spec: MergeMethod, inputs: _Inputs, order: Sequence[str], block: int, stored: bool = False
 ) -> Iterator[_Item]:
     """The merge's items in the output's order: elementwise methods and copies in blocks, other methods whole.
-    With ``stored`` (the CPU), a method that takes its tensors as stored merges blocks of ``STORED_BLOCK``
-    straight from the files where every input of the tensor is float32, or every one float64."""
+    With ``stored`` (the CPU), a method that takes its tensors as stored merges straight from the files
+    (blocks of ``STORED_BLOCK``, or whole tensors) where every input of the tensor is float32, or every
+    one float64."""
     for key in order:
         entry = inputs.models[0].entry(key)
         method = tensor_method(
             spec, entry.torch_dtype.is_floating_point, inputs.fishers is None or key in inputs.fishers[0]
         )
+        as_stored = method is not None and stored and method.stored and _stored_dtype(inputs, method, key)
         if method is not None and not method.elementwise:
-            yield _Item(key, method, 0, entry.shape, entry.shape)
+            yield _Item(key, method, 0, entry.shape, entry.shape, stored=as_stored)
             continue
-        if method is not None and stored and method.stored and _stored_dtype(inputs, method, key):
+        if as_stored:
             blocks = range(0, max(entry.numel, 1), STORED_BLOCK)
             yield from (
                 _Item(key, method, a, (min(STORED_BLOCK, entry.numel - a),), entry.shape, stored=True) for a in blocks
@@ -345,8 +347,10 @@ def _merged(
             staging.read(fisher, item.key, item.start, n, buffers.fishers[k * n : (k + 1) * n])
 
     masks = _Masks(inputs, items, options, device)
-    # a stored item's float64 result, made once: a new one per block cost a page fault per 4 KiB (~2 ms a block)
-    stored_out = functools.cache(lambda: torch.empty(STORED_BLOCK, dtype=torch.float64, device=device))
+    # a stored item's float64 result and scratch, made once: new ones per item cost a page fault per 4 KiB
+    stored_size = max((item.count for item in items if item.stored), default=0)
+    stored_out = functools.cache(lambda: torch.empty(stored_size, dtype=torch.float64, device=device))
+    scratch = _Scratch(device)
     grams: dict[str, torch.Tensor] = {}
     threads_before = torch.get_num_threads()
     # Blocks: the merge on one thread and the reader on one, each on its own core; whole tensors: all of them.
@@ -372,7 +376,7 @@ def _merged(
                         masks.draw(item)
                 item_masks = masks.block(item) if item.method.masks is not None else None
                 if item.stored:  # nothing read ahead: the merge takes every core
-                    x = _stored_inputs(item, inputs, weights, norms, item_masks, stored_out()[: item.count])
+                    x = _stored_inputs(item, inputs, weights, norms, item_masks, stored_out()[: item.count], scratch)
                     with _intra_op_threads(threads_before):
                         result = item.method.fn(x, options)
                 else:
@@ -384,6 +388,20 @@ def _merged(
                 target.view(dtype).copy_(flat)
             reader.release(buffers)
             yield item.key, memoryview(target.numpy())
+
+
+class _Scratch:
+    """Float64 working memory for stored items (``TensorInputs.scratch``), kept and grown to the largest asked for."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._memory = torch.empty(0, dtype=torch.float64, device=device)
+
+    def __call__(self, count: int) -> torch.Tensor:
+        if count > self._memory.numel():
+            self._memory = torch.empty(0, dtype=torch.float64, device=self._device)  # the old one freed first
+            self._memory = torch.empty(count, dtype=torch.float64, device=self._device)
+        return self._memory[:count]
 
 
 def _torch_threads(count: int) -> None:
@@ -543,9 +561,10 @@ def _stored_inputs(
     norms: Callable[[], torch.Tensor] | None,
     masks: torch.Tensor | None,
     out: torch.Tensor,
+    scratch: Callable[[int], torch.Tensor],
 ) -> TensorInputs:
-    """A stored item's inputs: views of its block in the files' memory maps, in their stored dtype, and the
-    float64 ``out`` to merge into."""
+    """A stored item's inputs: views of its block (or whole tensor) in the files' memory maps, in their stored
+    dtype, the float64 ``out`` to merge into and ``scratch`` memory."""
     assert item.method is not None
     base, fishers = inputs.used(item.method)
     end = item.start + item.count
@@ -553,7 +572,7 @@ def _stored_inputs(
     def block(checkpoint: Checkpoint) -> torch.Tensor:
         with warnings.catch_warnings():  # read-only memory, which a stored method never writes (merge_method)
             warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-            return torch.from_numpy(checkpoint.array(item.key)[item.start : end])
+            return torch.from_numpy(checkpoint.array(item.key)[item.start : end]).view(item.shape)
 
     return TensorInputs(
         name=item.key,
@@ -564,4 +583,5 @@ def _stored_inputs(
         norms=norms,
         masks=masks,
         out=out.view(item.shape),
+        scratch=scratch,
     )

@@ -1,0 +1,100 @@
+"""DELLA's compiled CPU kernels (``mergeflow.merge.della_kernels``) against the eager code, bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import mergeflow.merge.della as della
+from mergeflow.merge import merge
+from mergeflow.merge.registry import TensorInputs
+from mergeflow.merge.sparsify import disjoint_mean
+from mergeflow.merge.streaming import merge_files
+from mergeflow.merge.sums import running_sum
+from mergeflow.schema.merge import DellaOptions
+
+_COMBINES = {"della": "agreeing_mean", "della_linear": "sum"}
+
+
+def _eager(x: TensorInputs, options: DellaOptions, method: str) -> torch.Tensor:
+    """The eager code: every row argsorted, drawn through ``bernoulli_draws``, then combined in torch."""
+    tasks = della.prune_(x.stacked().double() - x.base.double(), options, x.name)
+    combined = disjoint_mean(tasks, overwrite=True) if _COMBINES[method] == "agreeing_mean" else running_sum(tasks)
+    return x.base.double() + options.scaling * combined
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int64), b.view(torch.int64))
+
+
+def _rows(shape: tuple[int, ...], kind: str, dtype: torch.dtype, generator: torch.Generator) -> TensorInputs:
+    base = torch.randn(shape, generator=generator).to(dtype)
+    tensors = []
+    for _ in range(3):
+        change = torch.randn(shape, generator=generator) * 0.01
+        flat = change.view(-1)
+        if kind == "ties":  # equal magnitudes, ranked by index
+            change = change.round(decimals=2)
+        elif kind == "zeros":  # unchanged entries: a bucket of exact zeros
+            flat[: flat.numel() // 2] = 0
+        elif kind == "skewed":  # one outlier: every other entry in the first buckets, so the row is sorted
+            flat[0] = 1e3
+        elif kind == "nonfinite":  # NaN ranks last, inf below it, as torch's argsort
+            flat[-1], flat[flat.numel() // 3] = math.nan, math.inf
+        tensors.append((base.double() + change.double()).to(dtype))
+    return TensorInputs(name="w", tensors=tensors, weights=torch.full((3,), 1 / 3), base=base)
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "skewed", "nonfinite"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compiled_della_equals_the_eager_code(kind, dtype):
+    """Matrices, vectors (one row), conv kernels (a row per output channel) and rows of one entry, with each
+    rescale, ε = 0, and ε up to 1 − density: the same bits, NaNs and signed zeros included."""
+    generator = torch.Generator().manual_seed(0)
+    for shape in [(7, 50), (300,), (4, 3, 2, 2), (5, 1), (2, 3000)]:
+        x = _rows(shape, kind, dtype, generator)
+        for options in [{}, {"rescale": "l1"}, {"rescale": "none"}, {"epsilon": 0.0},
+                        {"density": 0.7, "epsilon": 0.3, "scaling": 0.6}]:  # fmt: skip
+            parsed = DellaOptions(**options)
+            for method in _COMBINES:
+                got = getattr(della, method)(x, parsed)
+                assert _same_bits(got, _eager(x, parsed, method)), (shape, kind, dtype, options, method)
+
+
+def test_the_compiled_della_splits_rows_between_threads_with_the_same_bits(monkeypatch):
+    """Each thread skips every client's stream to its first row; three threads give one thread's bits."""
+    generator = torch.Generator().manual_seed(1)
+    x = _rows((40, 64), "normal", torch.float32, generator)
+    alone = {method: getattr(della, method)(x, DellaOptions()) for method in _COMBINES}
+    l1 = della.della(x, DellaOptions(rescale="l1"))
+    monkeypatch.setattr(della, "_PER_THREAD", 64 * 3)  # 3 rows a thread at least
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for method, expected in alone.items():
+            assert _same_bits(getattr(della, method)(x, DellaOptions()), expected)
+        assert _same_bits(della.della(x, DellaOptions(rescale="l1")), l1)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_della_streamed_from_float32_files_equals_della_in_memory(tmp_path):
+    """The streamed merge hands the kernel the files' float32 tensors as stored, whole, with reused memory."""
+    generator = torch.Generator().manual_seed(2)
+    base = {"a.weight": torch.randn(30, 40, generator=generator), "b.bias": torch.randn(17, generator=generator),
+            "c.empty": torch.zeros(0, 3)}  # fmt: skip
+    states = [{k: v + 0.1 * torch.randn(v.shape, generator=generator) for k, v in base.items()} for _ in range(3)]
+    save_file(base, str(tmp_path / "base.safetensors"))
+    for k, state in enumerate(states):
+        save_file(state, str(tmp_path / f"m{k}.safetensors"))
+    paths = [tmp_path / f"m{k}.safetensors" for k in range(3)]
+    for method in _COMBINES:
+        out = tmp_path / f"{method}.safetensors"
+        merge_files(method, paths, out, base=tmp_path / "base.safetensors", density=0.6, epsilon=0.2, seed=5)
+        in_memory = merge(method, states, base=base, density=0.6, epsilon=0.2, seed=5)
+        streamed = load_file(str(out))
+        for key, value in in_memory.items():
+            assert _same_bits(streamed[key].double(), value.to(torch.float32).double()), (method, key)
