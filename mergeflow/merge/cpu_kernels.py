@@ -28,7 +28,8 @@ _TILE = 256  # elements merged at a time: the K clients' task vectors of a tile 
 def masked_merge(xs, base, masks, divisor, coefficient, combine, out, start, end):  # pragma: no cover - compiled
     """``out = base + coefficient · combine_k((x_k − base) · mask_k / divisor)`` over elements ``start:end``,
     for K 1-D client arrays ``xs`` (a tuple; float32 or float64, widened to float64 here), the base and
-    ``(K, n)`` boolean ``masks`` (``divisor`` 0: no division); ``out`` float64.
+    ``(K, n)`` boolean ``masks`` (``divisor`` 0: no division); ``out`` float64, or float32 (each float64 result
+    rounded once as it is stored).
 
     ``combine``: ``SUM`` (in order k = 0..K−1), ``AGREEING_SUM`` (the entries whose sign agrees with their
     sum's, ties to +, as ``sparsify.agreeing_sum``) or ``AGREEING_MEAN`` (that sum over their number, at
@@ -53,7 +54,8 @@ def masked_merge(xs, base, masks, divisor, coefficient, combine, out, start, end
 @_jit
 def merge_tasks(tasks, base, coefficient, combine, out, start, end):  # pragma: no cover - compiled
     """``out = base + coefficient · combine_k(tasks_k)`` over elements ``start:end``, for ``(K, n)`` float64 task
-    vectors ``tasks`` (``combine`` as in ``masked_merge``); ``base`` float32 or float64, widened here."""
+    vectors ``tasks`` (``combine``, and ``out``'s dtype, as in ``masked_merge``); ``base`` float32 or float64,
+    widened here."""
     total, sign, kept, agreeing = np.empty(_TILE), np.empty(_TILE), np.empty(_TILE), np.empty(_TILE)
     for first in range(start, end, _TILE):
         size = min(end, first + _TILE) - first
@@ -284,6 +286,9 @@ def _temper_all(state, tempered):  # pragma: no cover - compiled
         tempered[i] = y ^ (y >> np.uint32(18))
 
 
+_DRAW_TILE = 1024  # uniforms made at a time before they are compared: they stay in L1
+
+
 @_jit
 def uniforms_below(state, position, keep, keep_each, out):  # pragma: no cover - compiled
     """``out[i] = u_i < keep`` (or ``< keep_each[i]`` when that has entries) for consecutive float64
@@ -291,27 +296,34 @@ def uniforms_below(state, position, keep, keep_each, out):  # pragma: no cover -
     engine keeps them, both advanced in place (``draw``)."""
     tempered = np.empty(624, dtype=np.uint32)
     _temper_all(state, tempered)
-    draw(state, tempered, position, out, True, keep, keep_each)
+    tile = np.empty(_DRAW_TILE)
+    each = keep_each.shape[0] > 0
+    for first in range(0, out.shape[0], _DRAW_TILE):
+        size = min(out.shape[0], first + _DRAW_TILE) - first
+        draw(state, tempered, position, tile[:size])
+        if each:
+            for i in range(size):
+                out[first + i] = tile[i] < keep_each[first + i]
+        else:
+            for i in range(size):
+                out[first + i] = tile[i] < keep
 
 
 @numba.njit(inline="always", error_model="numpy")
-def draw(state, tempered, position, out, below, keep, keep_each):  # pragma: no cover - compiled
-    """The next ``len(out)`` float64 uniforms u_i of an MT19937 stream into ``out`` (``below`` False), or
-    ``u_i < keep`` (``< keep_each[i]`` when that has entries): ``state`` its 624 words and ``tempered``
-    their tempered outputs, ``position`` (left, next) as torch's CPU engine keeps them, all advanced in
-    place. Each uniform is torch's: the 53 low bits of two words (the first the high half) times 2⁻⁵³."""
+def draw(state, tempered, position, out):  # pragma: no cover - compiled
+    """The next ``len(out)`` float64 uniforms of an MT19937 stream into ``out``: ``state`` its 624 words and
+    ``tempered`` their tempered outputs, ``position`` (left, next) as torch's CPU engine keeps them, all
+    advanced in place. Each uniform is torch's: the 53 low bits of two words (the first the high half)
+    times 2⁻⁵³."""
     left, following = position[0], position[1]
     scale = 1.0 / 9007199254740992.0
-    each = keep_each.shape[0] > 0
     done, total = 0, out.shape[0]
     while done < total:
         pairs = min((left - 1) // 2, total - done)  # uniforms whose two words come before the next twist
+        words = tempered[following : following + 2 * pairs]  # a slice: the loop then vectorizes
         for q in range(pairs):
-            word = (np.uint64(tempered[following + 2 * q]) << np.uint64(32)) | np.uint64(
-                tempered[following + 2 * q + 1]
-            )
-            uniform = np.float64(word & np.uint64(0x1FFFFFFFFFFFFF)) * scale
-            out[done + q] = (uniform < (keep_each[done + q] if each else keep)) if below else uniform
+            word = (np.uint64(words[2 * q]) << np.uint64(32)) | np.uint64(words[2 * q + 1])
+            out[done + q] = np.float64(np.int64(word & np.uint64(0x1FFFFFFFFFFFFF))) * scale  # exact: below 2⁵³
         done, left, following = done + pairs, left - 2 * pairs, following + 2 * pairs
         if done < total:  # one uniform across a twist, word by word
             left -= 1
@@ -326,7 +338,6 @@ def draw(state, tempered, position, out, below, keep, keep_each):  # pragma: no 
                 left, following = 624, 0
             word = (high << np.uint64(32)) | np.uint64(tempered[following])
             following += 1
-            uniform = np.float64(word & np.uint64(0x1FFFFFFFFFFFFF)) * scale
-            out[done] = (uniform < (keep_each[done] if each else keep)) if below else uniform
+            out[done] = np.float64(np.int64(word & np.uint64(0x1FFFFFFFFFFFFF))) * scale
             done += 1
     position[0], position[1] = left, following

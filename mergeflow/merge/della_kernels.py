@@ -35,7 +35,7 @@ def merge(
     xs, base, width, step, low, rescale, states, positions, first, last, coefficient, combine, out
 ):  # pragma: no cover
     """``out = base + coefficient · combine_k(pruned_k)`` for rows ``first:last`` of the tensor (``rows =
-    n // width`` rows of ``width``), ``combine`` as ``cpu_kernels.masked_merge``'s.
+    n // width`` rows of ``width``), ``combine`` and ``out``'s dtype as ``cpu_kernels.masked_merge``'s.
 
     ``xs`` (a tuple) are the K clients' flat tensors and ``base`` the base's (float32 or float64, widened
     here). Client k's draws come from ``states[k]`` and ``positions[k]`` (``cpu_kernels.draw``), set to
@@ -103,7 +103,7 @@ def _prune_row(x, b, step, low, rescale, state, tempered, position, scratch, out
         difference = np.float64(x[j]) - np.float64(b[j])
         task[j], sizes[j] = difference, abs(difference)
         unordered += np.int64(not abs(difference) < np.inf)  # NaN or ±inf
-    draw(state, tempered, position, uniform, False, 0.0, sizes[:0])
+    draw(state, tempered, position, uniform)
     if step == 0.0:  # one probability for all
         for j in range(width):
             kept = task[j] * (1.0 if uniform[j] < low else 0.0)

@@ -46,8 +46,8 @@ class TensorInputs:
     ``gram`` (``(K, K)`` float64) is the Gram matrix of the whole tensor's K inputs or task vectors, for
     a method registered with ``gram=`` (``merge_method``), whatever block is passed.
     A method registered with ``stored=True`` may be given its tensors as stored (float32 or float64), and
-    ``out``, a float64 tensor of the block's shape that it may write its result into and return (a
-    streamed merge's reused buffer).
+    ``out``, a tensor of the block's shape that it may write its float64 result into, rounded once to
+    ``out``'s dtype (float64, or float32: the streamed merge's output itself), and return.
     ``scratch(n)``, when given, is float64 working memory of ``n`` elements (1-D) that a streamed merge
     reuses from tensor to tensor (its contents are not kept): a large temporary made anew per tensor
     costs a page fault per 4 KiB.

@@ -485,8 +485,8 @@ def masked_merge(x: TensorInputs, coefficient: float, combine: str, divisor: flo
     ``"agreeing_mean"`` (TIES' disjoint mean). The tensors and the base may be float32 or float64 (a
     streamed merge passes them as stored); each is widened to float64 first. On the CPU one compiled loop
     (``cpu_kernels.masked_merge``, a long block split between torch's intra-op threads, into ``x.out`` if
-    given) does what the eager code (``masked_merge_eager``, every other device) does in about fifteen
-    passes, with the same bits.
+    given, rounded once to its dtype) does what the eager code (``masked_merge_eager``, every other
+    device) does in about fifteen passes, with the same bits.
     """
     assert x.base is not None and x.masks is not None  # methods with masks need base (schema), masks=
     if x.base.device.type != "cpu":

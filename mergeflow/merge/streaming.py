@@ -376,7 +376,9 @@ def _merged(
                         masks.draw(item)
                 item_masks = masks.block(item) if item.method.masks is not None else None
                 if item.stored:  # nothing read ahead: the merge takes every core
-                    x = _stored_inputs(item, inputs, weights, norms, item_masks, stored_out()[: item.count], scratch)
+                    # a float32 or float64 result straight into the output (rounded once, as a copy would)
+                    into = target.view(dtype) if dtype in (torch.float32, torch.float64) else stored_out()[: item.count]
+                    x = _stored_inputs(item, inputs, weights, norms, item_masks, into, scratch)
                     with _intra_op_threads(threads_before):
                         result = item.method.fn(x, options)
                 else:
@@ -385,7 +387,8 @@ def _merged(
                 flat = result.reshape(-1)
                 if flat.device != target.device:  # narrowed on the device: half the bytes come back
                     flat = flat.to(dtype)
-                target.view(dtype).copy_(flat)
+                if flat.data_ptr() != target.data_ptr():  # not merged into the output itself
+                    target.view(dtype).copy_(flat)
             reader.release(buffers)
             yield item.key, memoryview(target.numpy())
 
@@ -564,7 +567,7 @@ def _stored_inputs(
     scratch: Callable[[int], torch.Tensor],
 ) -> TensorInputs:
     """A stored item's inputs: views of its block (or whole tensor) in the files' memory maps, in their stored
-    dtype, the float64 ``out`` to merge into and ``scratch`` memory."""
+    dtype, the ``out`` to merge into and ``scratch`` memory."""
     assert item.method is not None
     base, fishers = inputs.used(item.method)
     end = item.start + item.count
