@@ -44,11 +44,18 @@ def _rows(shape: tuple[int, ...], kind: str, dtype: torch.dtype, generator: torc
             flat[0] = 1e3
         elif kind == "nonfinite":  # NaN ranks last, inf below it, as torch's argsort
             flat[-1], flat[flat.numel() // 3] = math.nan, math.inf
+        elif kind == "unchanged":  # every entry zero: ranked by index alone
+            flat.zero_()
+        if kind == "subnormal":  # float64 task vectors too small for the buckets' scale: sorted instead
+            tensors.append(torch.zeros(shape, dtype=torch.float64) + change.double() * 1e-310)
+            continue
         tensors.append((base.double() + change.double()).to(dtype))
+    if kind == "subnormal":
+        base = torch.zeros(shape, dtype=torch.float64)
     return TensorInputs(name="w", tensors=tensors, weights=torch.full((3,), 1 / 3), base=base)
 
 
-@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "skewed", "nonfinite"])
+@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "skewed", "nonfinite", "unchanged", "subnormal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_compiled_della_equals_the_eager_code(kind, dtype):
     """Matrices, vectors (one row), conv kernels (a row per output channel) and rows of one entry, with each

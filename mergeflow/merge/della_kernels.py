@@ -89,7 +89,7 @@ def _scratch(width):  # pragma: no cover - compiled
     buckets = 2
     while buckets < 2 * width:
         buckets *= 2
-    counts, keys, order = np.empty(buckets + 2, np.int64), np.empty(width, np.int64), np.empty(width, np.int64)
+    counts, keys, order = np.empty(buckets + 1, np.int64), np.empty(width, np.int64), np.empty(width, np.int64)
     return counts, keys, order, np.empty(width), np.empty(width), np.empty(width), np.empty(width)
 
 
@@ -123,11 +123,10 @@ def _prune_row(x, b, step, low, rescale, state, tempered, position, scratch, out
 @numba.njit(inline="always", error_model="numpy")
 def _bucket_order(sizes, counts, keys, order, ordered):  # pragma: no cover - compiled
     """The stable ascending order of a row's finite ``sizes`` into ``order`` (and the sizes so ordered into
-    ``ordered``): counted and scattered into
-    buckets (0 for exact zeros, then ``len(counts) − 2`` of equal width up to the largest), then
-    insertion-sorted. False, with ``order`` undone, when a bucket other than the zeros' holds more than
-    ``_WIDEST`` (the insertion sort could take too long)."""
-    width, buckets = sizes.shape[0], counts.shape[0] - 2
+    ``ordered``): counted and scattered into buckets (0 for exact zeros, then ``len(counts) − 1`` of equal
+    width up to the largest), then insertion-sorted. False, with ``order`` undone, when a bucket other
+    than the zeros' holds more than ``_WIDEST`` (the insertion sort could take too long)."""
+    width, buckets = sizes.shape[0], counts.shape[0] - 1
     largest = _largest(sizes)
     scale = (buckets - 0.5) / largest if largest > 0 else 0.0  # below ``buckets`` even at the largest
     if not scale < np.inf:  # a subnormal largest
@@ -137,11 +136,14 @@ def _bucket_order(sizes, counts, keys, order, ordered):  # pragma: no cover - co
         size = sizes[j]
         key = 0 if size == 0.0 else 1 + np.int64(size * scale)
         keys[j] = key
-        counts[key + 1] += 1
-    widest = 0
-    for b in range(buckets + 1):  # counts[b] becomes bucket b's start
-        widest = max(widest, counts[b + 1]) if b else widest
-        counts[b + 1] += counts[b]
+        counts[key] += 1
+    widest, start = 0, counts[0]
+    counts[0] = 0
+    for b in range(1, buckets + 1):  # counts[b] becomes bucket b's start, the sum kept in a register
+        count = counts[b]
+        widest = max(widest, count)
+        counts[b] = start
+        start += count
     if widest > _WIDEST:
         return False
     for j in range(width):
