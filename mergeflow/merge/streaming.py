@@ -15,10 +15,14 @@ that runs ahead of the merge, and writes the merged tensors into the output as t
   memory maps, elsewhere one float64 task vector at a time and its top-k temporaries), then merge
   blocks like the elementwise methods. On the CPU, where a tensor's inputs are all float32 or all
   float64, those blocks (``STORED_BLOCK`` elements) are views of the memory maps as stored, which the
-  method widens itself (``merge_method(stored=True)``) on every core: nothing is read ahead.
+  method widens itself (``merge_method(stored=True)``) on every core: nothing is read ahead. Its
+  result goes straight into the output buffer when that is float32 or float64.
 - Methods that read a tensor only through the Gram matrix of its K inputs or task vectors
   (``model_stock``, ``slerp``) take two passes over its blocks: the first sums the K × K Gram, the
   second merges blocks like the elementwise methods. Each such tensor is read twice, never held whole.
+- Other tensor-scope methods (``tsv``, ``iso_c``, ``iso_cts``, ``della*``) take each tensor whole: its
+  K float64 copies in buffers, or, for a method that takes its tensors as stored (DELLA, on the CPU),
+  the memory maps' views of the whole tensor.
 
 On a GPU (``device="cuda"``) the reader thread reads each block's bytes into pinned host memory
 and copies them to the GPU, where they are widened to float64 and merged; the merged block comes
