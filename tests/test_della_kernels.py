@@ -1,4 +1,4 @@
-"""DELLA's compiled CPU kernels (``mergeflow.merge.della_kernels``) against the eager code, bit for bit."""
+"""DELLA's compiled CPU kernels (``cpu_kernels.della_merge``, ``della_prune``) against the eager code, bit for bit."""
 
 from __future__ import annotations
 
@@ -27,22 +27,29 @@ def _eager(x: TensorInputs, options: DellaOptions, method: str) -> torch.Tensor:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.view(torch.int64), b.view(torch.int64))
+    """Bit for bit, signed zeros included; a NaN equals any NaN (which operand's NaN an addition keeps, and so
+    its sign, is the compiler's choice)."""
+    nan = a.isnan()
+    if a.shape != b.shape or not torch.equal(nan, b.isnan()):
+        return False
+    return torch.equal(a[~nan].view(torch.int64), b[~nan].view(torch.int64))
 
 
-def _rows(shape: tuple[int, ...], kind: str, dtype: torch.dtype, generator: torch.Generator) -> TensorInputs:
+def _rows(
+    shape: tuple[int, ...], kind: str, dtype: torch.dtype, generator: torch.Generator, clients: int = 3
+) -> TensorInputs:
     base = torch.randn(shape, generator=generator).to(dtype)
     tensors = []
-    for _ in range(3):
+    for _ in range(clients):
         change = torch.randn(shape, generator=generator) * 0.01
         flat = change.view(-1)
         if kind == "ties":  # equal magnitudes, ranked by index
             change = change.round(decimals=2)
         elif kind == "zeros":  # unchanged entries: a bucket of exact zeros
             flat[: flat.numel() // 2] = 0
-        elif kind == "skewed":  # one outlier: every other entry in the first buckets, so the row is sorted
+        elif kind == "skewed" and flat.numel():  # one outlier: the rest in the first buckets, so the row is sorted
             flat[0] = 1e3
-        elif kind == "nonfinite":  # NaN ranks last, inf below it, as torch's argsort
+        elif kind == "nonfinite" and flat.numel():  # NaN ranks last, inf below it, as torch's argsort
             flat[-1], flat[flat.numel() // 3] = math.nan, math.inf
         elif kind == "unchanged":  # every entry zero: ranked by index alone
             flat.zero_()
@@ -52,7 +59,7 @@ def _rows(shape: tuple[int, ...], kind: str, dtype: torch.dtype, generator: torc
         tensors.append((base.double() + change.double()).to(dtype))
     if kind == "subnormal":
         base = torch.zeros(shape, dtype=torch.float64)
-    return TensorInputs(name="w", tensors=tensors, weights=torch.full((3,), 1 / 3), base=base)
+    return TensorInputs(name="w", tensors=tensors, weights=torch.full((clients,), 1 / clients), base=base)
 
 
 @pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "skewed", "nonfinite", "unchanged", "subnormal"])
@@ -61,7 +68,7 @@ def test_the_compiled_della_equals_the_eager_code(kind, dtype):
     """Matrices, vectors (one row), conv kernels (a row per output channel) and rows of one entry, with each
     rescale, ε = 0, and ε up to 1 − density: the same bits, NaNs and signed zeros included."""
     generator = torch.Generator().manual_seed(0)
-    for shape in [(7, 50), (300,), (4, 3, 2, 2), (5, 1), (2, 3000)]:
+    for shape in [(7, 50), (300,), (4, 3, 2, 2), (5, 1), (2, 3000), (0, 5), (5, 0), (0,)]:
         x = _rows(shape, kind, dtype, generator)
         for options in [{}, {"rescale": "l1"}, {"rescale": "none"}, {"epsilon": 0.0},
                         {"density": 0.7, "epsilon": 0.3, "scaling": 0.6}]:  # fmt: skip
@@ -71,15 +78,26 @@ def test_the_compiled_della_equals_the_eager_code(kind, dtype):
                 assert _same_bits(got, _eager(x, parsed, method)), (shape, kind, dtype, options, method)
 
 
+@pytest.mark.parametrize("clients", [1, 5])
+def test_the_compiled_della_with_one_or_five_clients_and_a_long_vector(clients):
+    """One row of 2²⁰ + 3 entries (wider than a block) and a matrix, for K = 1 and K = 5."""
+    generator = torch.Generator().manual_seed(3)
+    for shape in [((1 << 20) + 3,), (33, 70)]:
+        x = _rows(shape, "normal", torch.float32, generator, clients)
+        for method in _COMBINES:
+            assert _same_bits(getattr(della, method)(x, DellaOptions()), _eager(x, DellaOptions(), method)), method
+
+
 def test_the_compiled_della_splits_rows_between_threads_with_the_same_bits(monkeypatch):
-    """Each thread skips every client's stream to its first row; three threads give one thread's bits."""
+    """Each thread skips every client's stream to its first row; four threads give one thread's bits, the
+    pruned vectors' stream (``rescale: l1``) split in the middle of a client's rows."""
     generator = torch.Generator().manual_seed(1)
     x = _rows((40, 64), "normal", torch.float32, generator)
     alone = {method: getattr(della, method)(x, DellaOptions()) for method in _COMBINES}
     l1 = della.della(x, DellaOptions(rescale="l1"))
     monkeypatch.setattr(della, "_PER_THREAD", 64 * 3)  # 3 rows a thread at least
     threads = torch.get_num_threads()
-    torch.set_num_threads(3)
+    torch.set_num_threads(4)  # 120 rows of the three clients' stream: 30 a thread
     try:
         for method, expected in alone.items():
             assert _same_bits(getattr(della, method)(x, DellaOptions()), expected)

@@ -6,14 +6,12 @@ probability rises evenly from ``density − ε`` (smallest) to ``density + ε`` 
 is divided by its probability (``rescale``). Rows are of the whole tensor and ``1/p`` differs per entry,
 so these methods are not elementwise: a streamed merge takes each such tensor whole (the K clients'
 copies of one tensor at a time), not in blocks. On the CPU a compiled kernel
-(``mergeflow.merge.della_kernels``) ranks, draws and prunes each row in one pass, straight from the
+(``mergeflow.merge.cpu_kernels``) ranks, draws and prunes each row in one pass, straight from the
 tensors as stored, and the merge step combines the pruned vectors in another, with the eager code's
 bits; every other device runs the eager code.
 """
 
 from __future__ import annotations
-
-from types import ModuleType
 
 import numpy as np
 import torch
@@ -66,6 +64,8 @@ def prune_(tasks: torch.Tensor, options: DellaOptions, name: str) -> torch.Tenso
     Drawn client after client, a chunk of whole rows at a time, from a generator on their device seeded
     by ``seed`` and the tensor's name; temporaries stay a few chunks' size whatever the tensor's.
     """
+    if tasks.numel() == 0:  # nothing to draw (and no rows to reshape into)
+        return tasks
     generator = tensor_generator(options.seed, name, tasks.device)
     tasks = tasks.contiguous()  # so that each row chunk is a view
     for task in tasks:
@@ -103,13 +103,13 @@ def _merged(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Tenso
 
 
 def _compiled(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Tensor:
-    """``_merged`` on the CPU by the compiled kernels (``mergeflow.merge.della_kernels``), from the tensors as
+    """``_merged`` on the CPU by the compiled kernels (``mergeflow.merge.cpu_kernels``), from the tensors as
     given (float32 or float64), into ``x.out`` if given. The tensor's rows are split between threads, each
     with its own K streams, skipped to its first row: every client's rows of a block are pruned and merged
     at once. With ``rescale: l1`` the pruned task vectors are written out first (``x.working``), scaled,
     then merged."""
     assert x.base is not None
-    della_kernels, cpu_kernels = _della_kernels(), kernels()
+    cpu_kernels = kernels()
     tensors = [*(x.stack.unbind(0) if x.stack is not None else x.tensors), x.base]
     if len({t.dtype for t in tensors}) > 1 or tensors[0].dtype not in (torch.float32, torch.float64):
         tensors = [t.to(torch.float64) for t in tensors]
@@ -121,7 +121,7 @@ def _compiled(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Ten
     width = n // x.base.shape[0] if x.base.dim() >= 2 else n
     step = 2.0 * options.epsilon / (width - 1) if width > 1 else 0.0  # as _row_probabilities
     low = options.density - options.epsilon if width > 1 else options.density
-    rescale = della_kernels.PROBABILITY if options.rescale == "probability" else della_kernels.NONE
+    rescale = cpu_kernels.RESCALE_PROBABILITY if options.rescale == "probability" else cpu_kernels.RESCALE_NONE
     words, position = stream_state(tensor_generator(options.seed, x.name, x.base.device))
     code, flat = getattr(cpu_kernels, combine.upper()), out.view(-1).numpy()
     per_thread = max(1, _PER_THREAD // width)  # rows
@@ -131,7 +131,7 @@ def _compiled(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Ten
         def prune(rows: tuple[int, int]) -> None:
             state, at = words.copy(), position.copy()
             cpu_kernels.skip(state, at, 2 * rows[0] * width)  # two words a uniform
-            della_kernels.prune(xs, base, width, step, low, rescale, state, at, *rows, tasks.numpy().reshape(-1))
+            cpu_kernels.della_prune(xs, base, width, step, low, rescale, state, at, *rows, tasks.numpy().reshape(-1))
 
         in_threads(prune, thread_shares(count * (n // width), per_thread))
         for task, client in zip(tasks, clients, strict=True):
@@ -151,7 +151,9 @@ def _compiled(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Ten
             states[k], positions[k] = state, at
             if k + 1 < count:
                 cpu_kernels.skip(state, at, 2 * n)
-        della_kernels.merge(xs, base, width, step, low, rescale, states, positions, *rows, options.scaling, code, flat)
+        cpu_kernels.della_merge(
+            xs, base, width, step, low, rescale, states, positions, *rows, options.scaling, code, flat
+        )
 
     in_threads(merge, thread_shares(n // width, per_thread))
     return out
@@ -162,13 +164,6 @@ def _to_l1_norm(task: torch.Tensor, before: torch.Tensor) -> None:
     after = task.abs().sum()
     if before >= 1e-7 and after >= 1e-7:  # mergekit's guard against tiny norms
         task.mul_(before / after)
-
-
-def _della_kernels() -> ModuleType:
-    """``mergeflow.merge.della_kernels``, imported on first use (numba's import stays off other paths)."""
-    from mergeflow.merge import della_kernels
-
-    return della_kernels
 
 
 @merge_method("della", stored=True)

@@ -81,8 +81,7 @@ from mergeflow.safetensors_io import CODES, DTYPES, SafetensorsWriter
 BLOCK = 1 << 17
 # Elements per block on an accelerator: K float64 blocks of 128 MiB each, few launches per tensor.
 DEVICE_BLOCK = 1 << 24
-# Elements per block merged from the files as stored (nothing read ahead): an 8 MiB float64 result, split
-# between threads.
+# Elements per block merged from the files as stored (nothing read ahead), split between threads.
 STORED_BLOCK = 1 << 20
 _DTYPE_NAMES = {
     "float64": torch.float64,
