@@ -22,6 +22,7 @@ from mergeflow.merge.sparsify import (
     compiled_draws_match,
     disjoint_mean,
     in_threads,
+    kernel_operands,
     kernels,
     stream_state,
     tensor_generator,
@@ -110,12 +111,8 @@ def _compiled(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Ten
     then merged."""
     assert x.base is not None
     cpu_kernels = kernels()
-    tensors = [*(x.stack.unbind(0) if x.stack is not None else x.tensors), x.base]
-    if len({t.dtype for t in tensors}) > 1 or tensors[0].dtype not in (torch.float32, torch.float64):
-        tensors = [t.to(torch.float64) for t in tensors]
-    *clients, base = (t.reshape(-1).numpy() for t in tensors)
-    xs, count, n = tuple(clients), len(clients), base.shape[0]  # a tuple: compiled once per K and dtype
-    out = x.out if x.out is not None else torch.empty(x.base.shape, dtype=torch.float64, device=x.base.device)
+    xs, base, out = kernel_operands(x)
+    count, n = len(xs), base.shape[0]
     if n == 0:
         return out
     width = n // x.base.shape[0] if x.base.dim() >= 2 else n
@@ -134,7 +131,7 @@ def _compiled(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Ten
             cpu_kernels.della_prune(xs, base, width, step, low, rescale, state, at, *rows, tasks.numpy().reshape(-1))
 
         in_threads(prune, thread_shares(count * (n // width), per_thread))
-        for task, client in zip(tasks, clients, strict=True):
+        for task, client in zip(tasks, xs, strict=True):
             _to_l1_norm(
                 task,
                 (torch.from_numpy(client).to(torch.float64) - torch.from_numpy(base).to(torch.float64)).abs().sum(),

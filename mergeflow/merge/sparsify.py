@@ -492,12 +492,8 @@ def masked_merge(x: TensorInputs, coefficient: float, combine: str, divisor: flo
     if x.base.device.type != "cpu":
         return masked_merge_eager(x, coefficient, combine, divisor)
     cpu_kernels = kernels()
-    rows = x.stack.unbind(0) if x.stack is not None else x.tensors
-    # a tuple: compiled once per K and dtype and cached on disk (a numba typed list compiled its own
-    # methods anew in every process, 0.17 s each time)
-    xs, base = tuple(row.reshape(-1).numpy() for row in rows), x.base.reshape(-1).numpy()
+    xs, base, out = kernel_operands(x)
     masks = x.masks.reshape(len(xs), -1).numpy()
-    out = x.out if x.out is not None else torch.empty(x.base.shape, dtype=torch.float64, device=x.base.device)
     flat, code = out.view(-1).numpy(), getattr(cpu_kernels, combine.upper())  # SUM, AGREEING_SUM or AGREEING_MEAN
 
     def merge(share: tuple[int, int]) -> None:
@@ -505,6 +501,20 @@ def masked_merge(x: TensorInputs, coefficient: float, combine: str, divisor: flo
 
     in_threads(merge, thread_shares(len(base), _MERGE_PER_THREAD))
     return out
+
+
+def kernel_operands(x: TensorInputs) -> tuple[tuple[np.ndarray, ...], np.ndarray, torch.Tensor]:
+    """What a compiled merge takes of ``x`` on the CPU: the K clients' flat arrays as a tuple (compiled once per
+    K and dtype and cached on disk; a numba typed list compiled its own methods anew in every process,
+    0.17 s each time) and the base's, all float32 or all float64 (else widened to float64), and the
+    tensor to merge into (``x.out``, else a new float64 one)."""
+    assert x.base is not None
+    tensors = [*(x.stack.unbind(0) if x.stack is not None else x.tensors), x.base]
+    if len({t.dtype for t in tensors}) > 1 or tensors[0].dtype not in (torch.float32, torch.float64):
+        tensors = [t.to(torch.float64) for t in tensors]
+    *clients, base = (t.reshape(-1).numpy() for t in tensors)
+    out = x.out if x.out is not None else torch.empty(x.base.shape, dtype=torch.float64, device=x.base.device)
+    return tuple(clients), base, out
 
 
 def masked_merge_eager(x: TensorInputs, coefficient: float, combine: str, divisor: float | None = None) -> torch.Tensor:
