@@ -165,7 +165,13 @@ class SafetensorsWriter:
             raise ValueError(f"wrote {self._written} bytes of tensor data, the header says {self._size}")
 
 
+_WRITE_CHUNK = 1 << 20  # bytes a write call takes at most
+
+
 def _write_all(stream: BinaryIO, data: bytes | memoryview) -> None:
+    # In chunks of 1 MiB: a streamed DELLA merge of GPT-2 (500 MB out, tensors up to 154 MB) spent 0.68-0.98 s
+    # in writes of 16 MiB, 0.21-0.52 s in 4 MiB ones and 0.13-0.18 s in 1 MiB ones (the page cache of ext4 on
+    # this project's 2-core VM; whole tensors in one call: 0.6-1.0 s).
     view = memoryview(data).cast("B")
     while view:
-        view = view[stream.write(view) :]
+        view = view[stream.write(view[:_WRITE_CHUNK]) :]

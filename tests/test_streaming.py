@@ -16,6 +16,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from mergeflow import safetensors_io
 from mergeflow.errors import MergeflowError
 from mergeflow.merge import METHODS, merge, sparsify, streaming
 from mergeflow.merge.streaming import merge_files
@@ -109,6 +110,7 @@ def test_streaming_equals_the_in_memory_merge_on_sharded_checkpoints(gpt2_dirs, 
     monkeypatch.setattr(streaming, "_OPERAND_BLOCK", 1000)  # and the compiled masks' operands (fp32)
     monkeypatch.setattr(streaming, "STORED_BLOCK", 1500)  # blocks merged from the files as stored (fp32)
     monkeypatch.setattr(sparsify, "_MERGE_PER_THREAD", 300)  # each split between the threads
+    monkeypatch.setattr(safetensors_io, "_WRITE_CHUNK", 1000)  # each tensor written in several calls
     spec = METHODS[method]
     count = 2 if method == "slerp" else 3
     files, memory = {}, {}
