@@ -22,7 +22,16 @@ from prefect.settings import get_current_settings
 from mergeflow.files import private_directory
 from mergeflow.import_graph import third_party_versions
 from tasks.devices import dask_annotation, device_record, gpu_slot, made_on, uses_device
-from tasks.steps import Step, StepOutcome, read_record, resolve, step_key, typical_seconds, write_record
+from tasks.steps import (
+    Step,
+    StepOutcome,
+    read_record,
+    refuse_stale_code,
+    resolve,
+    step_key,
+    typical_seconds,
+    write_record,
+)
 from tasks.store import ArtifactStore
 
 
@@ -136,6 +145,7 @@ def _run_step(step: Step, root: str, torch_threads: int, scratch: Path) -> dict[
     """Run a step into ``scratch`` (empty, and left empty) and move its outputs into the artifact store."""
     import torch
 
+    refuse_stale_code(step)  # a Dask worker of an earlier run may hold older code than the step was keyed by
     torch.set_num_threads(torch_threads)
     store = ArtifactStore(Path(root))
     began, started = time.time(), time.perf_counter()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,9 +92,19 @@ def _refuse_code_changed_since_start(code_root: Path, paths: tuple[str, ...]) ->
         if path.exists() and path.stat().st_mtime_ns > _STARTED_NS:
             started = time.strftime("%H:%M:%S", time.localtime(_STARTED_NS / 1e9))
             raise MergeflowError(
-                f"{rel} changed after this run started ({started}): its results would be keyed by code this "
-                "process is not running. Start the run again (the steps finished so far stay cached)."
+                f"{rel} changed after this run started ({started}, in process {os.getpid()}): its results would "
+                "be keyed by code this process is not running. Start the run again (the steps finished so far "
+                "stay cached); on a Dask cluster of your own (orchestration.dask_address), restart its workers first."
             )
+
+
+def refuse_stale_code(step: Step) -> None:
+    """Raise before running ``step`` in a process whose code may predate the step's files: a Dask worker
+    that lives across runs imported its modules when it first ran a step, and would run that old code
+    for a key computed, by the run, from the files as they are now."""
+    code_root = project_root_of_code()
+    if code_root == _OWN_CODE:
+        _refuse_code_changed_since_start(code_root, step.code)
 
 
 def step_key(step: Step, root: Path, code_hashes: CodeHashes | None = None) -> str:
@@ -105,10 +116,8 @@ def step_key(step: Step, root: Path, code_hashes: CodeHashes | None = None) -> s
     """
     code = None if code_hashes is None else code_hashes.get(step.code)
     if code is None:
-        code_root = project_root_of_code()
-        if code_root == _OWN_CODE:
-            _refuse_code_changed_since_start(code_root, step.code)
-        code = hash_paths(code_root, step.code)
+        refuse_stale_code(step)
+        code = hash_paths(project_root_of_code(), step.code)
         if code_hashes is not None:
             code_hashes[step.code] = code
     payload = {

@@ -371,3 +371,22 @@ def test_a_step_is_not_keyed_by_code_that_changed_after_the_run_started(tmp_path
     monkeypatch.setattr(tasks.steps, "_STARTED_NS", 0)  # as if each of them had changed since
     with pytest.raises(MergeflowError, match=r"^\S+\.py changed after this run started .* Start the run again"):
         step_key(step, tmp_path)
+
+
+def test_a_process_whose_code_predates_the_files_runs_no_step(tmp_path, monkeypatch):
+    """A Dask worker that outlives a run keeps the modules it imported; the next run keys its steps by
+    the files as they are now. The worker refuses to run them, naming the file, before any work."""
+    import tasks.execution
+    import tasks.steps
+    from tasks.execution import _run_step
+
+    ran = []
+    monkeypatch.setattr(tasks.execution, "resolve", lambda fn: lambda *args: ran.append(fn) or {})
+    step = Step("s", "tasks.store:hash_paths", {"name": "s"})
+    (tmp_path / "scratch").mkdir()
+    _run_step(step, str(tmp_path), 1, tmp_path / "scratch")  # code older than the process: it runs
+    assert ran == ["tasks.store:hash_paths"]
+    monkeypatch.setattr(tasks.steps, "_STARTED_NS", 0)  # as if every file had changed since the worker started
+    with pytest.raises(MergeflowError, match=r"^\S+\.py changed after .* restart its workers first\.$"):
+        _run_step(step, str(tmp_path), 1, tmp_path / "scratch")
+    assert len(ran) == 1
