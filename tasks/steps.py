@@ -35,8 +35,8 @@ StepFunction = Callable[[dict[str, Any], Path, Path], dict[str, Any]]
 
 # Bump to invalidate every cached step (e.g. after a change to the manifest format).
 CACHE_VERSION = "1"
-# When this process started keying steps (the CLI imports this module before any step runs): a code
-# file changed after it may not be the code this process runs.
+# When this process started keying or running steps (the CLI imports this module before any step runs, a
+# Dask worker when it unpickles its first step): a code file changed after it may not be the code it runs.
 _STARTED_NS = time.time_ns()
 
 
@@ -92,8 +92,8 @@ def _refuse_code_changed_since_start(code_root: Path, paths: tuple[str, ...]) ->
         if path.exists() and path.stat().st_mtime_ns > _STARTED_NS:
             started = time.strftime("%H:%M:%S", time.localtime(_STARTED_NS / 1e9))
             raise MergeflowError(
-                f"{rel} changed after this run started ({started}, in process {os.getpid()}): its results would "
-                "be keyed by code this process is not running. Start the run again (the steps finished so far "
+                f"{rel} changed after this process started ({started}, pid {os.getpid()}): the code it runs is "
+                "older than the file its results would be keyed by. Start the run again (the steps finished so far "
                 "stay cached); on a Dask cluster of your own (orchestration.dask_address), restart its workers first."
             )
 

@@ -369,7 +369,7 @@ def test_a_step_is_not_keyed_by_code_that_changed_after_the_run_started(tmp_path
     step = Step("s", "tasks.store:hash_paths", {"name": "s"})
     step_key(step, tmp_path)  # every code file older than the process: keyed as usual
     monkeypatch.setattr(tasks.steps, "_STARTED_NS", 0)  # as if each of them had changed since
-    with pytest.raises(MergeflowError, match=r"^\S+\.py changed after this run started .* Start the run again"):
+    with pytest.raises(MergeflowError, match=r"^\S+\.py changed after this process started .* Start the run again"):
         step_key(step, tmp_path)
 
 
@@ -387,6 +387,7 @@ def test_a_process_whose_code_predates_the_files_runs_no_step(tmp_path, monkeypa
     _run_step(step, str(tmp_path), 1, tmp_path / "scratch")  # code older than the process: it runs
     assert ran == ["tasks.store:hash_paths"]
     monkeypatch.setattr(tasks.steps, "_STARTED_NS", 0)  # as if every file had changed since the worker started
-    with pytest.raises(MergeflowError, match=r"^\S+\.py changed after .* restart its workers first\.$"):
+    stale = r"^\S+\.py changed after this process started .* restart its workers first\.$"
+    with pytest.raises(MergeflowError, match=stale):
         _run_step(step, str(tmp_path), 1, tmp_path / "scratch")
     assert len(ran) == 1
