@@ -4,6 +4,7 @@ The scheduled flow that ``mergeflow serve`` deploys is :mod:`flows.schedule`'s."
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -12,10 +13,12 @@ from typing import Any
 
 from prefect import Flow, flow
 from prefect.context import SettingsContext, get_settings_context
+from prefect.logging.handlers import PrefectConsoleHandler
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from mergeflow.config import OrchestrationConfig, Params, validate_params
+from mergeflow.errors import MergeflowError
 from mergeflow.stages import STAGES, get_stage
 from tasks.runner import run_stage, warn_mixed_devices
 from tasks.steps import StepOutcome
@@ -61,12 +64,35 @@ def heartbeat_off() -> Iterator[None]:
         yield
 
 
+class _OwnErrorsOffTheConsole(logging.Filter):
+    """Keeps Prefect's records of a step's ``MergeflowError`` (its traceback, the failed states it names) off
+    the console, where the command line prints the error as one line; Prefect's API and UI still get them."""
+
+    _NAMES = tuple(cls.__name__ for cls in (MergeflowError, *MergeflowError.__subclasses__()))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], MergeflowError):
+            return False
+        message = record.getMessage() if record.levelno >= logging.ERROR else ""
+        return not any(f"{name}(" in message or f"{name}:" in message for name in self._NAMES)
+
+
+def _own_errors_off_the_console() -> None:
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not any(
+            isinstance(f, _OwnErrorsOffTheConsole) for f in handler.filters
+        ):
+            handler.addFilter(_OwnErrorsOffTheConsole())
+
+
 def run_pipeline(params: Params, root: Path, stages: list[str] | None = None) -> list[dict[str, Any]]:
     """Run the flow with the task runner the params ask for (threads here, or a Dask cluster).
 
     The flow-run heartbeat is switched off: its thread is joined at exit, which adds up to a
-    second to every flow.
+    second to every flow. A step's ``MergeflowError`` reaches the console once, as the command line's
+    one line, not also as Prefect's traceback.
     """
+    _own_errors_off_the_console()
     name = "pipeline" if stages is None else "stage-" + "-".join(stages)
     configured = _configured_pipeline(params.orchestration.model_dump_json(), name)
     with heartbeat_off():

@@ -156,6 +156,8 @@ def test_a_diverged_client_stops_the_run_or_is_excluded_without_retraining(works
     assert done.returncode == 2, done.stderr[-3000:]
     message = done.stderr.strip().splitlines()[-1]
     assert "federated.algorithms: fedavg: round 1: local training diverged (client" in message
+    # once, as the command line's line: not also as Prefect's traceback and failed states
+    assert done.stderr.count("local training diverged") == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "federated.on_divergence: exclude" in message
 
     done = run_cli(["run", *diverging, "-S", "federated.on_divergence=exclude"], workspace, cli_env)
