@@ -169,9 +169,9 @@ _WRITE_CHUNK = 1 << 20  # bytes a write call takes at most
 
 
 def _write_all(stream: BinaryIO, data: bytes | memoryview) -> None:
-    # In chunks of 1 MiB: a streamed DELLA merge of GPT-2 (500 MB out, tensors up to 154 MB) spent 0.68-0.98 s
-    # in writes of 16 MiB, 0.21-0.52 s in 4 MiB ones and 0.13-0.18 s in 1 MiB ones (the page cache of ext4 on
-    # this project's 2-core VM; whole tensors in one call: 0.6-1.0 s).
+    # In chunks of 1 MiB: a streamed DELLA merge of GPT-2 (500 MB out, tensors up to 154 MB) spent 0.13-1.02 s
+    # (mostly 0.6-0.9) writing whole tensors in one call each, 0.68-0.98 s in 16 MiB calls, 0.12-0.52 s in
+    # 4 MiB ones and 0.13-0.18 s in 1 MiB ones (ext4's page cache on this project's 2-core VM).
     view = memoryview(data).cast("B")
     while view:
         view = view[stream.write(view[:_WRITE_CHUNK]) :]
