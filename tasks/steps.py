@@ -83,11 +83,16 @@ CodeHashes = dict[tuple[str, ...], dict[str, str]]
 _OWN_CODE = project_root_of_code()  # the tree this process imports its steps from
 
 
-def _refuse_code_changed_since_start(code_root: Path, paths: tuple[str, ...]) -> None:
-    """Raise if a file of a step's code changed after this process started. The process runs the
-    modules it imported before, so a key hashing the file as it is now would record a result under
-    code that did not make it: a stale result for every later run."""
-    for rel in paths:
+def refuse_stale_code(step: Step) -> None:
+    """Raise if a file of ``step``'s code changed after this process started, before it is keyed or run here.
+
+    The process runs the modules it imported before (a Dask worker that lives across runs, those of its
+    first step), so a key hashing the file as it is now would record a result under code that did not
+    make it: a stale result for every later run."""
+    code_root = project_root_of_code()
+    if code_root != _OWN_CODE:
+        return
+    for rel in step.code:
         path = code_root / rel
         if path.exists() and path.stat().st_mtime_ns > _STARTED_NS:
             started = time.strftime("%H:%M:%S", time.localtime(_STARTED_NS / 1e9))
@@ -96,15 +101,6 @@ def _refuse_code_changed_since_start(code_root: Path, paths: tuple[str, ...]) ->
                 "older than the file its results would be keyed by. Start the run again (the steps finished so far "
                 "stay cached); on a Dask cluster of your own (orchestration.dask_address), restart its workers first."
             )
-
-
-def refuse_stale_code(step: Step) -> None:
-    """Raise before running ``step`` in a process whose code may predate the step's files: a Dask worker
-    that lives across runs imported its modules when it first ran a step, and would run that old code
-    for a key computed, by the run, from the files as they are now."""
-    code_root = project_root_of_code()
-    if code_root == _OWN_CODE:
-        _refuse_code_changed_since_start(code_root, step.code)
 
 
 def step_key(step: Step, root: Path, code_hashes: CodeHashes | None = None) -> str:
