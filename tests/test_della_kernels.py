@@ -106,6 +106,20 @@ def test_the_compiled_della_splits_rows_between_threads_with_the_same_bits(monke
         torch.set_num_threads(threads)
 
 
+def test_rows_too_wide_for_the_kernels_scratch_go_to_the_eager_code(monkeypatch):
+    """The kernel counts in int32, so a row wider than ``_COMPILED_WIDEST`` is merged by the eager code."""
+    generator = torch.Generator().manual_seed(2)
+    x = _rows((6, 40), "normal", torch.float32, generator)
+    compiled, calls = della._compiled, []
+    monkeypatch.setattr(della, "_compiled", lambda *a: calls.append(a) or compiled(*a))
+    monkeypatch.setattr(della, "_COMPILED_WIDEST", 40)
+    assert _same_bits(della.della(x, DellaOptions()), _eager(x, DellaOptions(), "della"))
+    assert calls  # 40 wide: compiled
+    monkeypatch.setattr(della, "_COMPILED_WIDEST", 39)
+    monkeypatch.setattr(della, "_compiled", lambda *_: pytest.fail("a row wider than the kernel takes was compiled"))
+    assert _same_bits(della.della(x, DellaOptions()), _eager(x, DellaOptions(), "della"))
+
+
 def test_della_streamed_from_float32_files_equals_della_in_memory(tmp_path):
     """The streamed merge hands the kernel the files' float32 tensors as stored, whole, with reused memory."""
     generator = torch.Generator().manual_seed(2)

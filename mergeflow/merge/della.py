@@ -13,6 +13,8 @@ bits; every other device runs the eager code.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -33,6 +35,7 @@ from mergeflow.schema.merge import DellaOptions
 
 _ROW_CHUNK = 1 << 20  # entries of whole rows ranked and drawn at a time: bounds the temporaries
 _PER_THREAD = 1 << 17  # elements (of each client) a thread prunes and merges, at least, when a tensor is split
+_COMPILED_WIDEST = 1 << 29  # entries a row may have for the compiled kernel: its buckets (up to 2^30) are int32
 
 
 def keep_probabilities(task: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
@@ -96,7 +99,7 @@ def _pruned_tasks(x: TensorInputs, options: DellaOptions) -> torch.Tensor:
 
 def _merged(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Tensor:
     assert x.base is not None  # needs base (schema)
-    if x.base.device.type == "cpu" and compiled_draws_match():
+    if x.base.device.type == "cpu" and _row_width(x.base) <= _COMPILED_WIDEST and compiled_draws_match():
         return _compiled(x, options, combine)
     tasks = _pruned_tasks(x, options)
     combined = disjoint_mean(tasks, overwrite=True) if combine == "agreeing_mean" else running_sum(tasks)
@@ -115,7 +118,7 @@ def _compiled(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Ten
     count, n = len(xs), base.shape[0]
     if n == 0:
         return out
-    width = n // x.base.shape[0] if x.base.dim() >= 2 else n
+    width = _row_width(x.base)
     step = 2.0 * options.epsilon / (width - 1) if width > 1 else 0.0  # as _row_probabilities
     low = options.density - options.epsilon if width > 1 else options.density
     rescale = cpu_kernels.RESCALE_PROBABILITY if options.rescale == "probability" else cpu_kernels.RESCALE_NONE
@@ -154,6 +157,11 @@ def _compiled(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Ten
 
     in_threads(merge, thread_shares(n // width, per_thread))
     return out
+
+
+def _row_width(tensor: torch.Tensor) -> int:
+    """Entries in each of the tensor's rows (``_rows``)."""
+    return math.prod(tensor.shape[1:]) if tensor.dim() >= 2 else tensor.numel()
 
 
 def _to_l1_norm(task: torch.Tensor, before: torch.Tensor) -> None:
