@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of issue 32 in one go, for a short lease of a GPU machine:
 #   bash bench/gpu_all.sh [OUTPUT_DIR]        (default gpu-results/)
+#   PARTS="suite cpu_streaming" bash bench/gpu_all.sh [OUTPUT_DIR]   (only the parts named)
 # Each part has its own time limit and its own log in OUTPUT_DIR, so one that hangs or fails costs only
 # itself. Wheels the machine lacks (pydantic, ivon-opt, BackPACK, ...) are installed first from .whl/ when
 # that folder exists, and its .tar.xz files (site-packages too large as wheels: numba and llvmlite) are unpacked
@@ -22,6 +23,7 @@ python3 -c "import numba; print('numba', numba.__version__)" >>"$out/env.log" 2>
 part() {  # part NAME SECONDS COMMAND...: run with a limit, log to OUTPUT_DIR/NAME.log, say how it ended
     local name=$1 limit=$2
     shift 2
+    if [ -n "${PARTS:-}" ] && [[ " $PARTS " != *" $name "* ]]; then return; fi
     local started=$SECONDS
     timeout "$limit" "$@" >"$out/$name.log" 2>&1
     echo "$name: exit $? after $((SECONDS - started)) s" | tee -a "$out/summary.log"
@@ -34,3 +36,9 @@ part merges 120 python3 bench/gpu_merges.py --repeats 2
 part finetune 90 bash -c "python3 bench/gpu_finetune_step.py && python3 bench/gpu_finetune_step.py --precision bf16 \
     && python3 bench/gpu_finetune_step.py --layers 6 --hidden 384 --length 32 --examples 4800"
 part streaming 100 python3 bench/gpu_streaming.py --dir /tmp/gpu-streaming
+# The machine's CPU, for the sparsifying merges streamed against the streamed average (issue 33): on two of
+# its cores (the 2-core CI VM's thread count), then on all of them.
+pin=$(command -v taskset >/dev/null && echo "taskset -c 0,1")
+part cpu_streaming 200 bash -c "$pin python3 bench/streaming_merge.py --models 4 --dir /tmp/cpu-streaming --keep \
+    --repeat 3 --cases average ties della && python3 bench/streaming_merge.py --models 4 --dir /tmp/cpu-streaming \
+    --keep --repeat 3 --threads 16 --cases average della"

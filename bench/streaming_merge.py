@@ -2,7 +2,7 @@
 
 Usage: python bench/streaming_merge.py [--models 4 8] [--n-layer 12] [--shard-size 200MB] [--dir DIR] [--keep]
                                       [--mergekit /tmp/mk-venv/bin/mergekit-yaml] [--cases model_stock slerp]
-                                      [--repeat 1]
+                                      [--repeat 1] [--threads 2]
 
 Writes GPT-2 checkpoints with ``save_pretrained`` (``GPT2Config()``: 124M parameters, float32,
 sharded at ``--shard-size``): a base model, K fine-tuned stand-ins (the base plus noise) and K
@@ -52,8 +52,8 @@ import json, sys, threading, time
 from pathlib import Path
 import torch, safetensors.torch
 from mergeflow.merge.streaming import merge_files
-torch.set_num_threads(2)
 case = json.loads(sys.argv[1])
+torch.set_num_threads(case["threads"])
 models, base, fishers, out = case["models"], case["base"], case["fishers"], case["out"]
 
 
@@ -296,6 +296,7 @@ def main() -> None:
     parser.add_argument("--mergekit", type=Path, default=Path("/tmp/mk-venv/bin/mergekit-yaml"))
     parser.add_argument("--cases", nargs="+", help="only the cases whose name holds one of these (and the raw read)")
     parser.add_argument("--repeat", type=int, default=1, help="run each case this many times; report the least")
+    parser.add_argument("--threads", type=int, default=2, help="torch's intra-op threads in each case")
     args = parser.parse_args()
     mergekit = args.mergekit if args.mergekit.is_file() and not args.cases else None
     if mergekit is None:
@@ -326,6 +327,7 @@ def main() -> None:
                 "fishers": fishers[:count],
                 "out": str(out),
                 "shard_size": args.shard_size,
+                "threads": args.threads,
             }
             runs = []
             for _ in range(args.repeat):
@@ -346,7 +348,8 @@ def main() -> None:
         start = results.pop("import only")
         raw = results["raw read"]["seconds"]
         print(
-            f"\nK = {count}, torch threads 2; an interpreter that imports torch and mergeflow: {start['process']:.2f} s"
+            f"\nK = {count}, torch threads {args.threads}; "
+            f"an interpreter that imports torch and mergeflow: {start['process']:.2f} s"
         )
         average = results.get("merge_files('average')", {})
         print(
