@@ -436,18 +436,17 @@ def _prune_row(x, b, step, low, rescale, state, tempered, position, scratch, out
     """One row's pruned task vector into ``out``, its uniforms drawn in index order (``della_prune``)."""
     counts, keys, order, ordered, sizes, task, uniform = scratch
     width = x.shape[0]
-    unordered = 0
     for j in range(width):
         difference = np.float64(x[j]) - np.float64(b[j])
         task[j], sizes[j] = difference, abs(difference)
-        unordered += np.int64(not abs(difference) < np.inf)  # NaN or ±inf
     draw(state, tempered, position, uniform)
     if step == 0.0:  # one probability for all
         for j in range(width):
             kept = task[j] * (1.0 if uniform[j] < low else 0.0)
             out[j] = kept / low if rescale == RESCALE_PROBABILITY else kept
         return
-    if unordered or not _bucket_order(sizes, counts, keys, order, ordered):
+    largest = _largest(sizes)
+    if not largest < np.inf or not _bucket_order(sizes, largest, counts, keys, order, ordered):  # NaN or ±inf: sorted
         _sort_order(sizes, order)
     ranks = keys  # the keys are spent: their room takes each entry's rank
     for rank in range(width):
@@ -459,22 +458,22 @@ def _prune_row(x, b, step, low, rescale, state, tempered, position, scratch, out
 
 
 @numba.njit(inline="always", error_model="numpy")
-def _bucket_order(sizes, counts, keys, order, ordered):  # pragma: no cover - compiled
-    """The stable ascending order of a row's finite ``sizes`` into ``order`` (and the sizes so ordered into
-    ``ordered``): counted and scattered into buckets (0 for exact zeros, then ``len(counts) − 1`` of equal
-    width up to the largest), then insertion-sorted. False, with ``order`` undone, when a bucket other
-    than the zeros' holds more than ``_DELLA_WIDEST`` (the insertion sort could take too long)."""
+def _bucket_order(sizes, largest, counts, keys, order, ordered):  # pragma: no cover - compiled
+    """The stable ascending order of a row's finite ``sizes`` (``largest`` the largest of them) into ``order``
+    (and the sizes so ordered into ``ordered``): counted and scattered into buckets (0 for exact zeros, then
+    ``len(counts) − 1`` of equal width up to the largest), then insertion-sorted. False, with ``order``
+    undone, when a bucket other than the zeros' holds more than ``_DELLA_WIDEST`` (the insertion sort could
+    take too long)."""
     width, buckets = sizes.shape[0], counts.shape[0] - 1
-    largest = _largest(sizes)
     scale = (buckets - 0.5) / largest if largest > 0 else 0.0  # below ``buckets`` even at the largest
     if not scale < np.inf:  # a subnormal largest
         return False
+    for j in range(width):  # apart from the counting, so that it vectorizes
+        size = sizes[j]
+        keys[j] = np.int32(0) if size == 0.0 else np.int32(1 + np.int64(size * scale))
     counts[:] = 0
     for j in range(width):
-        size = sizes[j]
-        key = 0 if size == 0.0 else 1 + np.int64(size * scale)
-        keys[j] = key
-        counts[key] += 1
+        counts[keys[j]] += 1
     widest, start = 0, counts[0]
     counts[0] = 0
     for b in range(1, buckets + 1):  # counts[b] becomes bucket b's start, the sum kept in a register
@@ -503,17 +502,12 @@ def _bucket_order(sizes, counts, keys, order, ordered):  # pragma: no cover - co
 
 @numba.njit(inline="always", error_model="numpy")
 def _largest(sizes):  # pragma: no cover - compiled
-    """The largest of non-negative finite ``sizes``, on four chains (one chain waits on every comparison)."""
-    a = b = c = d = 0.0
-    width = sizes.shape[0]
-    for j in range(0, width - 3, 4):
-        a = sizes[j] if sizes[j] > a else a
-        b = sizes[j + 1] if sizes[j + 1] > b else b
-        c = sizes[j + 2] if sizes[j + 2] > c else c
-        d = sizes[j + 3] if sizes[j + 3] > d else d
-    for j in range(width - width % 4, width):
-        a = sizes[j] if sizes[j] > a else a
-    return max(max(a, b), max(c, d))
+    """The largest of the magnitudes ``sizes`` (NaN above +inf): the largest of their bit patterns, which
+    order as their values (a sign bit clear) and whose integer maximum vectorizes, as a float's does not."""
+    bits, top = sizes.view(np.uint64), np.uint64(0)
+    for j in range(sizes.shape[0]):
+        top = max(top, bits[j])
+    return np.array([top]).view(np.float64)[0]
 
 
 @numba.njit(inline="always", error_model="numpy")
