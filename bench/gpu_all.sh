@@ -39,7 +39,7 @@ part streaming 100 python3 bench/gpu_streaming.py --dir /tmp/gpu-streaming
 # The machine's CPU, for the sparsifying merges streamed against the streamed average (issue 33): on two of
 # its cores (the 2-core CI VM's thread count), then on all of them.
 pin=$(command -v taskset >/dev/null && echo "taskset -c 0,1")
-# About 230 s on an H100 machine (its Python imports torch and mergeflow in 5 s; numba compiles TIES once).
+# 200 s with the least of 3 ran out on an H100 machine: its Python takes 5 s to import torch and mergeflow.
 part cpu_streaming 300 bash -c "$pin python3 bench/streaming_merge.py --models 4 --dir /tmp/cpu-streaming --keep \
     --repeat 2 --cases average ties della && python3 bench/streaming_merge.py --models 4 --dir /tmp/cpu-streaming \
     --keep --repeat 2 --threads 16 --cases average della"
