@@ -7,6 +7,11 @@ Times ``cpu_kernels.della_merge`` on one thread over ``--clients`` float32 stand
 client entry: the whole kernel, then the same with ε = 0 (one probability for all, so no ranks: the
 differences, draws, pruning and merge alone). The difference is what ranking costs. For scale, it also
 times torch's stable ``argsort`` of the same rows, which the eager code ranks with.
+
+To time another tree's kernels (the code before a change, from ``git archive``), put that tree first on
+the path: ``cd /tmp/old && PYTHONPATH=/tmp/old python bench/della_kernel.py``. Without it the script
+imports the installed mergeflow (an editable install: this checkout), as a script's own folder, not the
+current one, heads the path.
 """
 
 from __future__ import annotations

@@ -47,13 +47,13 @@ def _rows(
             change = change.round(decimals=2)
         elif kind == "zeros":  # unchanged entries: a bucket of exact zeros
             flat[: flat.numel() // 2] = 0
-        elif kind == "skewed" and flat.numel():  # one outlier: the rest in the first buckets, so the row is sorted
+        elif kind == "skewed" and flat.numel():  # one outlier, the rest in the first keys: a wide row merge-sorted
             flat[0] = 1e3
         elif kind == "nonfinite" and flat.numel():  # NaN ranks last, inf below it, as torch's argsort
             flat[-1], flat[flat.numel() // 3] = math.nan, math.inf
         elif kind == "unchanged":  # every entry zero: ranked by index alone
             flat.zero_()
-        if kind == "subnormal":  # float64 task vectors too small for the buckets' scale: sorted instead
+        if kind == "subnormal":  # float64 task vectors too small for the keys' scale: merge-sorted instead
             tensors.append(torch.zeros(shape, dtype=torch.float64) + change.double() * 1e-310)
             continue
         tensors.append((base.double() + change.double()).to(dtype))
@@ -107,7 +107,7 @@ def test_the_compiled_della_splits_rows_between_threads_with_the_same_bits(monke
 
 
 def test_rows_too_wide_for_the_kernels_scratch_go_to_the_eager_code(monkeypatch):
-    """The kernel counts in int32, so a row wider than ``_COMPILED_WIDEST`` is merged by the eager code."""
+    """The kernel orders in int32, so a row wider than ``_COMPILED_WIDEST`` is merged by the eager code."""
     generator = torch.Generator().manual_seed(2)
     x = _rows((6, 40), "normal", torch.float32, generator)
     compiled, calls = della._compiled, []

@@ -349,19 +349,20 @@ def draw(state, tempered, position, out):  # pragma: no cover - compiled
 
 
 # DELLA. The eager code (``mergeflow.merge.della``) sorts every row of every task vector with a stable
-# ``argsort`` to rank its magnitudes, which dominated DELLA's time. Here a row's magnitudes are counted
-# into about 2 × width linear buckets (exact zeros in a bucket of their own) and scattered, which leaves
-# them almost sorted, and an insertion sort finishes the order (equal ones stay in index order). A row
-# whose buckets are too full (a skewed row) or that holds a NaN or an infinity is ordered by a stable
-# merge sort instead. Each entry's rank is then its position in that order, and its probability
-# ``p = low + rank · step``, its uniform and its pruned value follow. ``della_merge`` prunes a block of
-# rows of all K clients, each from its own position in the stream, and combines them while they are in
-# cache; ``della_prune`` writes the pruned task vectors out (for mergekit's ``l1`` rescale, which needs
-# each whole vector's norm first).
+# ``argsort`` to rank its magnitudes, which dominated DELLA's time. Here a row's magnitudes get 16-bit keys
+# (0 for exact zeros, then 65,535 equal steps up to the largest) and are radix-sorted by them, a byte at
+# a time, least significant first. Each pass is stable, so equal keys stay in index order, and the few
+# entries that share a key are then put in order by an insertion sort (equal magnitudes never pass each
+# other). A row whose insertion sort runs long (a skewed row) or that holds a NaN or an infinity is
+# ordered by a stable merge sort instead. Each entry's rank is then its position in that order, and its
+# probability ``p = low + rank · step``, its uniform and its pruned value follow. ``della_merge`` prunes a
+# block of rows of all K clients, each from its own position in the stream, and combines them while they
+# are in cache; ``della_prune`` writes the pruned task vectors out (for mergekit's ``l1`` rescale, which
+# needs each whole vector's norm first).
 
 RESCALE_NONE, RESCALE_PROBABILITY = 0, 1  # DELLA's rescale: none (mergekit's l1 is applied afterwards) or by 1/p
 
-_DELLA_WIDEST = 32  # entries a bucket of non-zero magnitudes may hold before its row is merge-sorted instead
+_DELLA_MOVES = 32  # moves an entry the insertion sort may make on average before its row is merge-sorted instead
 _DELLA_BLOCK = 4096  # elements of each client pruned before the block is merged: K such rows stay in L2
 
 
@@ -421,20 +422,18 @@ def della_prune(
 
 @numba.njit(inline="always", error_model="numpy")
 def _scratch(width):  # pragma: no cover - compiled
-    """``_prune_row``'s working arrays for rows of ``width``: bucket counts (about 2 × width buckets, a power
-    of two), keys, order, ordered sizes, sizes, task and uniforms. Counts, keys and order are int32, half
-    the cache of int64 (4% faster); so rows are at most 2²⁹ wide (``della._COMPILED_WIDEST``)."""
-    buckets = 2
-    while buckets < 2 * width:
-        buckets *= 2
-    counts, keys, order = np.empty(buckets + 1, np.int32), np.empty(width, np.int32), np.empty(width, np.int32)
-    return counts, keys, order, np.empty(width), np.empty(width), np.empty(width), np.empty(width)
+    """``_prune_row``'s working arrays for rows of ``width``: ``_radix_order``'s (its counts, keys and the
+    first pass's keys and order), then order, ordered sizes, sizes, task and uniforms. The counts, keys and
+    orders are int32, half the cache of int64; so rows are at most 2³¹ − 1 wide (``della._COMPILED_WIDEST``)."""
+    keys, passed_keys, passed_order, order = np.empty((4, width), np.int32)
+    radix = np.empty((2, 256), np.int32), keys, passed_keys, passed_order
+    return radix, order, np.empty(width), np.empty(width), np.empty(width), np.empty(width)
 
 
 @numba.njit(inline="always", error_model="numpy")
 def _prune_row(x, b, step, low, rescale, state, tempered, position, scratch, out):  # pragma: no cover - compiled
     """One row's pruned task vector into ``out``, its uniforms drawn in index order (``della_prune``)."""
-    counts, keys, order, ordered, sizes, task, uniform = scratch
+    radix, order, ordered, sizes, task, uniform = scratch
     width = x.shape[0]
     for j in range(width):
         difference = np.float64(x[j]) - np.float64(b[j])
@@ -446,9 +445,9 @@ def _prune_row(x, b, step, low, rescale, state, tempered, position, scratch, out
             out[j] = kept / low if rescale == RESCALE_PROBABILITY else kept
         return
     largest = _largest(sizes)
-    if not largest < np.inf or not _bucket_order(sizes, largest, counts, keys, order, ordered):  # NaN or ±inf: sorted
+    if not largest < np.inf or not _radix_order(sizes, largest, radix, order, ordered):  # NaN or ±inf: sorted
         _sort_order(sizes, order)
-    ranks = keys  # the keys are spent: their room takes each entry's rank
+    ranks = radix[1]  # the keys are spent: their room takes each entry's rank
     for rank in range(width):
         ranks[order[rank]] = rank
     for j in range(width):  # in index order and branch-free, so that it vectorizes
@@ -458,36 +457,44 @@ def _prune_row(x, b, step, low, rescale, state, tempered, position, scratch, out
 
 
 @numba.njit(inline="always", error_model="numpy")
-def _bucket_order(sizes, largest, counts, keys, order, ordered):  # pragma: no cover - compiled
+def _radix_order(sizes, largest, radix, order, ordered):  # pragma: no cover - compiled
     """The stable ascending order of a row's finite ``sizes`` (``largest`` the largest of them) into ``order``
-    (and the sizes so ordered into ``ordered``): counted and scattered into buckets (0 for exact zeros, then
-    ``len(counts) − 1`` of equal width up to the largest), then insertion-sorted. False, with ``order``
-    undone, when a bucket other than the zeros' holds more than ``_DELLA_WIDEST`` (the insertion sort could
-    take too long)."""
-    width, buckets = sizes.shape[0], counts.shape[0] - 1
-    scale = (buckets - 0.5) / largest if largest > 0 else 0.0  # below ``buckets`` even at the largest
+    (and the sizes so ordered into ``ordered``): radix-sorted by 16-bit keys (0 for exact zeros, then
+    65,535 equal steps up to the largest), a byte a pass, then insertion-sorted. ``radix``: ``(2, 256)``
+    counts, the keys, and the first pass's keys and order (``_scratch``). False, with ``order`` undone,
+    when the insertion sort would move entries more than ``_DELLA_MOVES`` times each on average (a skewed
+    row)."""
+    counts, keys, passed_keys, passed_order = radix
+    width = sizes.shape[0]
+    scale = 65534.5 / largest if largest > 0 else 0.0  # below 65,535 even at the largest
     if not scale < np.inf:  # a subnormal largest
         return False
     for j in range(width):  # apart from the counting, so that it vectorizes
         size = sizes[j]
         keys[j] = np.int32(0) if size == 0.0 else np.int32(1 + np.int64(size * scale))
+    low, high = counts[0], counts[1]
     counts[:] = 0
     for j in range(width):
-        counts[keys[j]] += 1
-    widest, start = 0, counts[0]
-    counts[0] = 0
-    for b in range(1, buckets + 1):  # counts[b] becomes bucket b's start, the sum kept in a register
-        count = counts[b]
-        widest = max(widest, count)
-        counts[b] = start
-        start += count
-    if widest > _DELLA_WIDEST:
-        return False
-    for j in range(width):
-        b = keys[j]
-        where = counts[b]
-        counts[b] = where + 1
-        order[where], ordered[where] = j, sizes[j]
+        key = keys[j]
+        low[key & 255] += 1
+        high[key >> 8] += 1
+    low_start, high_start = 0, 0
+    for digit in range(256):  # each count becomes its digit's first position
+        low_count, high_count = low[digit], high[digit]
+        low[digit], high[digit] = low_start, high_start
+        low_start, high_start = low_start + low_count, high_start + high_count
+    for j in range(width):  # by the low byte; in index order, so that equal keys stay in it
+        key = keys[j]
+        where = low[key & 255]
+        low[key & 255] = where + 1
+        passed_order[where], passed_keys[where] = j, key
+    for q in range(width):  # by the high byte, stably
+        where = high[passed_keys[q] >> 8]
+        high[passed_keys[q] >> 8] = where + 1
+        order[where] = passed_order[q]
+    for q in range(width):
+        ordered[q] = sizes[order[q]]
+    moves = _DELLA_MOVES * width
     for q in range(1, width):  # equal sizes never move past each other: index order stays among them
         size = ordered[q]
         if ordered[q - 1] <= size:
@@ -496,6 +503,9 @@ def _bucket_order(sizes, largest, counts, keys, order, ordered):  # pragma: no c
         while before >= 0 and ordered[before] > size:
             ordered[before + 1], order[before + 1] = ordered[before], order[before]
             before -= 1
+        moves -= q - 1 - before
+        if moves < 0:
+            return False
         ordered[before + 1], order[before + 1] = size, j
     return True
 

@@ -35,7 +35,7 @@ from mergeflow.schema.merge import DellaOptions
 
 _ROW_CHUNK = 1 << 20  # entries of whole rows ranked and drawn at a time: bounds the temporaries
 _PER_THREAD = 1 << 17  # elements (of each client) a thread prunes and merges, at least, when a tensor is split
-_COMPILED_WIDEST = 1 << 29  # entries a row may have for the compiled kernel: its buckets (up to 2^30) are int32
+_COMPILED_WIDEST = (1 << 31) - 1  # entries a row may have for the compiled kernel, which orders them in int32
 
 
 def keep_probabilities(task: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
