@@ -52,8 +52,9 @@ def masked_merge(xs, base, masks, divisor, coefficient, combine, out, start, end
             for j in range(size):
                 task[j] = _masked(np.float64(x[j]), np.float64(b[j]), m[j], divisor)
         _combine(tasks, size, combine, total, sign, kept, agreeing)
+        merged = out[first : first + size]  # a slice indexed from 0: the loop vectorizes (``draw``)
         for j in range(size):
-            out[first + j] = np.float64(b[j]) + coefficient * total[j]
+            merged[j] = np.float64(b[j]) + coefficient * total[j]
 
 
 @_jit
@@ -65,8 +66,9 @@ def merge_tasks(tasks, base, coefficient, combine, out, start, end):  # pragma: 
     for first in range(start, end, _TILE):
         size = min(end, first + _TILE) - first
         _combine(tasks[:, first : first + size], size, combine, total, sign, kept, agreeing)
+        merged, b = out[first : first + size], base[first : first + size]  # slices: as ``masked_merge``
         for j in range(size):
-            out[first + j] = np.float64(base[first + j]) + coefficient * total[j]
+            merged[j] = np.float64(b[j]) + coefficient * total[j]
 
 
 @numba.njit(inline="always", error_model="numpy")
@@ -306,12 +308,14 @@ def uniforms_below(state, position, keep, keep_each, out):  # pragma: no cover -
     for first in range(0, out.shape[0], _DRAW_TILE):
         size = min(out.shape[0], first + _DRAW_TILE) - first
         draw(state, tempered, position, tile[:size])
+        kept = out[first : first + size]  # a slice indexed from 0: the loop vectorizes (``draw``)
         if each:
+            keeps = keep_each[first : first + size]
             for i in range(size):
-                out[first + i] = tile[i] < keep_each[first + i]
+                kept[i] = tile[i] < keeps[i]
         else:
             for i in range(size):
-                out[first + i] = tile[i] < keep
+                kept[i] = tile[i] < keep
 
 
 @numba.njit(inline="always", error_model="numpy")
@@ -325,10 +329,11 @@ def draw(state, tempered, position, out):  # pragma: no cover - compiled
     done, total = 0, out.shape[0]
     while done < total:
         pairs = min((left - 1) // 2, total - done)  # uniforms whose two words come before the next twist
-        words = tempered[following : following + 2 * pairs]  # a slice: the loop then vectorizes
+        # slices indexed from 0: the loop then vectorizes (with ``out[done + q]``, a third slower)
+        words, drawn = tempered[following : following + 2 * pairs], out[done : done + pairs]
         for q in range(pairs):
             word = (np.uint64(words[2 * q]) << np.uint64(32)) | np.uint64(words[2 * q + 1])
-            out[done + q] = np.float64(np.int64(word & np.uint64(0x1FFFFFFFFFFFFF))) * scale  # exact: below 2⁵³
+            drawn[q] = np.float64(np.int64(word & np.uint64(0x1FFFFFFFFFFFFF))) * scale  # exact: below 2⁵³
         done, left, following = done + pairs, left - 2 * pairs, following + 2 * pairs
         if done < total:  # one uniform across a twist, word by word
             left -= 1
@@ -395,8 +400,9 @@ def della_merge(
                            positions[k], scratch, tile[k, r * width : (r + 1) * width])  # fmt: skip
         _combine(tile, size, combine, total, sign, kept, agreeing)
         at = row * width
+        merged, b = out[at : at + size], base[at : at + size]  # slices: as ``masked_merge``
         for j in range(size):
-            out[at + j] = np.float64(base[at + j]) + coefficient * total[j]
+            merged[j] = np.float64(b[j]) + coefficient * total[j]
 
 
 @_jit
