@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -176,3 +179,27 @@ def test_split_counts_marks_and_gathers_like_numpy_whatever_the_room(upper):
         assert np.array_equal(gathered[2], values[inside_top]) and np.array_equal(
             gathered[3], 100 + np.flatnonzero(inside_top)
         )
+
+
+def test_loading_the_kernels_leaves_scipy_linalg_to_whoever_calls_blas():
+    """numba's array registry would import ``scipy.linalg`` (0.2 s) to probe for BLAS; the kernels load
+    without it, and numba still finds BLAS for a function that calls it (imported then)."""
+    code = """
+import sys
+import numba, numpy as np
+from mergeflow.merge import sparsify
+assert sparsify.compiled_draws_match()  # a kernel loaded and run
+assert "scipy.linalg" not in sys.modules, "loading the kernels imported scipy.linalg"
+from numba.np import arraymath, linalg
+assert arraymath._HAVE_BLAS and arraymath.ensure_blas is linalg.ensure_blas
+
+@numba.njit
+def convolve_and_dot(a, b):
+    return np.convolve(a, b), np.dot(a, b)
+
+convolved, dot = convolve_and_dot(np.arange(3.0), np.ones(3))
+assert convolved.tolist() == [0.0, 1.0, 3.0, 3.0, 2.0] and dot == 3.0
+assert "scipy.linalg" in sys.modules
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

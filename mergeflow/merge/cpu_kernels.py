@@ -18,9 +18,41 @@ Only the CPU uses these; an accelerator runs the torch code.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 import numba
 import numpy as np
 
+
+def _load_numba_arrays_without_scipy() -> None:
+    """Load numba's array registry without importing ``scipy.linalg``, which it imports (0.2 s, a tenth of a
+    DELLA merge of 124M parameters) only to learn whether ``np.correlate`` and ``np.convolve`` may call BLAS.
+    These kernels call neither. The probe answers from whether SciPy is installed instead; numba then
+    behaves as it would have: a function that calls BLAS imports and checks it when it is compiled."""
+    if "numba.np.arraymath" in sys.modules:  # loaded already: nothing left to save
+        return
+    from numba.np import linalg
+
+    probe = getattr(linalg, "ensure_blas", None)
+    if probe is None:  # a numba without this probe
+        return
+
+    def absent() -> None:
+        raise ImportError
+
+    linalg.ensure_blas = absent
+    try:
+        from numba.np import arraymath
+    finally:
+        linalg.ensure_blas = probe
+    if getattr(arraymath, "ensure_blas", None) is absent:
+        arraymath.ensure_blas = probe
+    if hasattr(arraymath, "_HAVE_BLAS"):
+        arraymath._HAVE_BLAS = importlib.util.find_spec("scipy") is not None
+
+
+_load_numba_arrays_without_scipy()
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
 SUM, AGREEING_SUM, AGREEING_MEAN = 0, 1, 2  # how ``masked_merge`` combines the K masked task vectors
