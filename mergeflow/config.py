@@ -868,7 +868,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return result
 
 
-def _error_lines(error: ValidationError, source: str, raw: dict[str, Any]) -> list[str]:
+def _error_lines(
+    error: ValidationError, source: str, raw: dict[str, Any], overrides: list[str] | None = None
+) -> list[str]:
+    """One line per problem, each naming where its key was given: ``source``, or the ``-S`` override that set it."""
     lines = []
     for item in error.errors():
         key = ".".join(str(p) for p in item["loc"])
@@ -884,8 +887,19 @@ def _error_lines(error: ValidationError, source: str, raw: dict[str, Any]) -> li
         scalar = not isinstance(item["input"], dict | list) and item["type"] != "extra_forbidden"
         shown = f" (got {json.dumps(item['input'], default=str)})" if scalar else ""
         where = f"{key}: " if key else ""
-        lines.append(f"{source}: {where}{message}{shown}")
+        lines.append(f"{_given_by(key, overrides or []) or source}: {where}{message}{shown}")
     return lines
+
+
+def _given_by(key: str, overrides: list[str]) -> str | None:
+    """``-S a.b=v``: the last override that set ``key``, a section above it, or a key below it; None for none."""
+    parts = key.split(".") if key else []
+    for text in reversed(overrides):
+        given = text.partition("=")[0].strip().split(".")
+        shared = min(len(given), len(parts))
+        if parts and given[:shared] == parts[:shared]:
+            return f"-S {text}"
+    return None
 
 
 def _suggested_key(parts: list[str], raw: dict[str, Any]) -> str:
@@ -955,14 +969,15 @@ def _declared_options(kinds: str) -> dict[str, type[BaseModel]]:
     return dict(ALGORITHMS)
 
 
-def validate_params(raw: dict[str, Any], source: str = "params") -> Params:
-    """Validate a raw params mapping; raise ConfigError with one line per problem."""
+def validate_params(raw: dict[str, Any], source: str = "params", overrides: list[str] | None = None) -> Params:
+    """Validate a raw params mapping; raise ConfigError with one line per problem. A problem with a key that one
+    of ``overrides`` (``-S`` texts, already applied to ``raw``) set names that override instead of ``source``."""
     if not isinstance(raw, dict):
         raise ConfigError([f"{source}: expected a mapping of sections at the top level"])
     try:
         return Params.model_validate(raw)
     except ValidationError as error:
-        raise ConfigError(_error_lines(error, source, raw)) from None
+        raise ConfigError(_error_lines(error, source, raw, overrides)) from None
 
 
 def load_params(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> Params:
@@ -974,4 +989,4 @@ def load_params(path: str | Path = "params.yaml", overrides: list[str] | None = 
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as error:
         raise ConfigError([f"{path}: not valid YAML: {error}".replace("\n", " ")]) from None
-    return validate_params(apply_overrides(raw, overrides or []), str(path))
+    return validate_params(apply_overrides(raw, overrides or []), str(path), overrides)

@@ -32,9 +32,10 @@ def records_dir(root: Path) -> Path:
 
 def write_stage_records(root: Path, stage: Stage, outcomes: list[StepOutcome]) -> None:
     """Write the records of a stage's steps into its shared file (unchanged content is left alone, so
-    DVC does not hash it again)."""
+    DVC does not hash it again). A step whose work lies in a tracking store, not in the workspace, is left
+    out: a clone logs to its own store, and a record from elsewhere would only change the file."""
     records = {}
-    for outcome in outcomes:
+    for outcome in (outcome for outcome in outcomes if outcome.shared):
         path = results_dir(root) / f"{outcome.name.replace('/', '-')}-{outcome.key}"
         record = json.loads(path.read_text())
         records[path.name] = {k: v for k, v in record.items() if k not in _LOCAL}

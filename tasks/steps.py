@@ -45,7 +45,9 @@ class Step:
     """One unit of cached work: ``fn`` (as ``module:function``) on ``params`` and ``inputs``.
 
     ``settings`` reach ``fn`` with the params but stay out of the cache key: they change how a step
-    runs (e.g. whether a merge streams from the files), never what it makes.
+    runs (e.g. whether a merge streams from the files), never what it makes. ``holds`` (``module:function``
+    of ``(root, record) -> bool``) names the check of a step whose work lies outside the workspace (runs in
+    a tracking store): a record is a hit only while that work is still there.
     """
 
     name: str
@@ -53,6 +55,7 @@ class Step:
     params: dict[str, Any]
     inputs: tuple[str, ...] = ()
     settings: dict[str, Any] = field(default_factory=dict)
+    holds: str | None = None
 
     @property
     def code(self) -> tuple[str, ...]:
@@ -72,6 +75,7 @@ class StepOutcome:
     summary: dict[str, Any] = field(default_factory=dict)
     key: str = ""
     device: str | None = None  # the device that made it (``tasks.devices.made_on``); None for no device step
+    shared: bool = True  # whether its record travels with the data (not a step whose work is in a tracking store)
 
 
 def project_root_of_code() -> Path:
@@ -184,14 +188,28 @@ def is_record(record: Any, key: str) -> bool:
     return valid and isinstance(record.get("files"), dict)
 
 
+def still_holds(step: Step, root: Path, record: dict[str, Any]) -> bool:
+    """Whether the work that ``record`` says ``step`` did outside the workspace is still there (:attr:`Step.holds`)."""
+    return step.holds is None or bool(resolve(step.holds)(root, record))
+
+
+def cache_hit(store: ArtifactStore, step: Step, key: str) -> dict[str, Any] | None:
+    """The step's record when it is a hit: its blobs all in the store and its outside work still there
+    (:func:`still_holds`); None for a miss (the step then runs and rewrites its record)."""
+    hit = read_record(store.root, step, key)
+    if hit is None or not store.has(hit["files"], hit.get("stamps")) or not still_holds(step, store.root, hit):
+        return None
+    return hit
+
+
 def cached_outcomes(steps: list[Step], root: Path, code_hashes: CodeHashes | None = None) -> list[StepOutcome] | None:
-    """The steps' outcomes when every one is a cache hit with its blobs in the store, materialised,
-    without Prefect; None (nothing materialised) at the first miss. ``code_hashes``: as for ``step_key``."""
+    """The steps' outcomes when every one is a cache hit (:func:`cache_hit`), materialised, without Prefect;
+    None (nothing materialised) at the first miss. ``code_hashes``: as for ``step_key``."""
     store = ArtifactStore(root)
     hits = []
     for step in steps:
-        hit = read_record(root, step, step_key(step, root, code_hashes))
-        if hit is None or not store.has(hit["files"], hit.get("stamps")):
+        hit = cache_hit(store, step, step_key(step, root, code_hashes))
+        if hit is None:
             return None
         hits.append(hit)
     for hit in hits:
@@ -207,6 +225,7 @@ def cached_outcomes(steps: list[Step], root: Path, code_hashes: CodeHashes | Non
             hit["summary"],
             hit["key"],
             made_on(hit) or ("cpu" if uses_device(step.settings) else None),
+            step.holds is None,
         )
         for step, hit in zip(steps, hits, strict=True)
     ]

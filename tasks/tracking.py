@@ -29,6 +29,7 @@ from tasks.data import DATA_METRICS, PARTITIONS, PREPARED, client_file
 from tasks.evaluation import METRICS, PLOT, SANITY, SELECTION, SELECTION_PLOT
 from tasks.federated import FEDERATED_METRICS, FEDERATED_PLOT, final_checkpoint, global_checkpoint
 from tasks.merging import merged_checkpoint, merged_pretrained_dir
+from tasks.mlflow_store import require_store, store_exists, tracking_uri
 from tasks.steps import Step
 from tasks.store import STATE_DIR, hash_paths, sha256_file
 from tasks.training import client_checkpoint
@@ -51,18 +52,16 @@ _ARTIFACTS = (
 _MAX_PARAMS_PER_CALL = 100
 
 
-def tracking_uri(root: Path) -> str:
-    """``MLFLOW_TRACKING_URI`` if set, else an absolute SQLite store at the project root."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(root / 'mlflow.db').resolve()}"
-
-
 def runs_url(root: Path, experiment: str, base: str) -> str:
     """The MLflow UI page of ``experiment``'s runs under ``base`` (e.g. ``http://127.0.0.1:5000``).
 
     MLflow 3's UI opens an experiment on its GenAI overview unless the browser chose otherwise (the
     choice lives in the browser's local storage, not on the server); ``workflowType=machine_learning``
-    in the URL opens the runs table. The experiment list when the experiment does not exist yet.
+    in the URL opens the runs table. The experiment list when the experiment does not exist yet (nor the
+    store: this creates none).
     """
+    if not store_exists(root):
+        return f"{base}/#/experiments"
     from mlflow.tracking import MlflowClient
 
     found = MlflowClient(tracking_uri(root)).get_experiment_by_name(experiment)
@@ -93,7 +92,9 @@ def plan_track(params: Params) -> list[Step]:
     }
     federated = tuple(final_checkpoint(params, name) for name in params.federated.algorithms)
     inputs = (*_ARTIFACTS, *clients, *merged, *federated)
-    return [Step("track", "tasks.tracking:track", step_params, inputs=inputs)]
+    # A hit only while the store still holds the logged runs: a pulled clone's or an emptied store is filled.
+    holds = "tasks.mlflow_store:holds_logged_run"
+    return [Step("track", "tasks.tracking:track", step_params, inputs=inputs, holds=holds)]
 
 
 def _git_commit(root: Path) -> str:
@@ -597,11 +598,12 @@ def best_runs(root: Path, experiment: str, metric: str, top: int = 5) -> list[di
     (its version in the Model Registry, or None) and ``differs``: for rows of the same name, the params
     (the run's own and its pipeline's) whose values differ between them, else nothing.
     """
+    uri = require_store(root)
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri(root))
+    mlflow.set_tracking_uri(uri)
     if mlflow.get_experiment_by_name(experiment) is None:
-        raise MergeflowError(f"tracking.experiment: no MLflow experiment {experiment!r} at {tracking_uri(root)}")
+        raise MergeflowError(f"tracking.experiment: no MLflow experiment {experiment!r} at {uri}")
     ascending = any(word in metric for word in _LOWER_IS_BETTER)
     every = mlflow.search_runs(experiment_names=[experiment])
     column = f"metrics.{metric}"

@@ -161,3 +161,13 @@ def test_steps_per_task_auto_batches_short_steps_and_spreads_long_ones_over_the_
     assert not OrchestrationConfig(steps_per_task=10).runs_waves_together(0.02)
     with pytest.raises(ValueError, match="must be 'auto' or at least 1"):
         OrchestrationConfig(steps_per_task=0)
+
+
+def test_a_bad_override_names_the_override_not_the_file(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("finetune:\n  epochs: -1\n")
+    with pytest.raises(ConfigError) as error:
+        load_params(path, ["finetune.lr=-0.1", "merge.methods=[average]"])
+    lines = sorted(error.value.lines)
+    assert lines[0].startswith("-S finetune.lr=-0.1: finetune.lr:"), lines
+    assert lines[1].startswith(f"{path}: finetune.epochs:"), lines  # the file's own mistake still names the file
