@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     best.add_argument("--metric", default="test_accuracy", help="e.g. test_accuracy (highest first), test_nll (lowest)")
     best.add_argument("--experiment", help="MLflow experiment (default: tracking.experiment of the params)")
     best.add_argument("--top", type=int, default=5)
+    best.add_argument("--all-data", action="store_true", help="rank all data together (default: the latest run's)")
     _add_params_options(best)
     reproduce = commands.add_parser("reproduce", help="run a paper reproduction (results/NAME.md)")
     reproduce.add_argument(
@@ -234,18 +235,34 @@ def _best(args: argparse.Namespace) -> int:
     from flows.environment import configure
 
     configure()
-    from tasks.tracking import best_runs
+    from tasks.best_models import best_runs
 
-    rows = best_runs(Path.cwd(), experiment, args.metric, args.top)
-    print(f"{'name':20s} {'kind':9s} {args.metric:>14s} {'version':>7s}  {'started':16s}  {'run_id':32s}  differs")
-    for row in rows:
+    ranking = best_runs(Path.cwd(), experiment, args.metric, args.top, args.all_data)
+    if ranking.left_out:
+        others = ", ".join(ranking.other_data)
+        print(
+            f"mergeflow: best: ranked on the data of the latest run ({ranking.data}); {ranking.left_out} models of "
+            f"other data ({others}) left out: --all-data ranks them together",
+            file=sys.stderr,
+        )
+    print(_fit(f"{'name':20s} {'kind':9s} {args.metric:>14s} {'version':>7s}  {'data':12s} {'started':16s}  "
+               f"{'run_id':32s}  differs"))  # fmt: skip
+    for row in ranking.rows:
         version = f"v{row['version']}" if row["version"] is not None else "-"
         differs = " ".join(f"{key}={value}" for key, value in row["differs"].items())
-        print(
-            f"{row['name']:20s} {row['kind']:9s} {row[args.metric]:14.4f} {version:>7s}  {row['started']:16s}  "
-            f"{row['run_id']:32s}  {differs}".rstrip()
-        )
+        line = f"{row['name']:20s} {row['kind']:9s} {row[args.metric]:14.4f} {version:>7s}  {row['data']:12s} "
+        print(_fit(f"{line}{row['started']:16s}  {row['run_id']:32s}  {differs}".rstrip()))
     return 0
+
+
+def _fit(line: str) -> str:
+    """``line`` cut to the terminal's width (with an ellipsis) when the output is a terminal."""
+    import shutil
+
+    if not sys.stdout.isatty():
+        return line
+    width = shutil.get_terminal_size().columns
+    return line if len(line) <= width else line[: width - 1] + "…"
 
 
 def main(argv: list[str] | None = None) -> int:

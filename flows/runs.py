@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -28,16 +29,20 @@ def workspace_lock(root: Path) -> Iterator[None]:
 
     Runs share the content-addressed store safely, but each one materialises its outputs at
     the same paths that the other's steps read; a second run waits here, then finds the
-    first one's work in the cache.
+    first one's work in the cache. The lock file says who holds it and since when (``pid``, ``started`` in
+    epoch seconds): the MLflow pipeline run starts then (:func:`tasks.tracking.run_started`).
     """
     path = root / STATE_DIR / "pipeline.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:
+    with path.open("a+") as handle:  # not "w": that would empty the holder's file before the lock is ours
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             print(f"mergeflow: another run holds {path}; waiting for it", file=sys.stderr, flush=True)
             fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.truncate(0)
+        handle.write(json.dumps({"pid": os.getpid(), "started": time.time()}))
+        handle.flush()
         try:
             yield
         finally:

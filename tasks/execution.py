@@ -25,7 +25,7 @@ from tasks.devices import dask_annotation, device_record, gpu_slot, made_on, use
 from tasks.steps import (
     Step,
     StepOutcome,
-    read_record,
+    cache_hit,
     refuse_stale_code,
     resolve,
     step_key,
@@ -87,7 +87,7 @@ def execute_waves(
             folders = set()
             for step in wave:
                 key = step_key(step, Path(root), code_hashes)
-                hit = _cache_hit(store, step, key) if lookup else None
+                hit = cache_hit(store, step, key) if lookup else None
                 if hit is not None:
                     outcome = {**hit, "cached": True}
                 else:
@@ -138,7 +138,8 @@ def _precision(step: Step) -> str | None:
 def _outcome(step: Step, record: dict[str, Any], cached: bool) -> StepOutcome:
     seconds = 0.0 if cached else record["seconds"]
     device = made_on(record) or ("cpu" if uses_device(step.settings) else None)
-    return StepOutcome(step.name, cached, seconds, record["files"], record["summary"], record["key"], device)
+    shared = step.holds is None
+    return StepOutcome(step.name, cached, seconds, record["files"], record["summary"], record["key"], device, shared)
 
 
 def _run_step(step: Step, root: str, torch_threads: int, scratch: Path) -> dict[str, Any]:
@@ -180,17 +181,6 @@ def _looks_up() -> bool:
     return not get_current_settings().tasks.refresh_cache
 
 
-def _cache_hit(store: ArtifactStore, step: Step, key: str) -> dict[str, Any] | None:
-    """The step's record when it is a hit whose blobs are all in the store; None for a miss, or for a hit
-    whose blobs are gone (the step then runs and rewrites its record).
-
-    A hit then costs a file read instead of a Prefect task run (its API calls, states and events),
-    which dominated re-runs of stages with many small steps (federated rounds).
-    """
-    hit = read_record(store.root, step, key)
-    return hit if hit is not None and store.has(hit["files"], hit.get("stamps")) else None
-
-
 def run_steps(
     steps: list[Step], root: Path, torch_threads: int = 1, steps_per_task: int | Callable[[int], int] = 1
 ) -> list[StepOutcome]:
@@ -206,7 +196,7 @@ def run_steps(
     missing: list[tuple[int, Step, str]] = []
     for index, step in enumerate(steps):
         key = step_key(step, root, code_hashes)
-        hit = _cache_hit(store, step, key) if lookup else None
+        hit = cache_hit(store, step, key) if lookup else None
         if hit is not None:
             found[index] = hit
         else:

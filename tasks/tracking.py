@@ -22,16 +22,16 @@ from typing import Any
 
 from mergeflow.checkpoints import load_checkpoint, load_checkpoint_meta
 from mergeflow.config import Params
-from mergeflow.errors import MergeflowError
 from mergeflow.import_graph import third_party_versions
 from tasks.align import ALIGN_METRICS, BARRIER_PLOT
 from tasks.data import DATA_METRICS, PARTITIONS, PREPARED, client_file
 from tasks.evaluation import METRICS, PLOT, SANITY, SELECTION, SELECTION_PLOT
 from tasks.federated import FEDERATED_METRICS, FEDERATED_PLOT, final_checkpoint, global_checkpoint
 from tasks.merging import merged_checkpoint, merged_pretrained_dir
-from tasks.mlflow_store import require_store, store_exists, tracking_uri
+from tasks.mlflow_store import store_exists, tracking_uri
 from tasks.steps import Step
 from tasks.store import STATE_DIR, hash_paths, sha256_file
+from tasks.tracking_params import data_label, flatten, params_in_use, registered_model_name, run_name
 from tasks.training import client_checkpoint
 
 PARTITION_METRICS = "metrics/partition.json"
@@ -70,24 +70,14 @@ def runs_url(root: Path, experiment: str, base: str) -> str:
     return f"{base}/#/experiments/{found.experiment_id}/runs?workflowType=machine_learning"
 
 
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested params as ``a.b.c`` keys with string values, for ``log_params``."""
-    flat: dict[str, str] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{name}."))
-        else:
-            flat[name] = json.dumps(value) if not isinstance(value, str) else value
-    return flat
-
-
 def plan_track(params: Params) -> list[Step]:
     """One step that logs the whole pipeline's results to MLflow."""
     clients = tuple(client_checkpoint(c) for c in range(params.partition.num_clients))
     merged = tuple(merged_checkpoint(m) for m in params.merge.methods)
     step_params = {
         "params": params.model_dump(mode="json", exclude={"orchestration"}),
+        "in_use": params_in_use(params),  # what the pipeline run logs as its params
+        "data": data_label(params),
         "uri": os.environ.get("MLFLOW_TRACKING_URI", "local"),
     }
     federated = tuple(final_checkpoint(params, name) for name in params.federated.algorithms)
@@ -169,12 +159,13 @@ def _log_curves(mlflow, curves: dict[str, list[float]]) -> None:
 
 
 def _barrier_metrics(report: dict[str, Any]) -> dict[str, float]:
-    """``barrier_before.client_001`` etc.: the loss barrier from the reference to each client (before and after
-    alignment, and ``barrier_repaired`` with REPAIR)."""
+    """``barrier_before_mean`` (and ``_after``, ``_repaired`` with REPAIR): the mean loss barrier from the reference
+    to the other clients. Each client's curve and barrier are in ``metrics/align.json``, an artifact of the run."""
+    phases = {phase: report.get(phase, {}) for phase in ("before", "after", "repaired")}
     return {
-        f"barrier_{phase}.{client}": float(curve["barrier"])
-        for phase in ("before", "after", "repaired")
-        for client, curve in report.get(phase, {}).items()
+        f"barrier_{phase}_mean": sum(float(c["barrier"]) for c in curves.values()) / len(curves)
+        for phase, curves in phases.items()
+        if curves
     }
 
 
@@ -249,7 +240,7 @@ def _log_client(mlflow, root: Path, client: int, metrics: dict[str, Any], contex
     info = context["info"]
     _, meta = load_checkpoint(root / client_checkpoint(client))
     tags = {"mergeflow.kind": "client", "mergeflow.diverged": str(bool(meta.get("diverged"))).lower()}
-    tags |= _device_tags(root, context, client_checkpoint(client))
+    tags |= context["data_tags"] | _device_tags(root, context, client_checkpoint(client))
     name = f"client_{client:03d}"
     with _child_run(mlflow, name, tags, _made_when(root, context, client_checkpoint(client))):
         mlflow.set_tag("mergeflow.client", str(client))
@@ -257,11 +248,6 @@ def _log_client(mlflow, root: Path, client: int, metrics: dict[str, Any], contex
         _log_params(mlflow, {**flatten(meta["train"]), "num_examples": str(meta["num_examples"])})
         _log_curves(mlflow, {"train_loss": meta["step_losses"]})
         mlflow.log_metrics(_test_metrics(metrics[f"client_{client:03d}"]))
-
-
-def registered_model_name(experiment: str, merge: str) -> str:
-    """The Model Registry name of one merge entry: one registered model per experiment and merge."""
-    return f"{experiment}.{merge}"
 
 
 def _log_selection(mlflow, selection: dict[str, Any]) -> None:
@@ -282,12 +268,18 @@ def _register(mlflow, model_uri: str, name: str, tags: dict[str, str]) -> str | 
 
     The logging step re-runs as a whole when any merge changed; this keeps the unchanged
     merges from gaining identical versions. MLflow's own two lines per version, printed straight to
-    stderr, are kept off the console: the run's summary names the new versions instead.
+    stderr, are kept off the console: the run's summary names the new versions instead. A model whose
+    signature differs from the name's versions' (tag ``mergeflow.signature``) is not registered: the
+    summary says so.
     """
     client = mlflow.tracking.MlflowClient()
     digest = tags["mergeflow.checkpoint_sha256"]
-    if any(v.tags.get("mergeflow.checkpoint_sha256") == digest for v in client.search_model_versions(f"name='{name}'")):
+    versions = client.search_model_versions(f"name='{name}'")
+    if any(v.tags.get("mergeflow.checkpoint_sha256") == digest for v in versions):
         return None
+    signatures = {v.tags["mergeflow.signature"] for v in versions if "mergeflow.signature" in v.tags}
+    if signatures - {tags["mergeflow.signature"]}:
+        return f"{name} not registered: its versions take other inputs (set tracking.experiment to keep both)"
     with contextlib.redirect_stderr(io.StringIO()):
         version = mlflow.register_model(model_uri, name, tags=tags)
     return f"{name} version {version.version}"
@@ -305,7 +297,7 @@ def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, 
         "mergeflow.merge": name,
         "mergeflow.checkpoint_sha256": digest,
     }
-    tags |= _device_tags(root, context, merged_checkpoint(name))
+    tags |= context["data_tags"] | _device_tags(root, context, merged_checkpoint(name))
     with _child_run(mlflow, f"merge_{name}", tags, _made_when(root, context, merged_checkpoint(name))) as run:
         # What it was scored on (test), and what chose its settings (validation, for a searched merge).
         _log_dataset(mlflow, root, f"{PREPARED}/test.parquet", context["info"], "evaluation")
@@ -334,9 +326,19 @@ def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, 
                 "mergeflow.checkpoint_sha256": digest,
                 "mergeflow.method": meta["method"],
                 "mergeflow.run_id": run.info.run_id,
+                "mergeflow.signature": _signature_digest(mlflow, model_uri),
+                **context["data_tags"],
             }
-            registered = _register(mlflow, model_uri, registered_model_name(context["experiment"], name), version_tags)
+            registered_name = registered_model_name(context["experiment"], context["data_tags"]["mergeflow.data"], name)
+            registered = _register(mlflow, model_uri, registered_name, version_tags)
             context["registered"] += [registered] if registered else []
+
+
+def _signature_digest(mlflow, model_uri: str) -> str:
+    """A digest of a logged model's signature (its inputs and outputs; ``none`` for a model logged without one)."""
+    signature = mlflow.models.get_model_info(model_uri).signature
+    text = json.dumps(signature.to_dict() if signature is not None else None, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _earlier_merge_run(mlflow, run, name: str, digest: str) -> str | None:
@@ -434,18 +436,28 @@ def _raw_rows_signature(path: Path, info_file: Path, example):
 FLAVOURS = {"transformers": _log_pipeline, "pyfunc": _log_raw_rows_model}  # by a family's declared flavour
 
 
-def _log_federated(mlflow, root: Path, name: str, config: dict[str, Any], rounds: list[dict], final: dict) -> None:
-    """A child run per federated algorithm: its options and its global model's metrics per round (step=round)."""
+def _log_federated(
+    mlflow, root: Path, name: str, config: dict[str, Any], rounds: list[dict], final: dict, context: dict[str, Any]
+) -> None:
+    """A child run per federated algorithm: its options and its global model's metrics per round (step=round),
+    the splits it trained on and was scored on, spanning its rounds' steps (from its first to its last)."""
     algorithm = config["federated"]["options"].get(name, {}).get("algorithm", name)
+    final_checkpoint = global_checkpoint(name, len(rounds) - 1)
     tags = {
         "mergeflow.kind": "federated",
         "mergeflow.algorithm": algorithm,
         "mergeflow.federated": name,
-        "mergeflow.checkpoint_sha256": sha256_file(root / global_checkpoint(name, len(rounds) - 1)),
+        "mergeflow.checkpoint_sha256": sha256_file(root / final_checkpoint),
+        **context["data_tags"],
     }
     if rounds[0].get("warning"):
         tags["mergeflow.warning"] = rounds[0]["warning"]
-    with mlflow.start_run(run_name=f"federated_{name}", nested=True, tags=tags):
+    first, last = (_made_when(root, context, global_checkpoint(name, r)) for r in (0, len(rounds) - 1))
+    times = (first[0], last[1]) if first and last else None
+    with _child_run(mlflow, f"federated_{name}", tags, times):
+        for split in ("train", "test"):
+            if (root / PREPARED / f"{split}.parquet").is_file():
+                _log_dataset(mlflow, root, f"{PREPARED}/{split}.parquet", context["info"], _SPLIT_CONTEXTS[split])
         options = {k: v for k, v in config["federated"]["options"].get(name, {}).items() if k != "algorithm"}
         server_side = {k: config["federated"].get(k) for k in ("server", "aggregator", "attack", "dp")}
         server_side = {k: v for k, v in server_side.items() if v is not None and k not in options}
@@ -532,6 +544,35 @@ def _log_data(mlflow, root: Path, info: dict[str, Any], sanity: dict[str, Any]) 
         mlflow.set_tag("mergeflow.warning", sanity["warning"])
 
 
+def _previous_params(mlflow, experiment_id: str, data: str) -> dict[str, str] | None:
+    """The params of the experiment's latest pipeline run on the data named ``data``; None for none."""
+    found = mlflow.search_runs(
+        experiment_ids=[experiment_id],
+        filter_string=f"tags.`mergeflow.kind` = 'pipeline' and tags.`mergeflow.data` = '{data}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+        output_format="list",
+    )
+    return dict(found[0].data.params) if found else None
+
+
+def run_started(root: Path) -> int | None:
+    """When the pipeline run that holds the workspace lock started (epoch ms), as the lock file says; None
+    when it does not say (a lock taken by an older mergeflow)."""
+    try:
+        return int(json.loads((root / STATE_DIR / "pipeline.lock").read_text())["started"] * 1000)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@contextlib.contextmanager
+def _pipeline_run(mlflow, experiment_id: str, name: str, tags: dict[str, str], started: int | None) -> Iterator[Any]:
+    """The parent run, from when the pipeline run started (``started``, epoch ms) to the end of its logging."""
+    created = mlflow.tracking.MlflowClient().create_run(experiment_id, start_time=started, tags=tags, run_name=name)
+    with mlflow.start_run(run_id=created.info.run_id) as run:
+        yield run
+
+
 def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
     import mlflow
 
@@ -544,16 +585,22 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
     metrics = json.loads((root / METRICS).read_text())
     info = read_info(root)
     example = _input_example(root, info)
+    # Which data: its name, and the test split's digest (models scored on the same split compare: `best`).
+    test_split = sha256_file(root / PREPARED / "test.parquet")[:16]
+    data_tags = {"mergeflow.data": params["data"], "mergeflow.test_data": test_split}
     tags = {
         "mergeflow.kind": "pipeline",
         "mergeflow.git_commit": _git_commit(root),
         "mergeflow.data_hash": _digest(hash_paths(root, [PREPARED, PARTITIONS])),
         "mergeflow.params_hash": _digest({"params": json.dumps(config, sort_keys=True)}),
+        **data_tags,
         # Cache keys leave third-party versions out (as DVC does): the run says which made its models.
         **{f"mergeflow.version.{name}": version for name, version in third_party_versions().items()},
     }
-    with mlflow.start_run(experiment_id=experiment_id, run_name="pipeline", tags=tags) as parent:
-        _log_params(mlflow, flatten(config))
+    logged = flatten(params["in_use"])
+    name = run_name(params["data"], logged, _previous_params(mlflow, experiment_id, params["data"]))
+    with _pipeline_run(mlflow, experiment_id, name, tags, run_started(root)) as parent:
+        _log_params(mlflow, logged)
         for name in ("base", "centralized", "ensemble", "best_client"):
             if name not in metrics:  # a causal LM has no output ensemble
                 continue
@@ -568,6 +615,7 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
             "experiment": config["tracking"]["experiment"],
             "log_models": config["tracking"]["log_models"],
             "data_hash": tags["mergeflow.data_hash"],
+            "data_tags": data_tags,
             "params_hash": tags["mergeflow.params_hash"],
             "info": info,
             "times": step_times(root),
@@ -583,91 +631,8 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
             _log_merge(mlflow, root, name, metrics, example, context)
         rounds = json.loads((root / FEDERATED_METRICS).read_text())
         for name in config["federated"]["algorithms"]:
-            _log_federated(mlflow, root, name, config, rounds[name], metrics[f"federated/{name}"])
+            _log_federated(mlflow, root, name, config, rounds[name], metrics[f"federated/{name}"], context)
     return {"run_id": parent.info.run_id, "experiment_id": experiment_id, "registered": context["registered"]}
-
-
-_LOWER_IS_BETTER = ("nll", "ece", "mse", "loss", "residual", "barrier")
-
-
-def best_runs(root: Path, experiment: str, metric: str, top: int = 5) -> list[dict[str, Any]]:
-    """The best merged and federated models of an experiment by ``metric`` (NLL-like: lowest first).
-
-    Each model (by checkpoint sha256) counts once, with its latest run. Each row has the model's
-    ``name`` and ``kind``, the metric, ``run_id``, ``started`` (local time, to the minute), ``version``
-    (its version in the Model Registry, or None) and ``differs``: for rows of the same name, the params
-    (the run's own and its pipeline's) whose values differ between them, else nothing.
-    """
-    uri = require_store(root)
-    import mlflow
-
-    mlflow.set_tracking_uri(uri)
-    if mlflow.get_experiment_by_name(experiment) is None:
-        raise MergeflowError(f"tracking.experiment: no MLflow experiment {experiment!r} at {uri}")
-    ascending = any(word in metric for word in _LOWER_IS_BETTER)
-    every = mlflow.search_runs(experiment_names=[experiment])
-    column = f"metrics.{metric}"
-    if every.empty or column not in every.columns:
-        raise MergeflowError(f"--metric: no run of experiment {experiment!r} has a metric {metric!r}")
-    runs = every[every["tags.mergeflow.kind"].isin(["merge", "federated"]) & every[column].notna()]
-    # The same model is logged again by every later pipeline run: keep its latest run only.
-    runs = runs.sort_values("start_time", ascending=False).drop_duplicates("tags.mergeflow.checkpoint_sha256")
-    runs = runs.sort_values(column, ascending=ascending, kind="stable").head(top)
-    by_id = every.set_index("run_id")
-    rows, params = [], []
-    for _, row in runs.iterrows():
-        name = row.get(f"tags.mergeflow.{row['tags.mergeflow.kind']}")
-        rows.append(
-            {
-                "name": name,
-                "kind": row["tags.mergeflow.kind"],
-                metric: float(row[column]),
-                "run_id": row["run_id"],
-                "started": row["start_time"].to_pydatetime().astimezone().strftime("%Y-%m-%d %H:%M"),
-                "version": _registered_version(mlflow, experiment, row),
-            }
-        )
-        parent = (
-            by_id.loc[row["tags.mlflow.parentRunId"]] if row.get("tags.mlflow.parentRunId") in by_id.index else None
-        )
-        params.append(_run_params(row, parent))
-    for row, differs in zip(rows, _differences([row["name"] for row in rows], params), strict=True):
-        row["differs"] = differs
-    return rows
-
-
-def _run_params(run: Any, parent: Any) -> dict[str, str]:
-    """A model run's params (a row of ``search_runs``, one column per param of any run) with its pipeline run's,
-    but for the pipeline's merges and algorithms: the model run logs its own options."""
-    inherited = {} if parent is None else _logged_params(parent)
-    inherited = {key: value for key, value in inherited.items() if not key.startswith(("merge.", "federated."))}
-    return inherited | _logged_params(run)
-
-
-def _logged_params(run: Any) -> dict[str, str]:
-    return {
-        key.removeprefix("params."): v for key, v in run.items() if key.startswith("params.") and isinstance(v, str)
-    }
-
-
-def _differences(names: list[str | None], params: list[dict[str, str]]) -> list[dict[str, str]]:
-    """For each row, the params whose values differ among the rows of its name (``unset`` where absent)."""
-    differs: list[dict[str, str]] = []
-    for name, mine in zip(names, params, strict=True):
-        same = [other for other_name, other in zip(names, params, strict=True) if other_name == name]
-        keys = sorted({key for other in same for key in other if len({o.get(key) for o in same}) > 1})
-        differs.append({key: mine.get(key, "unset") for key in keys})
-    return differs
-
-
-def _registered_version(mlflow, experiment: str, run: Any) -> int | None:
-    """The Model Registry version that holds a merge run's checkpoint (by sha256), if it was registered."""
-    if run["tags.mergeflow.kind"] != "merge":
-        return None
-    name = registered_model_name(experiment, run["tags.mergeflow.merge"])
-    digest = run["tags.mergeflow.checkpoint_sha256"]
-    versions = mlflow.tracking.MlflowClient().search_model_versions(f"name='{name}'")
-    return next((int(v.version) for v in versions if v.tags.get("mergeflow.checkpoint_sha256") == digest), None)
 
 
 def log_reproduction(

@@ -244,11 +244,11 @@ def test_the_registered_model_predicts_from_raw_rows_as_the_checkpoint_does(tabl
     mlflow.set_tracking_uri(f"sqlite:///{path / 'mlflow.db'}")
     from mlflow.types import DataType
 
-    signature = mlflow.models.get_model_info("models:/mergeflow.average/1").signature
+    signature = mlflow.models.get_model_info("models:/mergeflow.table.average/1").signature
     assert signature.inputs.input_names() == list(raw.columns)  # the raw columns, numbers as doubles
     assert signature.inputs.input_types()[list(raw.columns).index("f1")] == DataType.double
     assert signature.outputs.input_names()[:2] == ["label", "score"]
-    predicted = mlflow.pyfunc.load_model("models:/mergeflow.average/1").predict(raw)
+    predicted = mlflow.pyfunc.load_model("models:/mergeflow.table.average/1").predict(raw)
     probabilities = predicted[[f"probability_kind_{k}" for k in range(3)]].to_numpy()
     np.testing.assert_allclose(probabilities, expected, atol=1e-6)
     assert (predicted["label"] == frame["kind"].iloc[np.asarray(test["row"])].to_numpy()).mean() > 0.9

@@ -1,0 +1,120 @@
+"""``mergeflow best``: an experiment's best merged and federated models, ranked among models scored on the
+same test split, from MLflow's records only (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mergeflow.errors import MergeflowError
+from tasks.mlflow_store import require_store
+from tasks.tracking_params import registered_model_name
+
+_LOWER_IS_BETTER = ("nll", "ece", "mse", "loss", "residual", "barrier")
+_UNSET = ("{}", "[]", "null", "None", "")  # a logged value that means no setting, as an absent param does
+_UNKNOWN = "?"  # the data of a run logged before runs named it
+
+
+@dataclass
+class Ranking:
+    """The rows of ``mergeflow best``, the data they were ranked on (None: across all data) and how many
+    models of other data were left out."""
+
+    rows: list[dict[str, Any]]
+    data: str | None = None
+    left_out: int = 0
+    other_data: list[str] = field(default_factory=list)
+
+
+def best_runs(root: Path, experiment: str, metric: str, top: int = 5, all_data: bool = False) -> Ranking:
+    """The best merged and federated models of an experiment by ``metric`` (NLL-like: lowest first).
+
+    Only models scored on the same test split compare: by default those of the data of the latest model
+    run (``all_data`` ranks every model). Each model (by checkpoint sha256) counts once, with its latest
+    run. Each row has the model's ``name``, ``kind`` and ``data``, the metric, ``run_id``, ``started``
+    (local time, to the minute), ``version`` (its version in the Model Registry, or None) and ``differs``:
+    for rows of the same name, the params (the run's own and its pipeline's) whose values differ between
+    them, else nothing.
+    """
+    uri = require_store(root)
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    if mlflow.get_experiment_by_name(experiment) is None:
+        raise MergeflowError(f"tracking.experiment: no MLflow experiment {experiment!r} at {uri}")
+    ascending = any(word in metric for word in _LOWER_IS_BETTER)
+    every = mlflow.search_runs(experiment_names=[experiment])
+    column = f"metrics.{metric}"
+    if every.empty or column not in every.columns:
+        raise MergeflowError(f"--metric: no run of experiment {experiment!r} has a metric {metric!r}")
+    for tag in ("tags.mergeflow.test_data", "tags.mergeflow.data"):
+        every[tag] = every[tag].fillna(_UNKNOWN) if tag in every.columns else _UNKNOWN
+    runs = every[every["tags.mergeflow.kind"].isin(["merge", "federated"]) & every[column].notna()]
+    # The same model is logged again by every later pipeline run: keep its latest run only.
+    runs = runs.sort_values("start_time", ascending=False).drop_duplicates("tags.mergeflow.checkpoint_sha256")
+    ranking = Ranking(rows=[])
+    if not all_data and not runs.empty:
+        latest = runs.iloc[0]
+        same = runs["tags.mergeflow.test_data"] == latest["tags.mergeflow.test_data"]
+        ranking.data, ranking.left_out = latest["tags.mergeflow.data"], int((~same).sum())
+        ranking.other_data = sorted(set(runs[~same]["tags.mergeflow.data"]))
+        runs = runs[same]
+    runs = runs.sort_values(column, ascending=ascending, kind="stable").head(top)
+    by_id = every.set_index("run_id")
+    params = []
+    for _, row in runs.iterrows():
+        ranking.rows.append(
+            {
+                "name": row.get(f"tags.mergeflow.{row['tags.mergeflow.kind']}"),
+                "kind": row["tags.mergeflow.kind"],
+                "data": row["tags.mergeflow.data"],
+                metric: float(row[column]),
+                "run_id": row["run_id"],
+                "started": row["start_time"].to_pydatetime().astimezone().strftime("%Y-%m-%d %H:%M"),
+                "version": _registered_version(mlflow, experiment, row),
+            }
+        )
+        parent_id = row.get("tags.mlflow.parentRunId")
+        params.append(_run_params(row, by_id.loc[parent_id] if parent_id in by_id.index else None))
+    names = [(row["name"], row["data"]) for row in ranking.rows]
+    for row, differs in zip(ranking.rows, _differences(names, params), strict=True):
+        row["differs"] = differs
+    return ranking
+
+
+def _run_params(run: Any, parent: Any) -> dict[str, str]:
+    """A model run's params (a row of ``search_runs``, one column per param of any run) with its pipeline run's,
+    but for the pipeline's merges and algorithms: the model run logs its own options."""
+    inherited = {} if parent is None else _logged_params(parent)
+    inherited = {key: value for key, value in inherited.items() if not key.startswith(("merge.", "federated."))}
+    return inherited | _logged_params(run)
+
+
+def _logged_params(run: Any) -> dict[str, str]:
+    """A ``search_runs`` row's params, without the values that mean no setting (``{}``, ``null``)."""
+    return {
+        key.removeprefix("params."): v
+        for key, v in run.items()
+        if key.startswith("params.") and isinstance(v, str) and v not in _UNSET
+    }
+
+
+def _differences(names: list[Any], params: list[dict[str, str]]) -> list[dict[str, str]]:
+    """For each row, the params whose values differ among the rows of its name (``unset`` where absent)."""
+    differs: list[dict[str, str]] = []
+    for name, mine in zip(names, params, strict=True):
+        same = [other for other_name, other in zip(names, params, strict=True) if other_name == name]
+        keys = sorted({key for other in same for key in other if len({o.get(key) for o in same}) > 1})
+        differs.append({key: mine.get(key, "unset") for key in keys})
+    return differs
+
+
+def _registered_version(mlflow, experiment: str, run: Any) -> int | None:
+    """The Model Registry version that holds a merge run's checkpoint (by sha256), if it was registered."""
+    if run["tags.mergeflow.kind"] != "merge" or run["tags.mergeflow.data"] == _UNKNOWN:
+        return None
+    name = registered_model_name(experiment, run["tags.mergeflow.data"], run["tags.mergeflow.merge"])
+    digest = run["tags.mergeflow.checkpoint_sha256"]
+    versions = mlflow.tracking.MlflowClient().search_model_versions(f"name='{name}'")
+    return next((int(v.version) for v in versions if v.tags.get("mergeflow.checkpoint_sha256") == digest), None)
