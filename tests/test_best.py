@@ -80,3 +80,15 @@ def test_best_ranks_the_latest_runs_data_only_unless_asked(experiment, capsys):
         "mergeflow: best: ranked on the data of the latest run (iris); 4 models of other data (digits) left out: "
         "--all-data ranks them together"
     )
+
+
+def test_best_reads_mlflow_without_importing_torch(experiment, tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from flows.cli import main; code = main(['best', '--experiment', 'mergeflow']); "
+        "sys.exit(code or 3 * ('torch' in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
