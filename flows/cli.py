@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -149,19 +148,19 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _ui(args: argparse.Namespace) -> int:
-    """Serve the MLflow UI and print the URL of the experiment's runs (MLflow 3 opens on GenAI traces)."""
+    """Serve the MLflow UI (flows.ui) or, with --print-url, print the URL of the experiment's runs."""
+    from functools import partial
+
+    from flows.ui import base_url, serve_ui
     from mergeflow.config import load_params
     from tasks.tracking import runs_url, tracking_uri
 
     experiment = load_params(args.params).tracking.experiment if Path(args.params).is_file() else "mergeflow"
-    url = runs_url(Path.cwd(), experiment, f"http://127.0.0.1:{args.port}")
+    page_url = partial(runs_url, Path.cwd(), experiment)
     if args.print_url:
-        print(url)
+        print(page_url(base_url(args.port)))
         return 0
-    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(Path.cwd())]
-    command += ["--host", "127.0.0.1", "--port", str(args.port)]
-    print(f"MLflow UI on http://127.0.0.1:{args.port}; the runs of {experiment!r}: {url}")
-    return subprocess.call(command)
+    return serve_ui(tracking_uri(Path.cwd()), args.port, page_url)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
