@@ -893,7 +893,7 @@ def _error_lines(
 
 def _given_by(key: str, overrides: list[str]) -> str | None:
     """``-S a.b=v``: the last override that set ``key``, a section above it, or a key below it; None for none."""
-    parts = key.split(".") if key else []
+    parts = re.sub(r"\[\d+\]", "", key).split(".") if key else []  # merge.methods[0] was given as merge.methods
     for text in reversed(overrides):
         given = text.partition("=")[0].strip().split(".")
         shared = min(len(given), len(parts))

@@ -1,7 +1,12 @@
-"""Shared fixtures: an isolated Prefect home, small fast params, and a CLI runner."""
+"""Shared fixtures: an isolated Prefect home, small fast params, and a CLI runner.
+
+The tests' params are built here from the schema's defaults, never read from the workspace's
+``params.yaml``: a user's edit of that file must not change what a test runs or expects.
+"""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -12,12 +17,58 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from pydantic import BaseModel
+
+from mergeflow.config import Params
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+
+# The pipeline the tests run, over the schema's defaults: every kind of merge (data-free, Fisher, exact
+# with low-rank factors, SSF) and every federated family. The committed params.yaml's choices, copied so
+# that an edit of a workspace's params.yaml cannot change a test.
+PIPELINE = {
+    "fisher": {"low_rank": True, "rank_examples": 16},
+    "merge": {
+        "methods": ["average", "weighted", "task_arithmetic", "fisher", "exact", "ssf"],
+        "options": {
+            "task_arithmetic": {"scaling": 0.3},
+            "fisher": {"by_size": True, "normalize": False},
+            "exact": {"prior_precision": 0.1},
+            "ssf": {
+                "mask_rate": 0.3,
+                "masks_per_step": 10,
+                "steps": 300,
+                "window": 1000,
+                "optimizer": "adam",
+                "lr": 0.003,
+            },
+        },
+    },
+    "federated": {
+        "algorithms": ["fedavg", "fedprox", "fedadmm", "bayes_admm"],
+        "options": {
+            "fedprox": {"mu": 0.01},
+            "fedadmm": {"rho": 10.0},
+            "bayes_admm": {
+                "rho": 1.0,
+                "damping": 0.1,
+                "temperature": 0.001,
+                "prior_precision": 1.0,
+                "lr": 0.01,
+                "hess_init": 0.01,
+                "beta2": 0.999,
+            },
+        },
+    },
+    "finetune": {"epochs": 10},
+    "partition": {"num_clients": 5},
+    "orchestration": {"max_workers": 2},
+}
 
 # Small enough to run the whole pipeline in seconds, large enough to be a real run.
 FAST_OVERRIDES = {
@@ -29,15 +80,37 @@ FAST_OVERRIDES = {
 }
 
 
-def fast_params(**sections: dict) -> dict:
-    """The committed params.yaml with the fast settings and any extra section changes merged in."""
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    for name, changes in {**FAST_OVERRIDES, **sections}.items():
+def schema_defaults(model: type[BaseModel] = Params) -> dict[str, Any]:
+    """Every key of ``model`` at the default its schema declares, as a params file spells it.
+
+    A section is walked through its class, so values that validation derives (the align sizes of the model
+    family, a transformer's default config) stay unset, as in a params file that leaves them out.
+    """
+    raw = {}
+    for name, field in model.model_fields.items():
+        value = field.get_default(call_default_factory=True)
+        raw[name] = schema_defaults(type(value)) if isinstance(value, BaseModel) else copy.deepcopy(value)
+    return raw
+
+
+def _merged(params: dict, sections: dict) -> dict:
+    """``params`` with each section's keys changed (a non-mapping replaces the section)."""
+    for name, changes in copy.deepcopy(sections).items():
         if isinstance(changes, dict):
             params.setdefault(name, {}).update(changes)
         else:
             params[name] = changes
     return params
+
+
+def pipeline_params() -> dict:
+    """The tests' full-size pipeline (:data:`PIPELINE` over the schema's defaults), as a raw params mapping."""
+    return _merged(schema_defaults(), PIPELINE)
+
+
+def fast_params(**sections: dict) -> dict:
+    """The tests' pipeline with the fast settings, and any extra section changes instead of a section's."""
+    return _merged(pipeline_params(), {**FAST_OVERRIDES, **sections})
 
 
 def free_port() -> int:

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import yaml
+from conftest import make_workspace, pipeline_params
 
 from flows.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
-
-# (overrides, text the error must contain); each runs `mergeflow run` on the committed params.
+# (overrides, text the error must contain); each runs `mergeflow run` on the tests' own params.
 CASES = [
     (["partition.alpha=0"], "partition.alpha"),
     (["partition.alpha=-0.5"], "partition.alpha"),
@@ -77,7 +75,7 @@ CASES = [
 
 @pytest.fixture()
 def workspace(tmp_path, monkeypatch):
-    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    make_workspace(tmp_path, pipeline_params())
     monkeypatch.chdir(tmp_path)
     return tmp_path
 

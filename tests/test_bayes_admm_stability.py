@@ -166,10 +166,9 @@ def test_the_stability_warning_names_the_stable_rho() -> None:
 def test_the_default_pipeline_keeps_its_drift_over_50_rounds(tmp_path, cli_env):
     import json
 
-    import yaml
-    from conftest import ROOT, make_workspace, run_cli
+    from conftest import make_workspace, pipeline_params, run_cli
 
-    workspace = make_workspace(tmp_path / "defaults", yaml.safe_load((ROOT / "params.yaml").read_text()))
+    workspace = make_workspace(tmp_path / "defaults", pipeline_params())
     overrides = ["federated.algorithms=[bayes_admm]", "federated.rounds=50", "merge.methods=[average]"]
     done = run_cli(["run", *(arg for o in overrides for arg in ("-S", o))], workspace, cli_env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

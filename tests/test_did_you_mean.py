@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from conftest import make_workspace, pipeline_params
 
 from flows.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
-
-# (overrides, the whole message after "params.yaml: ")
+# (overrides, the whole message after "-S <the last override>: ", the override that set the key)
 CASES = [
     (["partition.num_clent=3"], "partition.num_clent: unknown key; did you mean partition.num_clients?"),
     (["partiton.alpha=1"], "partiton: unknown key; did you mean partition?"),
@@ -52,27 +49,28 @@ NAMES = [
 
 @pytest.fixture()
 def workspace(tmp_path, monkeypatch):
-    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    make_workspace(tmp_path, pipeline_params())
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
 
-def _one_error(capsys) -> str:
+def _one_error(capsys, source: str = "params.yaml") -> str:
+    """The one error line's message after ``source``: where the key was given."""
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mergeflow: error: params.yaml: "), lines
-    return lines[0].removeprefix("mergeflow: error: params.yaml: ")
+    assert len(lines) == 1 and lines[0].startswith(f"mergeflow: error: {source}: "), lines
+    return lines[0].removeprefix(f"mergeflow: error: {source}: ")
 
 
 @pytest.mark.parametrize(("overrides", "expected"), CASES, ids=[" ".join(o) for o, _ in CASES])
 def test_an_unknown_key_suggests_the_closest_known_one(workspace, capsys, overrides, expected):
     assert main(["validate", *[arg for o in overrides for arg in ("-S", o)]]) == 2
-    assert _one_error(capsys) == expected
+    assert _one_error(capsys, f"-S {overrides[-1]}") == expected
 
 
 @pytest.mark.parametrize(("overrides", "expected"), NAMES, ids=[" ".join(o) for o, _ in NAMES])
 def test_an_unknown_name_suggests_the_closest_registered_one(workspace, capsys, overrides, expected):
     assert main(["validate", *[arg for o in overrides for arg in ("-S", o)]]) == 2
-    assert _one_error(capsys).startswith(expected)
+    assert _one_error(capsys, f"-S {overrides[-1]}").startswith(expected)
 
 
 def test_a_misspelt_section_in_the_params_file(workspace, capsys):

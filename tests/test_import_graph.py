@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, pipeline_params
 
 from mergeflow.import_graph import import_closure, third_party_versions
 from mergeflow.stages import STAGES
@@ -24,11 +24,11 @@ def _copy_code(target: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def planned():
-    from mergeflow.config import load_params
+    from mergeflow.config import validate_params
     from tasks.runner import _waves
     from tasks.steps import resolve
 
-    params = load_params(ROOT / "params.yaml")
+    params = validate_params(pipeline_params())
     return [
         step for stage in STAGES for phase in stage.phases for wave in _waves(resolve(phase)(params)) for step in wave
     ]

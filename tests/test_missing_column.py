@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import pipeline_params
 
 from flows.cli import main
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture()
@@ -19,7 +18,7 @@ def workspace(tmp_path, monkeypatch):
 
 
 def _write_params(workspace: Path, source: str, section: dict) -> None:
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params = pipeline_params()
     params["data"] = {"source": source, source: {"path": "csv", "data_files": str(workspace / "t.csv"), **section}}
     if source == "text":
         params["model"] = {"arch": "transformers"}

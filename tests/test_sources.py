@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import make_workspace, pipeline_params, run_cli
 from pydantic import BaseModel, ConfigDict, Field
 
 import mergeflow.schema.deprecation
 from mergeflow.config import validate_params
 from mergeflow.errors import ConfigError
 from mergeflow.schema.sources import SOURCES, DataSource, get_source, register_source
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture()
@@ -83,7 +80,7 @@ def test_the_old_name_hf_is_table_with_one_notice(monkeypatch, capsys, tmp_path)
     both = validate_params({"data": {**new["data"], "hf": {"path": "json"}}}).data.table
     assert (both.path, both.label_column) == ("json", "y")
 
-    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    make_workspace(tmp_path, pipeline_params())
     (tmp_path / "t.csv").write_text("a,y\n" + "".join(f"{i},{i % 2}\n" for i in range(40)))
     overrides = ["data.source=hf", "data.hf.path=csv", "data.hf.data_files=t.csv", "data.hf.label_column=y"]
     done = run_cli(["validate", *(arg for o in overrides for arg in ("-S", o))], tmp_path, dict(os.environ))

@@ -10,14 +10,13 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import make_workspace, pipeline_params
 
 from flows.cli import main
 from mergeflow.errors import MergeflowError
 from mergeflow.merge import merge
 from mergeflow.merge.isotropic import subspace_sizes
 from mergeflow.merge.karcher import karcher_coefficients
-
-ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 
 
 def _tensor(array) -> torch.Tensor:
@@ -143,7 +142,7 @@ def test_iso_cts_of_one_model_is_refused():
     ],
 )
 def test_bad_spectral_options_give_one_line_and_exit_2(tmp_path, monkeypatch, capsys, overrides, needle):
-    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    make_workspace(tmp_path, pipeline_params())
     monkeypatch.chdir(tmp_path)
     assert main(["run", *[arg for o in overrides for arg in ("-S", o)]]) == 2
     lines = capsys.readouterr().err.strip().splitlines()

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, fast_params
+from conftest import fast_params, pipeline_params
 
-from mergeflow.config import load_params, validate_params
+from mergeflow.config import apply_overrides, validate_params
 from mergeflow.schema.merge import DECLARED, MethodDeclaration, NoOptions
 from tasks.align import plan_align
 from tasks.fisher import plan_fisher, statistics_read
@@ -18,7 +18,7 @@ UP_TO_MERGE = ["prepare", "partition", "pretrain", "finetune", "fisher", "align"
 
 
 def _params(*overrides: str):
-    return load_params(ROOT / "params.yaml", list(overrides))
+    return validate_params(apply_overrides(pipeline_params(), list(overrides)))
 
 
 @pytest.mark.parametrize(

@@ -176,11 +176,11 @@ def _run_stages(params, root: Path) -> dict:
 def test_every_stage_runs_on_the_device_and_scores_as_the_cpu(tmp_path):
     pytest.importorskip("ivon")
     pytest.importorskip("matplotlib")
-    import yaml
+    from conftest import pipeline_params
 
     from mergeflow.config import validate_params
 
-    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "params.yaml").read_text())
+    raw = pipeline_params()
     raw["partition"] |= {"num_clients": 3}
     raw["pretrain"] |= {"epochs": 3}
     raw["finetune"] |= {"epochs": 2}
