@@ -95,9 +95,12 @@ def _run(args: argparse.Namespace, stages: list[str] | None) -> int:
     from flows.environment import configure
 
     configure()
+    from flows.dvc_lock import ParamsSource
     from flows.runs import run_and_record
 
-    outcomes, elapsed = run_and_record(params, Path.cwd(), stages)
+    # A whole run locks its stages in dvc.lock; one stage is what dvc.yaml runs, and DVC locks it itself.
+    source = ParamsSource(args.params, tuple(args.overrides)) if stages is None else None
+    outcomes, elapsed = run_and_record(params, Path.cwd(), stages, source)
     ran = [o["name"] for o in outcomes if not o["cached"]]
     print(f"mergeflow: {len(outcomes)} steps in {elapsed:.1f}s: {len(ran)} ran, {len(outcomes) - len(ran)} cached")
     if ran:

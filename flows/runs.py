@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from flows.dvc_lock import ParamsSource, sync_dvc_lock
 from mergeflow.config import Params
 from mergeflow.stages import STAGES, get_stage
 from tasks.runner import cached_run
@@ -49,11 +50,14 @@ def workspace_lock(root: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def run_and_record(params: Params, root: Path, stages: list[str] | None = None) -> tuple[list[dict[str, Any]], float]:
+def run_and_record(
+    params: Params, root: Path, stages: list[str] | None = None, params_source: ParamsSource | None = None
+) -> tuple[list[dict[str, Any]], float]:
     """Run the pipeline and write ``.mergeflow/last_run.json`` (each step, run or cached); also the seconds.
 
     A run whose every step is cached is materialised without starting Prefect (no server, no flow
-    run); otherwise the flow runs.
+    run); otherwise the flow runs. Given where the params came from (``params_source``), a completed run
+    also writes the stages into ``dvc.lock`` where DVC knows those params (:mod:`flows.dvc_lock`).
     """
     with workspace_lock(root):
         started = time.perf_counter()
@@ -68,4 +72,5 @@ def run_and_record(params: Params, root: Path, stages: list[str] | None = None) 
         elapsed = time.perf_counter() - started
         record = root / LAST_RUN
         record.write_text(json.dumps({"seconds": elapsed, "steps": outcomes}, indent=2) + "\n")
+        sync_dvc_lock(root, [stage.name for stage in selected], params_source, outcomes)
     return outcomes, elapsed

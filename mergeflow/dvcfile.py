@@ -21,9 +21,10 @@ def dvc_stages() -> dict[str, Any]:
             "deps": [*stage.code, *stage.deps],
             "params": list(stage.params),
         }
-        entry["outs"] = [*stage.outs, stage.records]
-        # Cached outputs, hashed in dvc.lock: `dvc exp show`, `dvc metrics diff` and `dvc plots diff`
-        # read every revision's and experiment's from the cache.
+        entry["outs"] = [*stage.outs, *stage.files, stage.records]
+        # Cached outputs too, hashed in dvc.lock: `dvc exp show`, `dvc metrics diff` and `dvc plots diff`
+        # read every revision's and experiment's from the cache. Metrics are only the headline numbers:
+        # each of their keys is a column of `dvc exp show`.
         if stage.metrics:
             entry["metrics"] = list(stage.metrics)
         if stage.plots:

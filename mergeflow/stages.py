@@ -23,9 +23,11 @@ class Stage:
 
     ``deps`` are artifact inputs, ``params`` the params keys it reads, ``outs`` the cached
     output directories (made, empty, even when the params leave the stage nothing to do),
-    ``metrics``/``plots`` small outputs kept in git rather than the cache. ``phases``
-    run one after another; the steps inside one phase may run in parallel. Its code (a DVC
-    dependency, and part of every step's cache key) is derived, never listed: :attr:`code`.
+    ``files`` other output files (details, such as per-client curves), ``metrics`` the files of the
+    numbers people compare across experiments (DVC's metrics: ``dvc exp show``'s columns), ``plots``
+    images; all of them are cached DVC outputs. ``phases`` run one after another; the steps inside one
+    phase may run in parallel. Its code (a DVC dependency, and part of every step's cache key) is
+    derived, never listed: :attr:`code`.
     """
 
     name: str
@@ -34,6 +36,7 @@ class Stage:
     deps: tuple[str, ...] = ()
     params: tuple[str, ...] = ()
     outs: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ()
     plots: tuple[str, ...] = ()
 
@@ -53,7 +56,7 @@ class Stage:
     @property
     def produced(self) -> tuple[str, ...]:
         """Every path the stage writes."""
-        return self.outs + self.metrics + self.plots
+        return self.outs + self.files + self.metrics + self.plots
 
 
 _CENTRALIZED_PARAMS = tuple(
@@ -66,6 +69,10 @@ _PRETRAINED_KEYS = tuple(family.pretrained_key for family in FAMILIES.values() i
 # Not merge.options: tuning a merge must not re-run them under DVC (a variant's `method` is read there too,
 # and a variant is added to merge.methods by name).
 _MERGE_READS = ("merge.methods",)
+# The only DVC metrics: each model's test headline, NLL and ECE (tasks.evaluation.HEADLINE), a file per kind
+# of model, so that `dvc exp show` names a column by the model alone (it prefixes a file's path only to a
+# name that two files share).
+HEADLINE_METRICS = tuple(f"metrics/headline/{kind}.json" for kind in ("models", "merged", "federated"))
 
 STAGES: tuple[Stage, ...] = (
     Stage(
@@ -74,7 +81,7 @@ STAGES: tuple[Stage, ...] = (
         phases=("tasks.data:plan_prepare", "tasks.data:plan_tokenize"),
         params=("seed", "data", *_PRETRAINED_KEYS),
         outs=("data/prepared",),
-        metrics=("metrics/data.json",),
+        files=("metrics/data.json",),
     ),
     Stage(
         name="partition",
@@ -83,7 +90,7 @@ STAGES: tuple[Stage, ...] = (
         deps=("data/prepared",),
         params=("seed", "partition"),
         outs=("data/partitions",),
-        metrics=("metrics/partition.json",),
+        files=("metrics/partition.json",),
         plots=("plots/partition.png",),
     ),
     Stage(
@@ -125,7 +132,7 @@ STAGES: tuple[Stage, ...] = (
         deps=("data/prepared", "data/partitions", "models/clients", "models/fishers"),
         params=("seed", "align", "fisher.low_rank", *_MERGE_READS),
         outs=("models/aligned",),
-        metrics=("metrics/align.json",),
+        files=("metrics/align.json",),
         plots=("plots/barrier.png",),
     ),
     Stage(
@@ -144,7 +151,7 @@ STAGES: tuple[Stage, ...] = (
         deps=("data/prepared", "data/partitions", "models/base"),
         params=("seed", "federated", "finetune.lora", "partition.num_clients", "evaluate.noise_std"),
         outs=("models/federated",),
-        metrics=("metrics/federated.json",),
+        files=("metrics/federated.json",),
         plots=("plots/federated.png",),
     ),
     Stage(
@@ -163,7 +170,8 @@ STAGES: tuple[Stage, ...] = (
             "metrics/federated.json",
         ),
         params=("evaluate", "tracking"),
-        metrics=("metrics/evaluate.json", "metrics/selection.json"),
+        files=("metrics/evaluate.json", "metrics/selection.json"),
+        metrics=HEADLINE_METRICS,
         plots=("plots/comparison.png",),
     ),
 )

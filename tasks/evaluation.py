@@ -28,6 +28,9 @@ from tasks.training import BASE, CENTRALIZED, client_checkpoint
 SELECTION = "metrics/selection.json"
 SELECTION_PLOT = "plots/selection.png"
 PLOT = "plots/comparison.png"
+# DVC's metrics (mergeflow.stages.HEADLINE_METRICS): a file per kind of model, keyed by the model's name.
+HEADLINE = "metrics/headline/{kind}.json"
+HEADLINE_KINDS = ("models", "merged", "federated")
 
 
 def plan_evaluate(params: Params) -> list[Step]:
@@ -122,11 +125,28 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     plot_comparison(metrics, out / PLOT, task=objective.name)
     splits = {"models": "test", SANITY: "test", "selection": "validation"}  # where each number comes from
     write_json(out / METRICS, {**metrics, SANITY: sanity, "splits": splits})
+    for kind, rows in headline_metrics(metrics, objective.declaration.headline).items():
+        write_json(out / HEADLINE.format(kind=kind), rows)
     selection = _selections(root, params["methods"])
     write_json(out / SELECTION, selection)
     if selection:
         plot_selection(selection, out / SELECTION_PLOT)
     return {"best_client": best, "warning": sanity["warning"]}
+
+
+def headline_metrics(metrics: dict[str, dict[str, Any]], headline: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """The numbers people compare, by kind of model (``models``, ``merged``, ``federated``): each model's
+    test ``headline`` metric (the objective's: accuracy, MSE, perplexity), NLL and ECE where it has them.
+
+    A merge and a federated algorithm are keyed by their own name (``task_arithmetic``, not
+    ``merged/task_arithmetic``): the columns of ``dvc exp show`` are these keys.
+    """
+    kinds: dict[str, dict[str, dict[str, Any]]] = {kind: {} for kind in HEADLINE_KINDS}
+    for name, scores in metrics.items():
+        kind, _, model = name.partition("/")
+        kind, model = (kind, model) if model else ("models", name)
+        kinds[kind][model] = {key: scores[key] for key in (headline, "nll", "ece") if key in scores}
+    return kinds
 
 
 def _selections(root: Path, methods: list[str]) -> dict[str, dict]:

@@ -1,4 +1,8 @@
-"""DVC: dvc.yaml matches the stage registry, and `dvc repro` runs, skips and re-runs as it should."""
+"""DVC: dvc.yaml matches the stage registry, `dvc repro` runs, skips and re-runs as it should, and
+`mergeflow run` leaves dvc.lock in step with its outputs.
+
+Each project here is a fresh `dvc init` with its own config: no remote or setting of the checkout's
+`.dvc/`, nor of the user's or the system's DVC config, reaches it."""
 
 from __future__ import annotations
 
@@ -13,6 +17,28 @@ from conftest import BIN, ROOT, fast_params, ran_steps, run_cli
 
 from mergeflow.dvcfile import render
 from mergeflow.stages import STAGES
+
+DVC = str(BIN / "dvc")
+# Every stage runs; lighter merges and one short federated algorithm keep each stage quick.
+LIGHT = {
+    "merge": {"methods": ["average", "task_arithmetic", "fisher"], "options": {"task_arithmetic": {"scaling": 0.3}}},
+    "federated": {"algorithms": ["fedavg"], "rounds": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def dvc_env(cli_env, tmp_path_factory) -> dict[str, str]:
+    """The CLI environment, with DVC's global and system config (and its site cache) in empty directories."""
+    home = tmp_path_factory.mktemp("dvc-home")
+    dirs = {name: home / name for name in ("global", "system", "site")}
+    for path in dirs.values():
+        path.mkdir()
+    return cli_env | {
+        "DVC_GLOBAL_CONFIG_DIR": str(dirs["global"]),
+        "DVC_SYSTEM_CONFIG_DIR": str(dirs["system"]),
+        "DVC_SITE_CACHE_DIR": str(dirs["site"]),
+        "DVC_NO_ANALYTICS": "1",
+    }
 
 
 def test_committed_dvc_yaml_is_generated_from_the_registry():
@@ -55,85 +81,198 @@ def test_dvc_yaml_lists_every_stage_with_its_params_and_paths():
             assert any(out in s.produced for s in STAGES), f"{stage.name} depends on {out}, which no stage makes"
 
 
-def _copy_project(target: Path) -> Path:
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+def _copy_project(target: Path, env: dict[str, str], source: Path = ROOT) -> Path:
+    """The files of ``source``'s working tree that git does not ignore (the code the tests run), in a new git
+    repository, and a new DVC project there: the source's ``.dvc/`` (its remotes, its cache settings)
+    stays behind."""
+    listed = ["git", "ls-files", "--cached", "--others", "--exclude-standard"]
+    files = subprocess.run(listed, cwd=source, capture_output=True, text=True, check=True).stdout.split()
     for name in files:
-        if (ROOT / name).is_file():
+        if (source / name).is_file() and Path(name).parts[0] != ".dvc":
             (target / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, target / name)
+            shutil.copy2(source / name, target / name)
     subprocess.run(["git", "init", "-q"], cwd=target, check=True)
+    subprocess.run([DVC, "init", "-q"], cwd=target, env=env, check=True)
     return target
 
 
-def _repro(path: Path, env: dict[str, str]) -> str:
-    done = subprocess.run([str(BIN / "dvc"), "repro"], cwd=path, env=env, capture_output=True, text=True, timeout=900)
+def _project(target: Path, env: dict[str, str]) -> Path:
+    """A copy of the project whose params.yaml is the light pipeline."""
+    project = _copy_project(target, env)
+    (project / "params.yaml").write_text(yaml.safe_dump(fast_params(**LIGHT), sort_keys=False))
+    return project
+
+
+def _dvc(args: list[str], project: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    done = subprocess.run([DVC, *args], cwd=project, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return done.stdout
+    return done
+
+
+def test_a_project_copy_has_its_own_dvc_config(tmp_path, dvc_env):
+    """A remote named `local` in the checkout's .dvc/config does not follow the copy (the tests add their own)."""
+    source = tmp_path / "checkout"
+    (source / ".dvc").mkdir(parents=True)
+    (source / ".dvc/config").write_text("[core]\n    remote = local\n['remote \"local\"']\n    url = /elsewhere\n")
+    (source / "params.yaml").write_text("seed: 0\n")
+    subprocess.run(["git", "init", "-q"], cwd=source, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=source, check=True)
+    project = _copy_project(tmp_path / "project", dvc_env, source)
+    assert (project / "params.yaml").is_file()
+    _dvc(["remote", "add", "-d", "local", str(tmp_path / "remote")], project, dvc_env)
+    assert "/elsewhere" not in _dvc(["remote", "list"], project, dvc_env).stdout
+
+
+def test_only_the_headline_files_are_dvc_metrics():
+    """`dvc exp show` has a column per metric key: only each model's test headline, NLL and ECE are metrics;
+    every other JSON (per-client curves, data notes, per-round rows, the full evaluation) a plain output."""
+    from tasks.evaluation import HEADLINE, HEADLINE_KINDS
+
+    stages = yaml.safe_load(render())["stages"]
+    metrics = [path for entry in stages.values() for path in entry.get("metrics", [])]
+    assert metrics == [HEADLINE.format(kind=kind) for kind in HEADLINE_KINDS]
+    outs = {path for entry in stages.values() for path in entry["outs"]}
+    assert {"metrics/evaluate.json", "metrics/align.json", "metrics/federated.json", "metrics/data.json"} <= outs
+
+
+def test_the_headline_is_each_models_test_headline_nll_and_ece():
+    from tasks.evaluation import headline_metrics
+
+    scores = {"accuracy": 0.9, "ece": 0.05, "nll": 0.3}
+    metrics = {
+        "base": scores | {"by_group": {"a": scores}},
+        "best_client": scores | {"client": 1},
+        "merged/task_arithmetic": scores | {"accuracy_gain": -0.02},
+        "federated/fedavg": scores | {"accuracy_gain": 0.01},
+    }
+    assert headline_metrics(metrics, "accuracy") == {
+        "models": {"base": scores, "best_client": scores},
+        "merged": {"task_arithmetic": scores},
+        "federated": {"fedavg": scores},
+    }
+    regression = {"mse": 0.2, "nll": 1.1}
+    assert headline_metrics({"merged/average": regression}, "mse")["merged"] == {"average": regression}
+
+
+OVERRIDDEN = "DVC does not know the -S overrides (use `dvc exp run -S …` to track them)"
 
 
 @pytest.mark.slow
-def test_dvc_repro_runs_skips_and_reruns_only_changed_stages(tmp_path, cli_env):
-    project = _copy_project(tmp_path / "project")
-    # Every stage runs; lighter merges and one short federated algorithm keep each stage quick.
-    merge = {"methods": ["average", "task_arithmetic", "fisher"], "options": {"task_arithmetic": {"scaling": 0.3}}}
-    params = fast_params(merge=merge, federated={"algorithms": ["fedavg"], "rounds": 1})
-    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+def test_mergeflow_run_writes_dvc_lock_for_the_params_dvc_knows(tmp_path, dvc_env):
+    """A run of params.yaml leaves `dvc status` clean and the outputs in DVC's cache (so `dvc push` sends
+    them); a run with -S overrides or another params file says so in one line and leaves dvc.lock alone,
+    and so does one stage (dvc.yaml's command: DVC locks it itself)."""
+    project = _project(tmp_path / "project", dvc_env)
+    done = run_cli(["run"], project, dvc_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dvc.lock" not in done.stderr
+    assert _dvc(["status"], project, dvc_env).stdout.strip() == "Data and pipelines are up to date."
+    headline = sorted(path.name for path in (project / "metrics/headline").iterdir())
+    assert headline == ["federated.json", "merged.json", "models.json"]
 
-    first = _repro(project, cli_env)
+    _dvc(["remote", "add", "-d", "local", str(tmp_path / "remote")], project, dvc_env)
+    _dvc(["push"], project, dvc_env)
+    lock = (project / "dvc.lock").read_text()
+    evaluated = yaml.safe_load(lock)["stages"]["evaluate"]["outs"]
+    digest = next(out["md5"] for out in evaluated if out["path"] == "metrics/evaluate.json")
+    assert (tmp_path / "remote/files/md5" / digest[:2] / digest[2:]).is_file()
+
+    # An unchanged re-run finds the lock written for it: no DVC import, no output hashed again.
+    code = "import sys; from flows.cli import main; code = main(['run']); sys.exit(code or 3 * ('dvc' in sys.modules))"
+    done = subprocess.run([str(BIN / "python"), "-c", code], cwd=project, env=dvc_env, capture_output=True, text=True)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert (project / "dvc.lock").read_text() == lock
+
+    changed = ["-S", "merge.options.task_arithmetic.scaling=0.45"]
+    done = run_cli(["run", *changed], project, dvc_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    told = [line for line in done.stderr.splitlines() if "dvc.lock" in line]
+    assert told == [f"mergeflow: dvc.lock not updated: {OVERRIDDEN}"]
+    assert (project / "dvc.lock").read_text() == lock
+    assert "models/merged" in _dvc(["status"], project, dvc_env).stdout  # the outputs did change
+
+    other = yaml.safe_load((project / "params.yaml").read_text())
+    other["merge"]["options"]["task_arithmetic"]["scaling"] = 0.45
+    (project / "other.yaml").write_text(yaml.safe_dump(other, sort_keys=False))
+    done = run_cli(["run", "--params", "other.yaml"], project, dvc_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    told = [line for line in done.stderr.splitlines() if "dvc.lock" in line]
+    assert len(told) == 1 and "not updated" in told[0] and "other.yaml" in told[0], done.stderr[-2000:]
+    assert (project / "dvc.lock").read_text() == lock
+
+    (project / "dvc.lock").unlink()
+    done = run_cli(["stage", "merge"], project, dvc_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (project / "dvc.lock").exists() and "dvc.lock" not in done.stderr
+
+
+def _repro(path: Path, env: dict[str, str]) -> str:
+    return _dvc(["repro"], path, env).stdout
+
+
+@pytest.mark.slow
+def test_dvc_repro_runs_skips_and_reruns_only_changed_stages(tmp_path, dvc_env):
+    project = _project(tmp_path / "project", dvc_env)
+
+    first = _repro(project, dvc_env)
     for stage in STAGES:
         assert f"Running stage '{stage.name}'" in first
     assert (project / "metrics/evaluate.json").is_file()
 
-    second = _repro(project, cli_env)
+    second = _repro(project, dvc_env)
     assert "Running stage" not in second
 
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["merge"]["options"]["task_arithmetic"]["scaling"] = 0.45
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    third = _repro(project, cli_env)
+    third = _repro(project, dvc_env)
     ran = {stage.name for stage in STAGES if f"Running stage '{stage.name}'" in third}
     assert ran == {"merge", "evaluate"}
     assert "ran: merge/task_arithmetic\n" in third  # the other merge methods were Prefect cache hits
 
     # Experiments compare: the baseline commit's and an experiment's metrics both come back.
-    dvc = str(BIN / "dvc")
-    subprocess.run([dvc, "remote", "add", "-d", "local", str(tmp_path / "remote")], cwd=project, check=True)
+    _dvc(["remote", "add", "-d", "local", str(tmp_path / "remote")], project, dvc_env)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
     subprocess.run([*git, "add", "-A"], cwd=project, check=True)
     subprocess.run([*git, "commit", "-qm", "baseline"], cwd=project, check=True)
-    pushed = subprocess.run([dvc, "push"], cwd=project, env=cli_env, capture_output=True, text=True)
-    assert pushed.returncode == 0, (pushed.stdout + pushed.stderr)[-2000:]
-    done = subprocess.run([dvc, "exp", "run", "-S", "merge.options.task_arithmetic.scaling=0.6"], cwd=project,
-                          env=cli_env, capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    shown = subprocess.run([dvc, "exp", "show", "--json"], cwd=project, env=cli_env, capture_output=True, text=True)
-    accuracies = [m["merged/task_arithmetic"]["accuracy"] for m in _evaluate_metrics(json.loads(shown.stdout))]
+    _dvc(["push"], project, dvc_env)
+    _dvc(["exp", "run", "-S", "merge.options.task_arithmetic.scaling=0.6"], project, dvc_env)
+    shown = json.loads(_dvc(["exp", "show", "--json"], project, dvc_env).stdout)
+    accuracies = [m["task_arithmetic"]["accuracy"] for m in _metrics_of(shown, "metrics/headline/merged.json")]
     assert len(accuracies) >= 2 and all(0 < a <= 1 for a in accuracies)  # the workspace, the baseline, the experiment
-    diff = subprocess.run([dvc, "metrics", "diff", "--json"], cwd=project, env=cli_env, capture_output=True, text=True)
-    assert diff.returncode == 0 and "metrics/evaluate.json" in json.loads(diff.stdout), diff.stderr[-2000:]
+    diff = json.loads(_dvc(["metrics", "diff", "--json"], project, dvc_env).stdout)
+    assert "metrics/headline/merged.json" in diff, diff
+    # One merge option changed: its merge's headline columns come first, and no other metric shows.
+    columns = _dvc(["exp", "show", "--only-changed", "--csv"], project, dvc_env).stdout.splitlines()[0].split(",")
+    assert columns[4:8] == [
+        "task_arithmetic.accuracy",
+        "task_arithmetic.ece",
+        "task_arithmetic.nll",
+        "merge.options.task_arithmetic.scaling",
+    ], columns
 
-    # A fresh clone of the baseline, its data pulled: neither mergeflow nor DVC has anything to do.
+    # A fresh clone of the baseline, its data pulled: neither mergeflow nor DVC has anything to compute
+    # (the clone's own MLflow store gets the runs once: tests/test_tracking_store.py), and the lock stays.
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(project), str(clone)], check=True)
-    pulled = subprocess.run([dvc, "pull"], cwd=clone, env=cli_env, capture_output=True, text=True)
-    assert pulled.returncode == 0, (pulled.stdout + pulled.stderr)[-2000:]
-    done = run_cli(["run"], clone, cli_env)
+    _dvc(["pull"], clone, dvc_env)
+    done = run_cli(["run"], clone, dvc_env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert ran_steps(clone) == set(), done.stdout[-2000:]
-    status = subprocess.run([dvc, "status"], cwd=clone, env=cli_env, capture_output=True, text=True)
-    assert "up to date" in status.stdout, status.stdout[-2000:]
-    assert "Running stage" not in _repro(clone, cli_env)
+    assert ran_steps(clone) == {"track"}, done.stdout[-2000:]
+    assert "up to date" in _dvc(["status"], clone, dvc_env).stdout
+    assert subprocess.run(["git", "diff", "--exit-code", "dvc.lock"], cwd=clone).returncode == 0
+    assert "Running stage" not in _repro(clone, dvc_env)
 
 
-def _evaluate_metrics(node) -> list[dict]:
-    """Every ``metrics/evaluate.json`` payload in ``dvc exp show --json``'s output, wherever it nests."""
+def _metrics_of(node, path: str) -> list[dict]:
+    """Every payload of the metrics file ``path`` in ``dvc exp show --json``'s output, wherever it nests."""
     found = []
     if isinstance(node, dict):
-        payload = node.get("metrics", {}).get("metrics/evaluate.json", {}).get("data") if "metrics" in node else None
+        payload = node.get("metrics", {}).get(path, {}).get("data") if "metrics" in node else None
         found += [payload] if payload else []
         for value in node.values():
-            found += _evaluate_metrics(value)
+            found += _metrics_of(value, path)
     elif isinstance(node, list):
         for value in node:
-            found += _evaluate_metrics(value)
+            found += _metrics_of(value, path)
     return found
