@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
+from flows.summary import print_summary, step_summary
+from mergeflow.cancel import Stopped, stop_on_signals
 from mergeflow.errors import ConfigError, MergeflowError
 
 
@@ -101,13 +104,7 @@ def _run(args: argparse.Namespace, stages: list[str] | None) -> int:
     # A whole run locks its stages in dvc.lock; one stage is what dvc.yaml runs, and DVC locks it itself.
     source = ParamsSource(args.params, tuple(args.overrides)) if stages is None else None
     outcomes, elapsed = run_and_record(params, Path.cwd(), stages, source)
-    ran = [o["name"] for o in outcomes if not o["cached"]]
-    print(f"mergeflow: {len(outcomes)} steps in {elapsed:.1f}s: {len(ran)} ran, {len(outcomes) - len(ran)} cached")
-    if ran:
-        print("  ran: " + step_summary(ran))
-    registered = [v for o in outcomes if not o["cached"] for v in o["summary"].get("registered", [])]
-    if registered:
-        print("  registered: " + ", ".join(registered))
+    print_summary(outcomes, elapsed)
     warnings: list[str] = []
     if stages is None or "federated" in stages:
         from tasks.reports import run_warnings
@@ -120,20 +117,6 @@ def _run(args: argparse.Namespace, stages: list[str] | None) -> int:
     for warning in warnings:
         print(f"mergeflow: warning: {warning}", file=sys.stderr)
     return 0
-
-
-def step_summary(names: list[str], limit: int = 8) -> str:
-    """Step names, with more than ``limit`` under one prefix (e.g. federated rounds) told as a count.
-
-    The full list is in ``.mergeflow/last_run.json``.
-    """
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        groups.setdefault(name.split("/", 1)[0], []).append(name)
-    parts: list[str] = []
-    for prefix, members in groups.items():
-        parts += members if len(members) <= limit else [f"{prefix}/… ({len(members)} steps)"]
-    return ", ".join(parts)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -274,7 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     configure()  # before anything imports huggingface_hub, MLflow or Prefect: they read it on import
     args = build_parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        # run and stage stop within seconds of SIGTERM or Ctrl-C, cancelling their running steps
+        with stop_on_signals() if args.command in ("run", "stage") else nullcontext():
+            return _dispatch(args)
+    except Stopped as stop:
+        print(_stopped_line(stop), file=sys.stderr)
+        return 128 + stop.signum  # as a shell reports a process ended by the signal: 143, 130
     except ConfigError as error:
         for line in error.lines:
             print(f"mergeflow: error: {line}", file=sys.stderr)
@@ -284,6 +272,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _stopped_line(stop: Stopped) -> str:
+    """One line: the signal, and the steps it cancelled."""
+    from mergeflow.cancel import cancelled
+
+    names = cancelled()
+    what = f"cancelled {step_summary(names)}" if names else "no step was cancelled"
+    return f"mergeflow: stopped on {stop.name}: {what}; the finished steps stay cached"
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -17,6 +19,7 @@ from prefect.logging.handlers import PrefectConsoleHandler
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
+from mergeflow import cancel
 from mergeflow.config import OrchestrationConfig, Params, validate_params
 from mergeflow.errors import MergeflowError
 from mergeflow.stages import STAGES, get_stage
@@ -26,14 +29,51 @@ from tasks.steps import StepOutcome
 
 @flow(name="mergeflow-pipeline")
 def pipeline(params: dict[str, Any], root: str, stages: list[str] | None = None) -> list[dict[str, Any]]:
-    """Run the pipeline's stages (all of them by default) with cached, content-keyed tasks."""
+    """Run the pipeline's stages (all of them by default) with cached, content-keyed tasks.
+
+    SIGTERM or Ctrl-C cancels the steps running in its threads (:func:`mergeflow.cancel.stops_running_steps`)
+    or on the Dask workers it started (:func:`_stop_dask_steps`).
+    """
     config = validate_params(params)
     selected = STAGES if stages is None else tuple(get_stage(name) for name in stages)
     outcomes: list[StepOutcome] = []
-    for stage in selected:
-        outcomes += run_stage(stage, config, Path(root))
+    with cancel.stops_running_steps(), _stops_dask_steps(config.orchestration):
+        for stage in selected:
+            outcomes += run_stage(stage, config, Path(root))
     warn_mixed_devices(outcomes)
     return [asdict(outcome) for outcome in outcomes]
+
+
+@contextmanager
+def _stops_dask_steps(settings: OrchestrationConfig) -> Iterator[None]:
+    """On an interrupt, stop the run's steps on Dask (:func:`_stop_dask_steps`)."""
+    try:
+        yield
+    except BaseException as error:
+        if not isinstance(error, Exception) and settings.task_runner == "dask":
+            _stop_dask_steps(settings.dask_address)
+        raise
+
+
+def _stop_dask_steps(address: str | None) -> None:
+    """Terminate the worker processes of the ``LocalCluster`` the run started: their steps stop at once, leaving
+    no output (every output is written atomically, as under ``kill -9``), and the cluster closes at once, where
+    it would wait 4 s for busy workers before killing them. A cluster of your own (``address``) is left alone,
+    since a stop there would reach other runs' steps: closing the client drops the run's queued steps, and its
+    running ones finish there and are recorded, cached for the next run, which this one does not wait for."""
+    from distributed import default_client
+
+    try:
+        client = default_client()
+    except ValueError:  # no step was submitted: no client yet
+        return
+    if address:
+        cancel.note_cancelled(f"the steps queued on {address} (those running there finish, cached)")
+        return
+    pids = [nanny.pid for nanny in client.cluster.workers.values() if nanny.pid]
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    cancel.note_cancelled(f"the steps on its {len(pids)} Dask worker processes")
 
 
 def task_runner(settings: OrchestrationConfig) -> TaskRunner:
@@ -42,11 +82,12 @@ def task_runner(settings: OrchestrationConfig) -> TaskRunner:
         return ThreadPoolTaskRunner(max_workers=settings.max_workers)
     from prefect_dask import DaskTaskRunner
 
+    client = {"set_as_default": True}  # so that a stop finds the run's client (_stop_dask_steps)
     if settings.dask_address:
-        return DaskTaskRunner(address=settings.dask_address)
+        return DaskTaskRunner(address=settings.dask_address, client_kwargs=client)
     workers = settings.dask_workers
     cluster = {"n_workers": workers, "threads_per_worker": 1, "processes": True, "dashboard_address": None}
-    return DaskTaskRunner(cluster_kwargs=cluster)
+    return DaskTaskRunner(cluster_kwargs=cluster, client_kwargs=client)
 
 
 # (settings the copy was made from, the copy): copying Prefect's settings takes about 0.1 s.
@@ -66,7 +107,8 @@ def heartbeat_off() -> Iterator[None]:
 
 class _OwnErrorsOffTheConsole(logging.Filter):
     """Keeps Prefect's records of a step's ``MergeflowError`` (its traceback, the failed states it names) off
-    the console, where the command line prints the error as one line; Prefect's API and UI still get them."""
+    the console, where the command line prints the error as one line; Prefect's API and UI still get them.
+    So too its "Crash detected!" of a flow that SIGTERM or Ctrl-C stopped: the command line says what stopped."""
 
     _NAMES = tuple(cls.__name__ for cls in (MergeflowError, *MergeflowError.__subclasses__()))
 
@@ -74,6 +116,8 @@ class _OwnErrorsOffTheConsole(logging.Filter):
         if record.exc_info and isinstance(record.exc_info[1], MergeflowError):
             return False
         message = record.getMessage() if record.levelno >= logging.ERROR else ""
+        if message.startswith("Crash detected!") and cancel.requested():
+            return False
         return not any(f"{name}(" in message or f"{name}:" in message for name in self._NAMES)
 
 

@@ -12,6 +12,7 @@ from prefect import flow
 from prefect.runner import Runner
 
 from flows.runs import run_and_record
+from flows.summary import print_summary
 from mergeflow.config import load_params
 from mergeflow.errors import MergeflowError
 from mergeflow.preflight import check_model, check_paths
@@ -19,11 +20,13 @@ from mergeflow.preflight import check_model, check_paths
 
 @flow(name="mergeflow-scheduled")
 def scheduled_pipeline(params_file: str, root: str, overrides: list[str] | None = None) -> dict[str, int]:
-    """Read the params file when the run starts (so edits apply to the next run) and run the pipeline."""
+    """Read the params file when the run starts (so edits apply to the next run), run the pipeline and print
+    its summary, as ``mergeflow run`` does."""
     params = load_params(params_file, overrides or [])
     check_paths(params, params_file)
     check_model(params, params_file)
-    outcomes, _ = run_and_record(params, Path(root))
+    outcomes, elapsed = run_and_record(params, Path(root))
+    print_summary(outcomes, elapsed)
     return {"steps": len(outcomes), "ran": sum(not o["cached"] for o in outcomes)}
 
 

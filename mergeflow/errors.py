@@ -15,6 +15,10 @@ class MergeflowError(Exception):
     """Bad input from the user: a config key, a file or data that cannot be used."""
 
 
+class Cancelled(MergeflowError):
+    """A step stopped at a cancellation check because the run was asked to stop (:mod:`mergeflow.cancel`)."""
+
+
 class ConfigError(MergeflowError):
     """A params file or override that fails validation.
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from mergeflow import cancel
 from mergeflow.device import module_device, to_device
 from mergeflow.models.token_model import TokenModel, trim_padding
 from mergeflow.objectives import Objective, get_objective
@@ -61,6 +62,7 @@ def _objective(kind: str, task: str | Objective) -> Objective:
 
 def _batches(n: int, batch_size: int) -> Iterator[slice]:
     for start in range(0, n, batch_size):
+        cancel.check()
         yield slice(start, min(start + batch_size, n))
 
 

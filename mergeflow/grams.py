@@ -6,6 +6,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mergeflow import cancel
 from mergeflow.device import module_device, to_device
 from mergeflow.training import as_inputs
 
@@ -53,6 +54,7 @@ def linear_input_grams(
     try:
         with torch.no_grad():
             for start in range(0, len(inputs), batch_size):
+                cancel.check()
                 model(to_device(inputs[start : start + batch_size], device))
     finally:
         model.train(was_training)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from mergeflow import cancel
 from mergeflow.device import autocast, grad_scaler, host_tensor, module_device, resident, to_device
 from mergeflow.models.token_model import TokenModel
 from mergeflow.objectives import Objective, get_objective
@@ -226,6 +227,7 @@ def train(
     for epoch in bar if bar is not None else range(epochs):
         losses = _EpochLosses(epoch, result)
         for step, idx in enumerate(_on(list(minibatches(n, batch_size, gen, lengths)), inputs.device)):
+            cancel.check()
             batch, batch_targets = to_device(inputs[idx], device), to_device(targets[idx], device)
             with autocast(device, precision):
                 loss = loss_fn(model(batch), batch_targets)

@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 from prefect.settings import get_current_settings
 
+from mergeflow import cancel
 from mergeflow.files import private_directory
 from mergeflow.import_graph import third_party_versions
 from tasks.devices import dask_annotation, device_record, gpu_slot, made_on, uses_device
@@ -150,7 +151,8 @@ def _run_step(step: Step, root: str, torch_threads: int, scratch: Path) -> dict[
     torch.set_num_threads(torch_threads)
     store = ArtifactStore(Path(root))
     began, started = time.time(), time.perf_counter()
-    with gpu_slot(step.settings):
+    with gpu_slot(step.settings), cancel.running(step.name):
+        cancel.check()  # a step about to start (the rest of a task run's steps, too) starts no more
         summary = resolve(step.fn)({**step.params, **step.settings}, Path(root), scratch)
     files = store.ingest(scratch)
     return {

@@ -354,10 +354,14 @@ def _earlier_merge_run(mlflow, run, name: str, digest: str) -> str | None:
 
 
 def _logged_model_uri(mlflow, experiment_id: str, name: str, digest: str) -> str | None:
-    """The URI of the model this experiment already logged for merge ``name`` from the checkpoint ``digest``."""
+    """The URI of the model this experiment already logged for merge ``name`` from the checkpoint ``digest``, in
+    full (a logging that a kill stopped half-way leaves a model that is not READY: it is logged again)."""
+    from mlflow.entities import LoggedModelStatus
+
     logged = mlflow.search_logged_models(experiment_ids=[experiment_id], output_format="list")
     same = [m for m in logged if m.name == name and m.tags.get("mergeflow.checkpoint_sha256") == digest]
-    return same[0].model_uri if same else None
+    ready = [m for m in same if m.status == LoggedModelStatus.READY]
+    return ready[0].model_uri if ready else None
 
 
 def _log_model(mlflow, root: Path, name: str, path: Path, example, tags: dict[str, str]):

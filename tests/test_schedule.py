@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from conftest import BIN, fast_params, make_workspace, run_cli, stop
@@ -56,16 +56,23 @@ def test_a_scheduled_run_executes_the_pipeline(tmp_path, cli_env, prefect_api):
     )
     try:
 
-        def completed_scheduled_runs() -> list[dict]:
+        def two_completed_scheduled_runs() -> list[dict]:
             body = {"flow_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}
             runs = _post(f"{prefect_api}/flow_runs/filter", body)
-            return [run for run in runs if run.get("deployment_id")]
+            root = str(path.resolve())
+            ours = [run for run in runs if run.get("deployment_id") and run["parameters"]["root"] == root]
+            return ours if len(ours) >= 2 else []  # the first does the work, the next finds it cached
 
-        runs = _wait(completed_scheduled_runs, time.monotonic() + 300, "a completed scheduled run")
+        _wait(two_completed_scheduled_runs, time.monotonic() + 300, "two completed scheduled runs")
     finally:
         stop(serving)
         log.close()
-    assert runs[0]["parameters"]["root"] == str(Path(path).resolve())
+    output = (tmp_path / "serve.log").read_text()
+    # Each run's summary, as `mergeflow run` prints it: one that ran the pipeline, one with nothing to do.
+    steps = len(json.loads((path / ".mergeflow/last_run.json").read_text())["steps"])
+    summary = rf"^mergeflow: {steps} steps in [0-9.]+s: "
+    assert re.search(summary + rf"{steps} ran, 0 cached\n  ran: prepare, ", output, re.M), output[-3000:]
+    assert re.search(summary + rf"0 ran, {steps} cached$", output, re.M), output[-3000:]
     metrics = json.loads((path / "metrics/evaluate.json").read_text())
     assert 0 <= metrics["merged/average"]["accuracy"] <= 1
     record = json.loads((path / ".mergeflow/last_run.json").read_text())
@@ -73,7 +80,9 @@ def test_a_scheduled_run_executes_the_pipeline(tmp_path, cli_env, prefect_api):
 
 
 def test_sigterm_stops_serving_cleanly_with_a_run_in_flight(tmp_path, cli_env, prefect_api):
-    path = make_workspace(tmp_path / "ws", fast_params(federated={"algorithms": []}))
+    # An SSF merge that would run for minutes: the stop cancels it rather than waiting for it.
+    merge = {"methods": ["average", "ssf"], "options": {"ssf": {"steps": 100_000}}}
+    path = make_workspace(tmp_path / "ws", fast_params(merge=merge, federated={"algorithms": []}))
     log = (tmp_path / "serve.log").open("w")
     serving = subprocess.Popen(
         [str(BIN / "mergeflow"), "serve", "--interval", "5", "--name", "test-sigterm"],
@@ -90,13 +99,20 @@ def test_sigterm_stops_serving_cleanly_with_a_run_in_flight(tmp_path, cli_env, p
             return [run for run in _post(f"{prefect_api}/flow_runs/filter", body) if run.get("deployment_id")]
 
         _wait(running_scheduled_run, time.monotonic() + 300, "a scheduled run in flight")
-        time.sleep(3)  # into the pipeline's steps
+        merging = "mergeflow: align:"  # the stage before the merge is done
+        _wait(lambda: merging in (tmp_path / "serve.log").read_text(), time.monotonic() + 300, "the merge")
+        time.sleep(2)
         serving.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
         code = serving.wait(timeout=120)
+        seconds = time.monotonic() - sent
     finally:
         stop(serving)
         log.close()
     output = (tmp_path / "serve.log").read_text()
     assert code == 0, output[-3000:]
+    # Prefect's runner polls the run's process every 3 s and kills it after 30 s: well within that
+    assert seconds < 25, output[-3000:]
+    assert not list((path / ".mergeflow/results").glob("merge-ssf-*"))  # cancelled, not finished
     assert "Traceback" not in output and "never awaited" not in output, output[-3000:]
     assert output.rstrip().endswith("mergeflow: serve: stopped on SIGTERM; a run in flight, if any, was cancelled")

@@ -111,7 +111,7 @@ def test_cache_hits_skip_prefect_task_runs_unless_prefect_refreshes_the_cache(tm
 
 
 def test_the_run_summary_lists_few_steps_and_counts_many():
-    from flows.cli import step_summary
+    from flows.summary import step_summary
 
     rounds = [f"federated/fedavg/r{r:03d}/client_{k:03d}" for r in range(3) for k in range(4)]
     assert step_summary(["merge/task_arithmetic"]) == "merge/task_arithmetic"

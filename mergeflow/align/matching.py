@@ -15,6 +15,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
+from mergeflow import cancel
 from mergeflow.align.permute import apply_permutation, permute_tensor
 from mergeflow.align.spec import PermutationSpec, Probe
 from mergeflow.device import host_tensor, module_device, to_device
@@ -100,6 +101,7 @@ def weight_matching(
     objectives = [weight_objective(spec, ref, other, perms)]
     converged = not names
     for _ in range(max_iter if names else 0):
+        cancel.check()
         progress = False
         for index in rng.permutation(len(names)):
             name = names[index]
@@ -202,6 +204,7 @@ def activation_matching(
     try:
         with torch.no_grad():
             for start in range(0, len(x_all), batch_size):
+                cancel.check()
                 x = to_device(x_all[start : start + batch_size], module_device(model_ref))
                 acts_a, acts_b = _record(model_ref, spec, x), _record(model_other, spec, x)
                 for key, a in acts_a.items():

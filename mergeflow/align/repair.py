@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mergeflow import cancel
 from mergeflow.align.spec import PermutationSpec
 from mergeflow.device import to_device
 from mergeflow.training import as_inputs
@@ -118,6 +119,7 @@ def unit_statistics(
         handles.append(modules[point.module].register_forward_hook(hook))
     try:
         for start in range(0, len(x_all), batch_size):
+            cancel.check()
             probe(to_device(x_all[start : start + batch_size], param.device))
     finally:
         for handle in handles:

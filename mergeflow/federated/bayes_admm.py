@@ -52,6 +52,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from mergeflow import cancel
 from mergeflow.device import module_device, to_device
 from mergeflow.federated.base import (
     MEAN,
@@ -175,6 +176,7 @@ class BayesADMM(FederatedAlgorithm):
         for epoch in range(train.epochs):
             total = 0.0
             for step, idx in enumerate(minibatches(n, train.batch_size, generator, lengths)):
+                cancel.check()
                 value = 0.0
                 for _ in range(options.mc_samples):
                     with opt.sampled_params(train=True):

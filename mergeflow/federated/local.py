@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from mergeflow import cancel
 from mergeflow.device import module_device, to_device
 from mergeflow.federated.base import ClientData, LocalTraining, exchanged_parameters
 from mergeflow.objectives import get_objective
@@ -60,6 +61,7 @@ def local_train(
     for epoch in range(train.epochs):
         total = 0.0
         for step, idx in enumerate(minibatches(n, train.batch_size, generator, lengths)):
+            cancel.check()
             loss = loss_fn(model(to_device(inputs[idx], device)), to_device(targets[idx], device))
             value = loss.item()
             check_finite(value, epoch, step)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mergeflow import cancel
 from mergeflow.merge.precision import ClientPrecision, client_precisions, prior_mean
 from mergeflow.merge.registry import MergeResult, ModelInputs, merge_method
 from mergeflow.schema.merge import ExactOptions
@@ -53,6 +54,7 @@ def conjugate_gradient(
     z = preconditioner(r) if preconditioner is not None else r
     p, rz = z.clone(), torch.dot(r, z)
     for _ in range(max_iterations):
+        cancel.check()
         ap = matvec(p)
         alpha = rz / torch.dot(p, ap)
         x += alpha * p
@@ -113,6 +115,7 @@ def woodbury_inverse(
     block = torch.empty(rows, min(columns, diagonal.numel()), dtype=build_dtype, device=diagonal.device)
     product = torch.empty(min(strip, rows), rows, dtype=build_dtype, device=diagonal.device)
     for start in range(0, diagonal.numel(), columns):
+        cancel.check()
         stop = min(start + columns, diagonal.numel())
         scaled = block[:, : stop - start]
         offset = 0

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel
 
+from mergeflow import cancel
 from mergeflow.errors import MergeflowError
 from mergeflow.merge.sums import mean
 from mergeflow.schema.merge import DECLARED, NoOptions, declare, validate_options
@@ -333,6 +334,7 @@ def merged_tensors(
     """
     norms = fisher_norms(fishers) if fishers is not None else None
     for key in states[0]:
+        cancel.check()
         first = states[0][key]
         method = tensor_method(spec, first.is_floating_point(), fishers is None or key in fishers[0])
         if method is None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mergeflow import cancel
 from mergeflow.merge.precision import ClientPrecision, client_precisions, prior_mean
 from mergeflow.merge.registry import MergeResult, ModelInputs, merge_method
 from mergeflow.schema.merge import SSFOptions
@@ -182,6 +183,7 @@ def ssf_iterates(x: ModelInputs, options: SSFOptions) -> Iterator[tuple[torch.Te
     small = count * dim * dim * 8 <= _DENSE_MAX_BYTES
     dense = [_dense_precision(c, delta) if small and c.factors.shape[0] >= masked_count else None for c in clients]
     for _ in range(options.steps):
+        cancel.check()
         masked, rest = _masks(dim, options, generator, theta.device)
         systems = [_masked_system(c, delta, masked, rest, d) for c, d in zip(clients, dense, strict=True)]
         optimizer.zero_grad()

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel
 
+from mergeflow import cancel
 from mergeflow.device import resolve_device
 from mergeflow.errors import MergeflowError
 from mergeflow.files import atomic_path
@@ -361,6 +362,7 @@ def _merged(
     reader_threads = functools.partial(_torch_threads, 1 if blocks_only else threads_before)
     with threads, Reader(items, fill, buffer_sets, reader_threads) as reader:
         for item, buffers in reader:
+            cancel.check()
             if item.gram_pass:
                 assert item.method is not None and item.method.gram is not None
                 stack = buffers.models[: count * item.count].view(count, item.count)

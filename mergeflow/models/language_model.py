@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mergeflow import cancel
 from mergeflow.device import module_device, to_device
 from mergeflow.models.hf import seeded
 from mergeflow.models.token_model import TokenModel
@@ -94,6 +95,7 @@ def pretrain_language_model(
     for epoch in range(epochs):
         total, count = 0.0, 0
         for step, idx in enumerate(minibatches(len(ids), batch_size, generator, lengths)):
+            cancel.check()
             batch = ids[idx]
             if objective == "mlm":
                 inputs, labels = mask_tokens(batch, special, vocab_size, generator, mask_probability)
