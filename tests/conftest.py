@@ -140,6 +140,24 @@ def stop(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
+def browser_page(workspace: Path, port: int, env: dict[str, str]) -> str:
+    """The DOM of the experiment's runs page (``mergeflow ui --print-url``) as a headless Chromium renders it,
+    from an MLflow UI serving ``workspace``'s store on ``port``."""
+    url = run_cli(["ui", "--print-url", "--port", str(port)], workspace, env).stdout.strip()
+    store = f"sqlite:///{workspace / 'mlflow.db'}"
+    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", store, "--port", str(port)]
+    server = subprocess.Popen(
+        [*command, "--host", "127.0.0.1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for(f"http://127.0.0.1:{port}/health", server)
+        browser = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=15000"]
+        return subprocess.run([*browser, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    finally:
+        stop(server)
+
+
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory) -> Iterator[str]:
     """One local Prefect server for the session (the scheduler loops every 2 s).

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
-from conftest import run_cli
+from conftest import browser_page, free_port, run_cli
 
 
 def test_the_ui_url_opens_the_experiments_runs(tmp_path):
@@ -39,21 +34,5 @@ def test_a_browser_opening_the_ui_url_sees_the_runs_table(tmp_path):
     experiment = client.create_experiment("mergeflow")
     client.create_run(experiment, run_name="pipeline-run-to-find")
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    port = 5000 + os.getpid() % 1000
-    url = run_cli(["ui", "--print-url", "--port", str(port)], tmp_path, env).stdout.strip()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-         "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        for _ in range(60):
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                break
-            time.sleep(0.5)
-        browser = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=15000"]
-        page = subprocess.run([*browser, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    page = browser_page(tmp_path, free_port(), env)
     assert "Run Name" in page and "pipeline-run-to-find" in page  # the runs table, with the run in it
