@@ -100,9 +100,11 @@ def _run(args: argparse.Namespace, stages: list[str] | None) -> int:
     configure()
     from flows.dvc_lock import ParamsSource
     from flows.runs import run_and_record
+    from tasks.store import sha256_file
 
     # A whole run locks its stages in dvc.lock; one stage is what dvc.yaml runs, and DVC locks it itself.
-    source = ParamsSource(args.params, tuple(args.overrides)) if stages is None else None
+    read = sha256_file(Path(args.params))  # the params this run read, for dvc.lock
+    source = ParamsSource(args.params, tuple(args.overrides), read) if stages is None else None
     outcomes, elapsed = run_and_record(params, Path.cwd(), stages, source)
     print_summary(outcomes, elapsed)
     warnings: list[str] = []
@@ -139,7 +141,8 @@ def _ui(args: argparse.Namespace) -> int:
 
     from flows.ui import base_url, serve_ui
     from mergeflow.config import load_params
-    from tasks.tracking import runs_url, tracking_uri
+    from tasks.mlflow_store import tracking_uri
+    from tasks.tracking import runs_url
 
     experiment = load_params(args.params).tracking.experiment if Path(args.params).is_file() else "mergeflow"
     page_url = partial(runs_url, Path.cwd(), experiment)

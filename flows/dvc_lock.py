@@ -28,11 +28,12 @@ SYNCED = Path(STATE_DIR) / "dvc_lock.json"  # what the lock was last written for
 
 @dataclass(frozen=True)
 class ParamsSource:
-    """Where a run's params came from: the params file (relative to the project root, or absolute) and
-    the ``-S`` overrides."""
+    """Where a run's params came from: the params file (relative to the project root, or absolute), the
+    ``-S`` overrides, and the file's sha256 when it was read (None: not known)."""
 
     file: str
     overrides: tuple[str, ...] = ()
+    digest: str | None = None
 
 
 def is_dvc_repo(root: Path) -> bool:
@@ -46,7 +47,17 @@ def untracked_reason(source: ParamsSource, root: Path) -> str | None:
         return "DVC does not know the -S overrides (use `dvc exp run -S …` to track them)"
     if (root / source.file).resolve() != (root / PARAMS_FILE).resolve():
         return f"DVC reads {PARAMS_FILE}, not {source.file} (use `dvc exp run -S …` to track other params)"
+    if source.digest is not None and sha256_file(root / PARAMS_FILE) != source.digest:
+        return f"{PARAMS_FILE} changed during the run: its outputs are of the params it read (run again)"
     return None
+
+
+def changed_code(stages: Sequence[str]) -> list[str]:
+    """The stages' code files changed during the run: DVC would hash them against outputs older code made."""
+    from mergeflow.stages import get_stage
+    from tasks.steps import changed_since_start
+
+    return changed_since_start(tuple(sorted({rel for name in stages for rel in get_stage(name).code})))
 
 
 def commit_stages(root: Path, stages: Sequence[str]) -> None:
@@ -80,6 +91,8 @@ def sync_dvc_lock(
     if source is None or not is_dvc_repo(root):
         return
     reason = untracked_reason(source, root)
+    if reason is None and (changed := changed_code(stages)):
+        reason = f"{changed[0]} changed during the run: its outputs are of the code it started with (run again)"
     if reason is None:
         synced = _fingerprint(root, stages, outcomes)
         if _last_synced(root) == synced:

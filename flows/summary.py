@@ -16,9 +16,9 @@ def print_summary(outcomes: list[dict[str, Any]], elapsed: float) -> None:
     lines = [f"mergeflow: {len(outcomes)} steps in {elapsed:.1f}s: {len(ran)} ran, {len(outcomes) - len(ran)} cached"]
     if ran:
         lines.append("  ran: " + step_summary(ran))
-    registered = [v for o in outcomes if not o["cached"] for v in o["summary"].get("registered", [])]
-    if registered:
-        lines.append("  registered: " + ", ".join(registered))
+    for kind in ("registered", "not_registered"):
+        names = [v for o in outcomes if not o["cached"] for v in o["summary"].get(kind, [])]
+        lines += [f"  {kind.replace('_', ' ')}: " + ", ".join(names)] if names else []
     sys.stdout.write("".join(line + "\n" for line in lines))
     sys.stdout.flush()
 

@@ -30,12 +30,12 @@ class Ranking:
 def best_runs(root: Path, experiment: str, metric: str, top: int = 5, all_data: bool = False) -> Ranking:
     """The best merged and federated models of an experiment by ``metric`` (NLL-like: lowest first).
 
-    Only models scored on the same test split compare: by default those of the data of the latest model
-    run (``all_data`` ranks every model). Each model (by checkpoint sha256) counts once, with its latest
-    run. Each row has the model's ``name``, ``kind`` and ``data``, the metric, ``run_id``, ``started``
-    (local time, to the minute), ``version`` (its version in the Model Registry, or None) and ``differs``:
-    for rows of the same name, the params (the run's own and its pipeline's) whose values differ between
-    them, else nothing.
+    Only models scored on the same test split compare: by default those of the data of the latest pipeline
+    run (``all_data`` ranks every model). Each model (by checkpoint sha256) counts once, with the run that
+    the latest pipeline run logging it made. Each row has the model's ``name``, ``kind`` and ``data``, the
+    metric, ``run_id``, ``started`` (local time, to the minute), ``version`` (its version in the Model
+    Registry, or None) and ``differs``: for rows of the same name, the params (the run's own and its
+    pipeline's) whose values differ between them, else nothing.
     """
     uri = require_store(root)
     import mlflow
@@ -50,12 +50,17 @@ def best_runs(root: Path, experiment: str, metric: str, top: int = 5, all_data: 
         raise MergeflowError(f"--metric: no run of experiment {experiment!r} has a metric {metric!r}")
     for tag in ("tags.mergeflow.test_data", "tags.mergeflow.data"):
         every[tag] = every[tag].fillna(_UNKNOWN) if tag in every.columns else _UNKNOWN
-    runs = every[every["tags.mergeflow.kind"].isin(["merge", "federated"]) & every[column].notna()]
-    # The same model is logged again by every later pipeline run: keep its latest run only.
-    runs = runs.sort_values("start_time", ascending=False).drop_duplicates("tags.mergeflow.checkpoint_sha256")
+    pipelines = every[every["tags.mergeflow.kind"] == "pipeline"].set_index("run_id")["start_time"]
+    runs = every[every["tags.mergeflow.kind"].isin(["merge", "federated"]) & every[column].notna()].copy()
+    # The same model is logged again by every later pipeline run, its run spanning the step that made it (the
+    # same times each time): keep the run of the latest pipeline run.
+    runs["pipeline_start"] = runs.get("tags.mlflow.parentRunId", _UNKNOWN).map(pipelines)
+    runs = runs.sort_values(["pipeline_start", "start_time"], ascending=False, kind="stable", na_position="last")
+    runs = runs.drop_duplicates("tags.mergeflow.checkpoint_sha256")
     ranking = Ranking(rows=[])
     if not all_data and not runs.empty:
-        latest = runs.iloc[0]
+        latest = every.loc[every["tags.mergeflow.kind"].isin(["pipeline", "merge", "federated"])]
+        latest = latest.sort_values("start_time", ascending=False, kind="stable").iloc[0]
         same = runs["tags.mergeflow.test_data"] == latest["tags.mergeflow.test_data"]
         ranking.data, ranking.left_out = latest["tags.mergeflow.data"], int((~same).sum())
         ranking.other_data = sorted(set(runs[~same]["tags.mergeflow.data"]))

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from mergeflow import cancel
 from mergeflow.checkpoints import load_checkpoint_meta, load_model
 from mergeflow.config import Params
 from mergeflow.data.encode import target_scale
@@ -92,6 +93,7 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     device = step_device(params)
 
     def outputs_of(path: str, name: str) -> np.ndarray:
+        cancel.check()  # a stop waits for one model's scoring at most
         model = load_model(root / path).to(device)
         outputs = predict(model, X, task=objective, batch_size=settings["batch_size"])
         predictions[name] = objective.predictions(outputs, scale)

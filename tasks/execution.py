@@ -139,7 +139,7 @@ def _precision(step: Step) -> str | None:
 def _outcome(step: Step, record: dict[str, Any], cached: bool) -> StepOutcome:
     seconds = 0.0 if cached else record["seconds"]
     device = made_on(record) or ("cpu" if uses_device(step.settings) else None)
-    shared = step.holds is None
+    shared = not step.local
     return StepOutcome(step.name, cached, seconds, record["files"], record["summary"], record["key"], device, shared)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+import sys
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +23,19 @@ def tracking_uri(root: Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(root / 'mlflow.db').resolve()}"
 
 
+_REMOTE_SCHEMES = ("http", "https", "databricks", "databricks-uc")
+
+
 def sqlite_file(uri: str) -> Path | None:
-    """The database file of a ``sqlite:///`` tracking URI (relative to the working directory unless absolute);
-    None for any other store."""
-    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+    """The database file of a ``sqlite:///`` tracking URI (relative to the working directory unless absolute,
+    without SQLAlchemy's ``?query``); None for any other store."""
+    return Path(uri.removeprefix("sqlite:///").partition("?")[0]) if uri.startswith("sqlite:///") else None
+
+
+def is_remote(uri_setting: str) -> bool:
+    """Whether ``MLFLOW_TRACKING_URI``'s value names a tracking server (shared by every clone that names it),
+    not a store on this machine (a SQLite file, a folder; ``local``: the project's own ``mlflow.db``)."""
+    return uri_setting.partition(":")[0].lower() in _REMOTE_SCHEMES
 
 
 def store_exists(root: Path) -> bool:
@@ -43,25 +54,39 @@ def require_store(root: Path) -> str:
 
 
 def holds_run(root: Path, run_id: str) -> bool:
-    """Whether the tracking store holds the run ``run_id``, not deleted."""
+    """Whether the tracking store holds the run ``run_id``, not deleted.
+
+    Only an answer that the run is not there (or deleted) is a no: a store that cannot be asked (a server
+    down, a refused login) is taken to hold it, with a line on stderr, so that an unreachable server neither
+    fails a run that has nothing to log nor gets everything logged again once it is back.
+    """
     uri = tracking_uri(root)
     database = sqlite_file(uri)
     if database is not None:
-        if not database.is_file():
-            return False
-        with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as connection:
-            try:
-                row = connection.execute("SELECT lifecycle_stage FROM runs WHERE run_uuid = ?", (run_id,)).fetchone()
-            except sqlite3.DatabaseError:  # not an MLflow store (yet): no runs tables
-                return False
-        return row is not None and row[0] == "active"
+        return database.is_file() and _sqlite_holds(database, run_id)
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     try:
         return MlflowClient(uri).get_run(run_id).info.lifecycle_stage == "active"
-    except MlflowException:
-        return False
+    except MlflowException as error:
+        if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        print(f"mergeflow: warning: could not ask {uri} for run {run_id} ({error}); taken as logged", file=sys.stderr)
+        return True
+
+
+def _sqlite_holds(database: Path, run_id: str) -> bool:
+    """Whether the SQLite store ``database`` holds the active run ``run_id`` (read-only: a reader creates nothing)."""
+    location = f"file:{urllib.parse.quote(str(database.resolve()))}?mode=ro"
+    with contextlib.closing(sqlite3.connect(location, uri=True, timeout=30)) as connection:
+        try:
+            row = connection.execute("SELECT lifecycle_stage FROM runs WHERE run_uuid = ?", (run_id,)).fetchone()
+        except sqlite3.OperationalError as error:
+            if "no such table" in str(error):  # a file that holds no MLflow store (yet)
+                return False
+            raise
+    return row is not None and row[0] == "active"
 
 
 def holds_logged_run(root: Path, record: dict[str, Any]) -> bool:

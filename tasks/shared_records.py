@@ -6,7 +6,7 @@ are in the workspace and the stage files hold the records that made them. :func:
 step from them: when a record for the step's key is there and every file it lists is in the
 workspace with the listed sha256, the files become the store's blobs and the record is written, so
 the step is a cache hit; otherwise it is a miss and runs. ``git clone && dvc pull && mergeflow run``
-then runs nothing.
+then computes nothing; only the logging step runs, to fill the clone's own MLflow store (``Step.local``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def records_dir(root: Path) -> Path:
 
 def write_stage_records(root: Path, stage: Stage, outcomes: list[StepOutcome]) -> None:
     """Write the records of a stage's steps into its shared file (unchanged content is left alone, so
-    DVC does not hash it again). A step whose work lies in a tracking store, not in the workspace, is left
-    out: a clone logs to its own store, and a record from elsewhere would only change the file."""
+    DVC does not hash it again). A step whose work lies in this machine's tracking store (``Step.local``) is
+    left out: a clone logs to its own store, and a record from elsewhere would only change the file."""
     records = {}
     for outcome in (outcome for outcome in outcomes if outcome.shared):
         path = results_dir(root) / f"{outcome.name.replace('/', '-')}-{outcome.key}"

@@ -47,7 +47,9 @@ class Step:
     ``settings`` reach ``fn`` with the params but stay out of the cache key: they change how a step
     runs (e.g. whether a merge streams from the files), never what it makes. ``holds`` (``module:function``
     of ``(root, record) -> bool``) names the check of a step whose work lies outside the workspace (runs in
-    a tracking store): a record is a hit only while that work is still there.
+    a tracking store): a record is a hit only while that work is still there. A ``local`` step's record stays
+    out of the stages' shared records (:mod:`tasks.shared_records`): its work is in a store of this machine,
+    which a clone does not have.
     """
 
     name: str
@@ -56,6 +58,7 @@ class Step:
     inputs: tuple[str, ...] = ()
     settings: dict[str, Any] = field(default_factory=dict)
     holds: str | None = None
+    local: bool = False
 
     @property
     def code(self) -> tuple[str, ...]:
@@ -93,18 +96,22 @@ def refuse_stale_code(step: Step) -> None:
     The process runs the modules it imported before (a Dask worker that lives across runs, those of its
     first step), so a key hashing the file as it is now would record a result under code that did not
     make it: a stale result for every later run."""
+    for rel in changed_since_start(step.code)[:1]:
+        started = time.strftime("%H:%M:%S", time.localtime(_STARTED_NS / 1e9))
+        raise MergeflowError(
+            f"{rel} changed after this process started ({started}, pid {os.getpid()}): the code it runs is "
+            "older than the file its results would be keyed by. Start the run again (the steps finished so far "
+            "stay cached); on a Dask cluster of your own (orchestration.dask_address), restart its workers first."
+        )
+
+
+def changed_since_start(code: tuple[str, ...]) -> list[str]:
+    """The files of ``code`` (paths relative to the code's root) changed after this process started; none when
+    this process imports its steps from another tree than the one it checks."""
     code_root = project_root_of_code()
     if code_root != _OWN_CODE:
-        return
-    for rel in step.code:
-        path = code_root / rel
-        if path.exists() and path.stat().st_mtime_ns > _STARTED_NS:
-            started = time.strftime("%H:%M:%S", time.localtime(_STARTED_NS / 1e9))
-            raise MergeflowError(
-                f"{rel} changed after this process started ({started}, pid {os.getpid()}): the code it runs is "
-                "older than the file its results would be keyed by. Start the run again (the steps finished so far "
-                "stay cached); on a Dask cluster of your own (orchestration.dask_address), restart its workers first."
-            )
+        return []
+    return [rel for rel in code if (path := code_root / rel).exists() and path.stat().st_mtime_ns > _STARTED_NS]
 
 
 def step_key(step: Step, root: Path, code_hashes: CodeHashes | None = None) -> str:
@@ -225,7 +232,7 @@ def cached_outcomes(steps: list[Step], root: Path, code_hashes: CodeHashes | Non
             hit["summary"],
             hit["key"],
             made_on(hit) or ("cpu" if uses_device(step.settings) else None),
-            step.holds is None,
+            not step.local,
         )
         for step, hit in zip(steps, hits, strict=True)
     ]

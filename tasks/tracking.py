@@ -28,7 +28,7 @@ from tasks.data import DATA_METRICS, PARTITIONS, PREPARED, client_file
 from tasks.evaluation import METRICS, PLOT, SANITY, SELECTION, SELECTION_PLOT
 from tasks.federated import FEDERATED_METRICS, FEDERATED_PLOT, final_checkpoint, global_checkpoint
 from tasks.merging import merged_checkpoint, merged_pretrained_dir
-from tasks.mlflow_store import store_exists, tracking_uri
+from tasks.mlflow_store import is_remote, store_exists, tracking_uri
 from tasks.steps import Step
 from tasks.store import STATE_DIR, hash_paths, sha256_file
 from tasks.tracking_params import data_label, flatten, params_in_use, registered_model_name, run_name
@@ -83,8 +83,9 @@ def plan_track(params: Params) -> list[Step]:
     federated = tuple(final_checkpoint(params, name) for name in params.federated.algorithms)
     inputs = (*_ARTIFACTS, *clients, *merged, *federated)
     # A hit only while the store still holds the logged runs: a pulled clone's or an emptied store is filled.
-    holds = "tasks.mlflow_store:holds_logged_run"
-    return [Step("track", "tasks.tracking:track", step_params, inputs=inputs, holds=holds)]
+    # The record of a run logged to a server travels with the data: a clone that logs there too finds it.
+    holds, local = "tasks.mlflow_store:holds_logged_run", not is_remote(step_params["uri"])
+    return [Step("track", "tasks.tracking:track", step_params, inputs=inputs, holds=holds, local=local)]
 
 
 def _git_commit(root: Path) -> str:
@@ -263,26 +264,26 @@ def _log_selection(mlflow, selection: dict[str, Any]) -> None:
     mlflow.set_tags({"mergeflow.selected_on": selection["split"], "mergeflow.select_by": selection["select_by"]})
 
 
-def _register(mlflow, model_uri: str, name: str, tags: dict[str, str]) -> str | None:
+def _register(mlflow, model_uri: str, name: str, tags: dict[str, str]) -> tuple[str | None, str | None]:
     """A new version of ``name`` unless a version already holds the same checkpoint (by sha256); says which.
 
     The logging step re-runs as a whole when any merge changed; this keeps the unchanged
     merges from gaining identical versions. MLflow's own two lines per version, printed straight to
     stderr, are kept off the console: the run's summary names the new versions instead. A model whose
     signature differs from the name's versions' (tag ``mergeflow.signature``) is not registered: the
-    summary says so.
+    second value says why, for the summary.
     """
     client = mlflow.tracking.MlflowClient()
     digest = tags["mergeflow.checkpoint_sha256"]
     versions = client.search_model_versions(f"name='{name}'")
     if any(v.tags.get("mergeflow.checkpoint_sha256") == digest for v in versions):
-        return None
+        return None, None
     signatures = {v.tags["mergeflow.signature"] for v in versions if "mergeflow.signature" in v.tags}
     if signatures - {tags["mergeflow.signature"]}:
-        return f"{name} not registered: its versions take other inputs (set tracking.experiment to keep both)"
+        return None, f"{name}: its versions take other inputs (set tracking.experiment to keep both)"
     with contextlib.redirect_stderr(io.StringIO()):
         version = mlflow.register_model(model_uri, name, tags=tags)
-    return f"{name} version {version.version}"
+    return f"{name} version {version.version}", None
 
 
 def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, context: dict[str, Any]) -> None:
@@ -330,8 +331,9 @@ def _log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, 
                 **context["data_tags"],
             }
             registered_name = registered_model_name(context["experiment"], context["data_tags"]["mergeflow.data"], name)
-            registered = _register(mlflow, model_uri, registered_name, version_tags)
+            registered, refused = _register(mlflow, model_uri, registered_name, version_tags)
             context["registered"] += [registered] if registered else []
+            context["not_registered"] += [refused] if refused else []
 
 
 def _signature_digest(mlflow, model_uri: str) -> str:
@@ -552,7 +554,8 @@ def _previous_params(mlflow, experiment_id: str, data: str) -> dict[str, str] | 
     """The params of the experiment's latest pipeline run on the data named ``data``; None for none."""
     found = mlflow.search_runs(
         experiment_ids=[experiment_id],
-        filter_string=f"tags.`mergeflow.kind` = 'pipeline' and tags.`mergeflow.data` = '{data}'",
+        filter_string=f"tags.`mergeflow.kind` = 'pipeline' and tags.`mergeflow.data` = '{data}' and "
+        "attributes.status = 'FINISHED'",
         order_by=["attributes.start_time DESC"],
         max_results=1,
         output_format="list",
@@ -602,8 +605,8 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
         **{f"mergeflow.version.{name}": version for name, version in third_party_versions().items()},
     }
     logged = flatten(params["in_use"])
-    name = run_name(params["data"], logged, _previous_params(mlflow, experiment_id, params["data"]))
-    with _pipeline_run(mlflow, experiment_id, name, tags, run_started(root)) as parent:
+    named = run_name(params["data"], logged, _previous_params(mlflow, experiment_id, params["data"]))
+    with _pipeline_run(mlflow, experiment_id, named, tags, run_started(root)) as parent:
         _log_params(mlflow, logged)
         for name in ("base", "centralized", "ensemble", "best_client"):
             if name not in metrics:  # a causal LM has no output ensemble
@@ -624,6 +627,7 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
             "info": info,
             "times": step_times(root),
             "registered": [],
+            "not_registered": [],
             "devices": step_devices(root),
         }
         made_on = sorted({facts.get("device_name", facts["device"]) for facts in context["devices"].values()})
@@ -636,7 +640,12 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
         rounds = json.loads((root / FEDERATED_METRICS).read_text())
         for name in config["federated"]["algorithms"]:
             _log_federated(mlflow, root, name, config, rounds[name], metrics[f"federated/{name}"], context)
-    return {"run_id": parent.info.run_id, "experiment_id": experiment_id, "registered": context["registered"]}
+    return {
+        "run_id": parent.info.run_id,
+        "experiment_id": experiment_id,
+        "registered": context["registered"],
+        "not_registered": context["not_registered"],
+    }
 
 
 def log_reproduction(

@@ -10,21 +10,30 @@ from pathlib import Path
 from typing import Any
 
 from mergeflow.config import Params
+from mergeflow.schema.data_source import files_listed
 
 _NAMED_CHANGES = 4  # changed params spelled out in a run's name; the rest are counted
 
 
+_GENERIC_STEMS = {"train", "test", "validation", "valid", "dev", "data", "dataset", "all", "full"}
+
+
 def data_label(params: Params) -> str:
-    """A short name of the data: the source, or for a table or text source its file's (or dataset's) name."""
+    """A short name of the data: the source, or for a table or text source the name of its file (its folder's
+    for a pattern or a split's file such as ``train.csv``), or of its dataset and configuration (``glue-sst2``)."""
+    source = params.data.source
     options = params.data.options.model_dump(mode="json")
-    files = options.get("data_files")
-    if isinstance(files, dict):
-        files = next(iter(files.values()), None)
-    if isinstance(files, list):
-        files = files[0] if files else None
-    named = files or options.get("path") or options.get("root")
-    label = Path(str(named)).stem if named and params.data.source in ("table", "text") else params.data.source
-    return re.sub(r"[^\w.-]", "_", label) or params.data.source
+    files = files_listed(options.get("data_files")) if "data_files" in options else []
+    if files:
+        path = Path(files[0])
+        generic = any(c in path.name for c in "*?[") or path.stem.lower() in _GENERIC_STEMS
+        label = path.parent.name if generic and path.parent.name else path.stem
+    elif options.get("path"):
+        label = "-".join(str(part) for part in (Path(options["path"]).name, options.get("name")) if part)
+    else:
+        label = source
+    label = re.sub(r"[^\w.-]", "_", label).strip("._-")
+    return label if re.search(r"[A-Za-z0-9]", label) else source
 
 
 def params_in_use(params: Params) -> dict[str, Any]:
@@ -49,7 +58,7 @@ def _without_unset(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     kept = {key: _without_unset(value) for key, value in node.items()}
-    return {key: value for key, value in kept.items() if value not in (None, {}, [])}
+    return {key: value for key, value in kept.items() if value is not None and value != {}}
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -64,16 +73,26 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
+_RUN_LISTS = {"merge": "merge.methods", "federated": "federated.algorithms"}  # whose entries have options
+
+
 def changed_params(mine: dict[str, str], before: dict[str, str]) -> dict[str, str]:
-    """The flat params (:func:`flatten`) of ``mine`` that ``before`` had with another value or lacked, but for the
-    options of a merge or algorithm ``before`` did not run (they come with the changed ``merge.methods``)."""
-    known = {".".join(key.split(".")[:depth]) for key in before for depth in range(1, key.count(".") + 1)}
+    """The flat params (:func:`flatten`) of ``mine`` that ``before`` had with another value or lacked, then those
+    ``before`` had and ``mine`` lacks (``unset``); but for the options of a merge or algorithm that the other
+    run did not run (they come with the changed ``merge.methods`` or ``federated.algorithms``)."""
 
-    def explained(key: str) -> bool:
-        parts = key.split(".")
-        return "options" in parts[:-2] and ".".join(parts[: parts.index("options") + 2]) not in known
+    def explained(key: str, other: dict[str, str]) -> bool:
+        section, _, rest = key.partition(".options.")
+        return section in _RUN_LISTS and bool(rest) and rest.split(".")[0] not in _names(other, _RUN_LISTS[section])
 
-    return {key: value for key, value in mine.items() if before.get(key) != value and not explained(key)}
+    changed = {k: v for k, v in mine.items() if before.get(k) != v and not explained(k, before)}
+    return changed | {k: "unset" for k in before if k not in mine and not explained(k, mine)}
+
+
+def _names(flat: dict[str, str], key: str) -> list[str]:
+    """The names a flat list param holds (``merge.methods``), none where it is absent."""
+    value = json.loads(flat.get(key, "[]"))
+    return value if isinstance(value, list) else []
 
 
 def run_name(label: str, mine: dict[str, str], before: dict[str, str] | None) -> str:

@@ -276,3 +276,15 @@ def _metrics_of(node, path: str) -> list[dict]:
         for value in node:
             found += _metrics_of(value, path)
     return found
+
+
+def test_dvc_lock_is_left_alone_when_the_params_file_changed_during_the_run(tmp_path):
+    from flows.dvc_lock import ParamsSource, untracked_reason
+    from tasks.store import sha256_file
+
+    (tmp_path / "params.yaml").write_text("seed: 0\n")
+    read = sha256_file(tmp_path / "params.yaml")
+    assert untracked_reason(ParamsSource("params.yaml", (), read), tmp_path) is None
+    (tmp_path / "params.yaml").write_text("seed: 1\n")  # edited while the run went on
+    reason = untracked_reason(ParamsSource("params.yaml", (), read), tmp_path)
+    assert reason == "params.yaml changed during the run: its outputs are of the params it read (run again)"

@@ -48,7 +48,7 @@ def test_the_pipeline_logs_runs_models_and_registry_versions_to_a_tracking_serve
     runs = mlflow.search_runs(experiment_names=["mergeflow"])
     assert sorted(runs["tags.mergeflow.kind"]) == ["client"] * 3 + ["federated", "merge", "merge", "pipeline"]
     client = mlflow.tracking.MlflowClient()
-    versions = client.search_model_versions("name='mergeflow.fisher'")
+    versions = client.search_model_versions("name='mergeflow.digits.fisher'")
     assert len(versions) == 1 and versions[0].tags["mergeflow.params_hash"]
     assert any(artifacts.rglob("*.safetensors"))  # the checkpoints were uploaded through the server
 

@@ -61,3 +61,5 @@ def test_a_stored_plan_keys_every_step_as_the_plan_functions_do(tmp_path):
     keys = [[[step_key(s, tmp_path) for s in wave] for wave in stage] for stage in fresh]
     assert [[[step_key(s, tmp_path) for s in wave] for wave in stage] for stage in stored] == keys
     assert sum(len(wave) for stage in stored for wave in stage) > 20
+    assert stored == fresh  # every field, those outside the key too (settings, the logging step's holds and local)
+    assert any(step.holds and step.local for stage in stored for wave in stage for step in wave)

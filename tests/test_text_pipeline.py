@@ -85,8 +85,8 @@ def test_the_merged_transformer_reloads_from_mlflow_and_classifies_text(bert_run
     from mergeflow.checkpoints import load_model
 
     mlflow.set_tracking_uri(f"sqlite:///{bert_run / 'mlflow.db'}")
-    versions = mlflow.tracking.MlflowClient().search_model_versions("name='mergeflow.average'")
-    uri = f"models:/mergeflow.average/{versions[0].version}"
+    versions = mlflow.tracking.MlflowClient().search_model_versions("name='mergeflow.topics.average'")
+    uri = f"models:/mergeflow.topics.average/{versions[0].version}"
     texts = ["the whale and the tiger", "rain and thunder in the cold fog", "bread cheese and soup"]
     assert list(mlflow.pyfunc.load_model(uri).predict(texts)["label"]) == ["animal", "weather", "food"]
     pipe = mlflow.transformers.load_model(uri)  # the same weights as the checkpoint
@@ -280,8 +280,8 @@ def test_a_tiny_gpt2_causal_lm_trains_merges_federates_and_reloads_below_the_uni
     ours = load_model(tmp_path / "models/merged/fisher.safetensors")(encoded["input_ids"])
     torch.testing.assert_close(reloaded(**encoded).logits, ours, atol=1e-5, rtol=1e-5)
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    versions = mlflow.tracking.MlflowClient().search_model_versions("name='mergeflow.fisher'")
-    pipe = mlflow.transformers.load_model(f"models:/mergeflow.fisher/{versions[0].version}")
+    versions = mlflow.tracking.MlflowClient().search_model_versions("name='mergeflow.topics.fisher'")
+    pipe = mlflow.transformers.load_model(f"models:/mergeflow.topics.fisher/{versions[0].version}")
     torch.testing.assert_close(pipe.model.eval()(**encoded).logits, ours, atol=1e-5, rtol=1e-5)
     run = mlflow.get_run(versions[0].run_id)
     assert {"test_perplexity", "test_nll", "test_news_perplexity"} <= set(run.data.metrics)
