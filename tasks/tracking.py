@@ -541,7 +541,7 @@ def _log_data(mlflow, root: Path, info: dict[str, Any], sanity: dict[str, Any]) 
         if (root / PREPARED / f"{split}.parquet").is_file():
             _log_dataset(mlflow, root, f"{PREPARED}/{split}.parquet", info, context)
     report = json.loads((root / DATA_METRICS).read_text())
-    mlflow.log_params({"data.standardized": str(report["standardized"]).lower()})
+    mlflow.log_params({STANDARDIZED: str(report["standardized"]).lower()})
     if "standardize_reason" in report:
         mlflow.set_tag("mergeflow.standardize_reason", report["standardize_reason"])
     baseline = {k: v for k, v in sanity.items() if k in ("baseline_accuracy", "baseline_mse")}
@@ -550,8 +550,12 @@ def _log_data(mlflow, root: Path, info: dict[str, Any], sanity: dict[str, Any]) 
         mlflow.set_tag("mergeflow.warning", sanity["warning"])
 
 
+STANDARDIZED = "data.standardized"  # a param the data step chose, logged beside the params in use
+
+
 def _previous_params(mlflow, experiment_id: str, data: str) -> dict[str, str] | None:
-    """The params of the experiment's latest pipeline run on the data named ``data``; None for none."""
+    """The params in use of the experiment's latest finished pipeline run on the data named ``data``; None for
+    none."""
     found = mlflow.search_runs(
         experiment_ids=[experiment_id],
         filter_string=f"tags.`mergeflow.kind` = 'pipeline' and tags.`mergeflow.data` = '{data}' and "
@@ -560,7 +564,7 @@ def _previous_params(mlflow, experiment_id: str, data: str) -> dict[str, str] | 
         max_results=1,
         output_format="list",
     )
-    return dict(found[0].data.params) if found else None
+    return {k: v for k, v in found[0].data.params.items() if k != STANDARDIZED} if found else None
 
 
 def run_started(root: Path) -> int | None:

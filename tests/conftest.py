@@ -140,9 +140,10 @@ def stop(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
-def browser_page(workspace: Path, port: int, env: dict[str, str]) -> str:
+def browser_page(workspace: Path, port: int, env: dict[str, str], showing: str = "Run Name") -> str:
     """The DOM of the experiment's runs page (``mergeflow ui --print-url``) as a headless Chromium renders it,
-    from an MLflow UI serving ``workspace``'s store on ``port``."""
+    from an MLflow UI serving ``workspace``'s store on ``port``: rendered again (at most 4 times) until it
+    holds ``showing``, since a loaded machine may dump it before the runs arrive."""
     url = run_cli(["ui", "--print-url", "--port", str(port)], workspace, env).stdout.strip()
     store = f"sqlite:///{workspace / 'mlflow.db'}"
     command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", store, "--port", str(port)]
@@ -153,7 +154,11 @@ def browser_page(workspace: Path, port: int, env: dict[str, str]) -> str:
     try:
         wait_for(f"http://127.0.0.1:{port}/health", server)
         browser = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=15000"]
-        return subprocess.run([*browser, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+        for _ in range(4):
+            page = subprocess.run([*browser, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+            if showing in page:
+                break
+        return page
     finally:
         stop(server)
 

@@ -126,7 +126,13 @@ def test_mlflow_has_a_federated_child_run_with_per_round_metrics(workspace):
     mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["mergeflow"], filter_string="tags.`mergeflow.kind` = 'federated'")
     assert set(runs["tags.mergeflow.algorithm"]) == {"fedavg", "bayes_admm"}
-    latest = runs[runs["tags.mergeflow.algorithm"] == "fedavg"].iloc[0]
+    # The latest pipeline run's: a federated run spans its rounds' steps, so the runs of two pipeline runs that
+    # share their first rounds start at the same time.
+    pipelines = mlflow.search_runs(
+        experiment_names=["mergeflow"], filter_string="tags.`mergeflow.kind` = 'pipeline'", order_by=["start_time DESC"]
+    )
+    mine = (runs["tags.mergeflow.algorithm"] == "fedavg") & (runs["tags.mlflow.parentRunId"] == pipelines.run_id[0])
+    latest = runs[mine].iloc[0]
     history = mlflow.tracking.MlflowClient().get_metric_history(latest.run_id, "round_accuracy")
     by_round = {m.step: m.value for m in history}
     assert sorted(by_round) == [0, 1, 2, 3]

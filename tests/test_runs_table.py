@@ -19,6 +19,6 @@ def test_two_runs_with_other_merge_options_differ_in_the_runs_table(tmp_path, cl
         done = run_cli(["run", *overrides], workspace, cli_env)
         assert done.returncode == 0, done.stderr[-3000:]
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    page = browser_page(workspace, free_port(), env)
+    page = browser_page(workspace, free_port(), env, showing=">digits task_arithmetic.scaling=0.5<")
     # The first run is named by its data; the second by its data and the option it changed.
     assert ">digits<" in page and ">digits task_arithmetic.scaling=0.5<" in page, page[-3000:]

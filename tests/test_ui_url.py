@@ -34,5 +34,5 @@ def test_a_browser_opening_the_ui_url_sees_the_runs_table(tmp_path):
     experiment = client.create_experiment("mergeflow")
     client.create_run(experiment, run_name="pipeline-run-to-find")
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    page = browser_page(tmp_path, free_port(), env)
+    page = browser_page(tmp_path, free_port(), env, showing="pipeline-run-to-find")
     assert "Run Name" in page and "pipeline-run-to-find" in page  # the runs table, with the run in it
