@@ -52,13 +52,15 @@ def best_runs(root: Path, experiment: str, metric: str, top: int = 5, all_data: 
         every[tag] = every[tag].fillna(_UNKNOWN) if tag in every.columns else _UNKNOWN
     pipelines = every[every["tags.mergeflow.kind"] == "pipeline"].set_index("run_id")["start_time"]
     runs = every[every["tags.mergeflow.kind"].isin(["merge", "federated"]) & every[column].notna()].copy()
+    if runs.empty:
+        return Ranking(rows=[])
     # The same model is logged again by every later pipeline run, its run spanning the step that made it (the
     # same times each time): keep the run of the latest pipeline run.
-    runs["pipeline_start"] = runs.get("tags.mlflow.parentRunId", _UNKNOWN).map(pipelines)
+    runs["pipeline_start"] = runs["tags.mlflow.parentRunId"].map(pipelines)  # model runs are nested: a parent
     runs = runs.sort_values(["pipeline_start", "start_time"], ascending=False, kind="stable", na_position="last")
     runs = runs.drop_duplicates("tags.mergeflow.checkpoint_sha256")
     ranking = Ranking(rows=[])
-    if not all_data and not runs.empty:
+    if not all_data:
         latest = every.loc[every["tags.mergeflow.kind"].isin(["pipeline", "merge", "federated"])]
         latest = latest.sort_values("start_time", ascending=False, kind="stable").iloc[0]
         same = runs["tags.mergeflow.test_data"] == latest["tags.mergeflow.test_data"]
