@@ -145,6 +145,72 @@ def import_closure(module: str, root: Path) -> tuple[str, ...]:
     return tuple(sorted(str(path.relative_to(root)) for path in files))
 
 
+def _dependencies(name: str, root: Path) -> set[str]:
+    """The modules whose code module ``name`` runs through its imports: the modules it names, and the packages
+    on their way, except its own enclosing packages, which ran before it (unless it takes a name from one)."""
+    path = module_file(name, root)
+    tree, package = _parsed(path), _package_of(name, path)
+    enclosing = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    found: set[str] = set()
+
+    def named(module: str) -> None:
+        parts = module.split(".")
+        found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+
+    for node in _import_statements(tree.body):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                named(alias.name)
+        else:
+            base = _absolute(node, package)
+            named(base)
+            for alias in node.names:
+                if alias.name != "*" and module_file(f"{base}.{alias.name}", root) is not None:
+                    found.add(f"{base}.{alias.name}")
+                elif base in enclosing:
+                    enclosing.discard(base)  # a name its package's __init__.py defines: a real dependency
+    return found - enclosing
+
+
+def import_cycles(root: Path, packages: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The import circles among the modules of ``packages`` under ``root``: each a sorted tuple of the module
+    names of one strongly connected component of the graph of explicit imports (function-level ones
+    included; a package's own submodules, run when one of them is imported, are not edges of it)."""
+    modules = [m for package in packages for m in _package_modules(package, root) if module_file(m, root)]
+    known = set(modules)
+    edges = {m: sorted(_dependencies(m, root) & known - {m}) for m in modules}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[tuple[str, ...]] = []
+    for start in modules:  # Tarjan's algorithm, iteratively: the graph is deeper than the recursion limit allows
+        if start in order:
+            continue
+        work = [(start, 0)]
+        while work:
+            node, child = work.pop()
+            if child == 0:
+                order[node] = low[node] = len(order)
+                stack.append(node)
+            if child < len(edges[node]):
+                work.append((node, child + 1))
+                target = edges[node][child]
+                if target not in order:
+                    work.append((target, 0))
+                elif target in stack:
+                    low[node] = min(low[node], order[target])
+                continue
+            if low[node] == order[node]:
+                component = stack[stack.index(node) :]
+                del stack[stack.index(node) :]
+                if len(component) > 1:
+                    cycles.append(tuple(sorted(component)))
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+    return sorted(cycles)
+
+
 @functools.cache
 def third_party_versions(packages: tuple[str, ...] = RECORDED_PACKAGES) -> dict[str, str]:
     """The installed versions of the third-party packages whose changes keys ignore (absent ones left

@@ -16,6 +16,7 @@ Prefect, so a fully cached run (:func:`cached_outcomes`) starts none of it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -59,12 +60,15 @@ class Step:
     settings: dict[str, Any] = field(default_factory=dict)
     holds: str | None = None
     local: bool = False
+    members: tuple[str, ...] = ()
 
     @property
     def code(self) -> tuple[str, ...]:
         """The source files that key this step: the import closure, inside this repository, of the
-        module that defines ``fn`` (:func:`mergeflow.import_graph.import_closure`)."""
-        return import_closure(self.fn.partition(":")[0], project_root_of_code())
+        module that defines ``fn`` and of each of ``members``, the modules of the registered members it
+        runs (a merge method's, an algorithm's: :attr:`mergeflow.registry.Member.module`), which ``fn``
+        imports by name when it runs (:func:`mergeflow.import_graph.import_closure`)."""
+        return code_closure((self.fn.partition(":")[0], *self.members))
 
 
 @dataclass
@@ -84,6 +88,13 @@ class StepOutcome:
 def project_root_of_code() -> Path:
     """The directory that holds the ``mergeflow`` and ``tasks`` packages (code paths are relative to it)."""
     return Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def code_closure(modules: tuple[str, ...]) -> tuple[str, ...]:
+    """The sorted union of ``modules``' import closures in this repository."""
+    root = project_root_of_code()
+    return tuple(sorted({path for module in modules for path in import_closure(module, root)}))
 
 
 CodeHashes = dict[tuple[str, ...], dict[str, str]]

@@ -139,3 +139,17 @@ def test_the_library_imports_neither_the_orchestration_layers_nor_prefect_or_mlf
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not [n for n in names if n.split(".")[0] in ("prefect", "mlflow", "prefect_dask")], path
+
+
+def test_import_cycles_are_the_strongly_connected_modules(tmp_path):
+    from mergeflow.import_graph import import_cycles
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg/__init__.py").write_text("from pkg import a\n")  # a package importing its own module: no circle
+    (tmp_path / "pkg/a.py").write_text("from pkg.b import f\n")
+    (tmp_path / "pkg/b.py").write_text("def f():\n    from pkg import c\n")  # function-level imports count
+    (tmp_path / "pkg/c.py").write_text("import pkg.a\n")
+    (tmp_path / "pkg/d.py").write_text("from pkg import e\n")
+    (tmp_path / "pkg/e.py").write_text("from pkg.d import x\n")
+    (tmp_path / "pkg/f.py").write_text("import pkg.a\n")
+    assert import_cycles(tmp_path, ("pkg",)) == [("pkg.a", "pkg.b", "pkg.c"), ("pkg.d", "pkg.e")]
