@@ -144,9 +144,8 @@ def set_environment(home: Path) -> None:
 def workspace_inputs(workspace: Path) -> tuple[Any, list[Any], Any, dict[str, Any]]:
     """The loop's model builder, client data, test data and base-model spec, read from the workspace files."""
     from mergeflow.checkpoints import load_checkpoint_meta
-    from tasks.data import PARTITIONS
     from tasks.federated import loop_inputs
-    from tasks.training import BASE
+    from tasks.layout import BASE, PARTITIONS
 
     num_clients = len(list((workspace / PARTITIONS).glob("client_*.parquet")))
     model_builder, clients, test = loop_inputs(workspace, num_clients)
@@ -158,7 +157,7 @@ def export_for_flower(
 ) -> None:
     """Partitions, test set, shuffling seeds (npz), base model (safetensors) and settings (json) for Flower."""
     from mergeflow.seeding import derive_seed
-    from tasks.training import BASE
+    from tasks.layout import BASE
 
     export.mkdir(parents=True)
     rounds, num_clients = params.federated.rounds, len(clients)
@@ -312,7 +311,7 @@ def main() -> None:
         from flows.pipeline import run_pipeline
         from mergeflow.config import validate_params
         from mergeflow.federated import LocalTraining, run_rounds
-        from tasks.federated import final_checkpoint
+        from tasks.layout import global_checkpoint
 
         notes: list[str] = []
         started = time.perf_counter()
@@ -349,7 +348,7 @@ def main() -> None:
             params = validate_params(bench_params(args, workers, per_task))
             setting = f"max_workers={workers}, steps_per_task={per_task}"
             cold = timed_flow(params, workspace, args.repeat, cold=True)
-            final, _ = load_checkpoint(workspace / final_checkpoint(params, "fedavg"))
+            final, _ = load_checkpoint(workspace / global_checkpoint("fedavg", params.federated.rounds))
             accuracy = json.loads((workspace / "metrics/federated.json").read_text())["fedavg"][-1]["accuracy"]
             identical = same_weights(final, run.global_state)
             rows.append(Row(f"mergeflow flow, cold, {setting}", cold.wall, cold.cpu, accuracy, identical))

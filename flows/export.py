@@ -29,9 +29,7 @@ def export_lora(root: Path, merge: str, out: Path | None, rank: int | None, ener
     model, to the truncation's error (exactly at full rank). The directory appears whole or not at all.
     """
     from mergeflow.checkpoints import load_checkpoint, load_checkpoint_meta
-    from tasks.data import TOKENIZER
-    from tasks.merging import merged_checkpoint
-    from tasks.training import BASE
+    from tasks.layout import BASE, TOKENIZER, merged_checkpoint
 
     check_export_options(rank, energy)
     path = root / merged_checkpoint(merge)

@@ -38,7 +38,7 @@ from mergeflow.errors import ConfigError
 from mergeflow.files import write_json
 from mergeflow.preflight import check_model, check_paths
 from mergeflow.reproductions.tables import markdown_table, mean_std_cell
-from tasks.evaluation import SELECTION
+from tasks.layout import SELECTION
 
 PRESETS = {
     "linear-gaussian": "experiments/linear_gaussian.yaml",
@@ -382,8 +382,8 @@ def _laws_pipeline_run(params, workspace: Path, outcomes: list[dict[str, Any]]):
     from mergeflow.checkpoints import load_checkpoint_meta
     from mergeflow.federated import sample_participants
     from mergeflow.reproductions.averaging_laws import non_embedding_parameters
-    from tasks.data import client_file, read_groups
-    from tasks.training import BASE
+    from tasks.layout import BASE, client_file
+    from tasks.prepared import read_groups
 
     outcomes += run_and_record(params, workspace)[0]
     metrics = json.loads((workspace / "metrics/evaluate.json").read_text())
@@ -456,7 +456,7 @@ def _loop_inputs(preset: Path, root: Path, name: str):
     builder, clients, test = loop_inputs(workspace, params.partition.num_clients)
     federated = params.federated
     train = federated.local_for(federated.algorithms[0]).model_dump(mode="json")
-    from tasks.data import read_info
+    from tasks.prepared import read_info
 
     inputs = LoopInputs(
         builder,

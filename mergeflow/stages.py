@@ -50,7 +50,7 @@ class Stage:
     @property
     def records(self) -> str:
         """The file of the stage's step records, a DVC output: pulled with the data, they let a fresh
-        clone's run find the work done (:mod:`tasks.shared_records`)."""
+        clone's run find the work done (:func:`tasks.records.adopt`)."""
         return f".mergeflow/steps/{self.name}.json"
 
     @property
@@ -65,11 +65,11 @@ _CENTRALIZED_PARAMS = tuple(
 
 # A pretrained model's tokenizer tokenizes the text (every family that can start from one).
 _PRETRAINED_KEYS = tuple(family.pretrained_key for family in FAMILIES.values() if family.pretrained_key)
-# The merge methods decide which statistics the fisher and align stages compute (tasks.fisher.statistics_read).
-# Not merge.options: tuning a merge must not re-run them under DVC (a variant's `method` is read there too,
-# and a variant is added to merge.methods by name).
+# The merge methods decide which statistics the fisher and align stages compute
+# (tasks.merge_statistics.statistics_read). Not merge.options: tuning a merge must not re-run them under DVC
+# (a variant's `method` is read there too, and a variant is added to merge.methods by name).
 _MERGE_READS = ("merge.methods",)
-# The only DVC metrics: each model's test headline, NLL and ECE (tasks.evaluation.HEADLINE), a file per kind
+# The only DVC metrics: each model's test headline, NLL and ECE (tasks.layout.HEADLINE), a file per kind
 # of model, so that `dvc exp show` names a column by the model alone (it prefixes a file's path only to a
 # name that two files share).
 HEADLINE_METRICS = tuple(f"metrics/headline/{kind}.json" for kind in ("models", "merged", "federated"))

@@ -5,8 +5,8 @@ with the same permutations as their model: every merge method then sees aligned 
 consistent curvature, whichever way ``align.method`` is set. With ``method: none`` the
 outputs are the clients unchanged (identity permutations), so the merge stage always reads
 ``models/aligned``. Only what a merge reads is written: the statistics of
-:func:`tasks.fisher.statistics_read`, and the checkpoints only when ``merge.methods`` has an entry
-(the loss barriers, which the evaluate stage reads, always).
+:func:`tasks.merge_statistics.statistics_read`, and the checkpoints only when ``merge.methods`` has an
+entry (the loss barriers, which the evaluate stage reads, always).
 """
 
 from __future__ import annotations
@@ -36,35 +36,26 @@ from mergeflow.files import atomic_path, write_json
 from mergeflow.models import build_from_spec, parameter_names
 from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_barriers
-from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
-from tasks.devices import device_settings, on_cpu, on_device, step_device
-from tasks.fisher import factors_file, fisher_file, grams_file, statistics_files, statistics_read
+from tasks.layout import (
+    ALIGN_METRICS,
+    BARRIER_PLOT,
+    PARTITIONS,
+    PREPARED,
+    aligned_checkpoint,
+    aligned_factors,
+    aligned_fisher,
+    aligned_grams,
+    client_checkpoint,
+    client_file,
+    factors_file,
+    fisher_file,
+    grams_file,
+    statistics_files,
+)
+from tasks.merge_statistics import statistics_read
+from tasks.prepared import read_arrays, read_info
+from tasks.step_devices import device_settings, on_cpu, on_device, step_device
 from tasks.steps import Step
-from tasks.training import client_checkpoint
-
-ALIGNED = "models/aligned"
-ALIGN_METRICS = "metrics/align.json"
-BARRIER_PLOT = "plots/barrier.png"
-
-
-def aligned_checkpoint(client: int) -> str:
-    """Relative path of one client's model after alignment."""
-    return f"{ALIGNED}/client_{client:03d}.safetensors"
-
-
-def aligned_fisher(client: int) -> str:
-    """Relative path of one client's diagonal Fisher, permuted like its model."""
-    return f"{ALIGNED}/client_{client:03d}.fisher.safetensors"
-
-
-def aligned_grams(client: int) -> str:
-    """Relative path of one client's linear-layer input Grams, permuted like its model's inputs."""
-    return f"{ALIGNED}/client_{client:03d}.grams.safetensors"
-
-
-def aligned_factors(client: int) -> str:
-    """Relative path of one client's Fisher factors with permuted columns."""
-    return f"{ALIGNED}/client_{client:03d}.factors.safetensors"
 
 
 def plan_align(params: Params) -> list[Step]:
@@ -144,19 +135,19 @@ def _barriers(
     return out
 
 
-def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+def align_clients(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """Align every client to the reference, permute the statistics a merge reads, measure barriers."""
-    settings, statistics = params["align"], params["statistics"]
+    alignment, statistics = params["align"], params["statistics"]
     clients = range(params["num_clients"])
     loaded = [load_checkpoint(root / client_checkpoint(c)) for c in clients]
     diverged = _diverged(loaded, params["on_divergence"])
-    reference = _reference(settings["reference"], [meta["num_examples"] for _, meta in loaded], diverged)
+    reference = _reference(alignment["reference"], [meta["num_examples"] for _, meta in loaded], diverged)
     spec_json = loaded[reference][1]["spec"]
-    device = step_device(params)
+    device = step_device(settings)
     model = build_from_spec(spec_json).to(device)
     states = [on_device(state, device) for state, _ in loaded]  # matched and measured on the device
     names = parameter_names(spec_json)
-    if settings["method"] == "none":
+    if alignment["method"] == "none":
         permuted, spec = _permuted, None
     else:
         permuted, spec = _aligned_permutations(params, root, model, spec_json, states, reference)
@@ -174,18 +165,18 @@ def align_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, An
 
     info = read_info(root)
     X, y = read_arrays(root / PREPARED / "test.parquet", info)
-    X, y = _sample(X, settings["barrier_examples"], params["seed"], y)
+    X, y = _sample(X, alignment["barrier_examples"], params["seed"], y)
     others = {c: states[c] for c in clients if c != reference and c not in diverged}
-    report: dict[str, Any] = {"method": settings["method"], "reference": reference, "excluded": diverged, "after": {}}
-    report["before"] = _barriers(model, X, y, info["task"], states[reference], others, settings["barrier_points"])
-    if settings["method"] != "none":
+    report: dict[str, Any] = {"method": alignment["method"], "reference": reference, "excluded": diverged, "after": {}}
+    report["before"] = _barriers(model, X, y, info["task"], states[reference], others, alignment["barrier_points"])
+    if alignment["method"] != "none":
         moved = {c: permuted(c, states[c]) for c in others}
-        report["after"] = _barriers(model, X, y, info["task"], states[reference], moved, settings["barrier_points"])
-    if settings["repair"]:
+        report["after"] = _barriers(model, X, y, info["task"], states[reference], moved, alignment["barrier_points"])
+    if alignment["repair"]:
         transforms = _repairs(
-            root, settings["examples"], params["seed"], model, spec, reference, states[reference], moved
+            root, alignment["examples"], params["seed"], model, spec, reference, states[reference], moved
         )
-        curves = _barriers(model, X, y, info["task"], states[reference], moved, settings["barrier_points"], transforms)
+        curves = _barriers(model, X, y, info["task"], states[reference], moved, alignment["barrier_points"], transforms)
         report["repaired"] = curves
     write_json(out / ALIGN_METRICS, report)
     plot_barriers(report, out / BARRIER_PLOT)

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import itertools
-import json
-import threading
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -33,64 +31,19 @@ from mergeflow.data.tokenize import (
 from mergeflow.files import write_json
 from mergeflow.schema.sources import get_source
 from tasks.checks import local_data_files
+from tasks.layout import (
+    CORPUS,
+    DATA_METRICS,
+    PARTITION_METRICS,
+    PARTITION_PLOT,
+    PARTITIONS,
+    PREPARED,
+    TEXT,
+    TOKENIZER,
+    client_file,
+)
+from tasks.prepared import read_info
 from tasks.steps import Step
-from tasks.store import file_signature
-
-PREPARED = "data/prepared"
-TEXT = f"{PREPARED}/text"
-CORPUS = "corpus"  # the split of unlabelled text some sources bring for pre-training
-TOKENIZER = f"{PREPARED}/tokenizer"
-PARTITIONS = "data/partitions"
-DATA_METRICS = "metrics/data.json"
-
-
-def client_file(client: int) -> str:
-    """Relative path of one client's partition."""
-    return f"{PARTITIONS}/client_{client:03d}.parquet"
-
-
-class _Parsed(NamedTuple):
-    signature: tuple
-    info: str
-    X: np.ndarray
-    y: np.ndarray
-
-
-# Parsed arrays by absolute path: federated rounds read every client's partition once a round.
-_ARRAYS: dict[str, _Parsed] = {}
-_ARRAYS_LOCK = threading.Lock()
-_ARRAYS_MAX_BYTES = 512 << 20
-
-
-def read_arrays(path: Path, info: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    """A parquet split as (X, y) arrays, parsed once per process while the file is unchanged.
-
-    Callers get their own copies, so they may modify them.
-    """
-    signature, info_key = file_signature(path), json.dumps(info, sort_keys=True)
-    with _ARRAYS_LOCK:
-        entry = _ARRAYS.get(signature[0])
-    if entry is None or (entry.signature, entry.info) != (signature, info_key):
-        entry = _Parsed(signature, info_key, *to_arrays(load_dataset_file(path), info))
-        with _ARRAYS_LOCK:
-            if sum(e.X.nbytes + e.y.nbytes for e in _ARRAYS.values()) > _ARRAYS_MAX_BYTES:
-                _ARRAYS.clear()
-            _ARRAYS[signature[0]] = entry
-    return entry.X.copy(), entry.y.copy()
-
-
-def read_groups(path: Path) -> np.ndarray | None:
-    """The ``group`` column of a parquet split as strings, or None when the data has no groups."""
-    import pyarrow.parquet as pq
-
-    if "group" not in pq.read_schema(path).names:
-        return None
-    return np.asarray(pq.read_table(path, columns=["group"]).column("group").to_pylist(), dtype=str)
-
-
-def read_info(root: Path, directory: str = PREPARED) -> dict[str, Any]:
-    """The dataset facts (task, classes, input shape) saved beside the data."""
-    return json.loads((root / directory / "info.json").read_text())
 
 
 def plan_prepare(params: Params) -> list[Step]:
@@ -105,7 +58,7 @@ def plan_prepare(params: Params) -> list[Step]:
     ]
 
 
-def prepare(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+def prepare(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
     """Load the source, split it (stratified, seeded), encode numeric features with a transform fitted on
     the training split (one-hot categories, filled gaps, standardisation), save parquet files.
 
@@ -166,7 +119,7 @@ def plan_tokenize(params: Params) -> list[Step]:
     return [Step("tokenize", "tasks.data:tokenize", step_params, inputs=(TEXT,))]
 
 
-def tokenize(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+def tokenize(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
     """Tokenize every text split into right-padded token ids; save the tokenizer beside them."""
     settings = params["tokenizer"]
     info = read_info(root, TEXT)
@@ -210,7 +163,7 @@ def plan_partition(params: Params) -> list[Step]:
     ]
 
 
-def partition(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+def partition(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
     """Write one parquet file per client, the partition statistics and their plot."""
     spec = params["partition"]
     info = read_info(root)
@@ -228,6 +181,6 @@ def partition(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
         save_dataset(part, out / client_file(client))
     write_json(out / PARTITIONS / "info.json", info)
     stats = partition_stats(parts, info)
-    write_json(out / "metrics/partition.json", stats)
-    plot_partition_stats(stats, out / "plots/partition.png")
+    write_json(out / PARTITION_METRICS, stats)
+    plot_partition_stats(stats, out / PARTITION_PLOT)
     return {"sizes": stats["sizes"]}

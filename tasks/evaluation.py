@@ -17,28 +17,32 @@ from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_comparison, plot_selection
 from mergeflow.schema.sources import SOURCES
 from mergeflow.training import predict
-from tasks.data import PREPARED, read_arrays, read_groups, read_info
-from tasks.devices import device_settings, step_device
-from tasks.federated import final_checkpoint
-from tasks.merging import merged_checkpoint
-from tasks.reports import METRICS, SANITY
+from tasks.layout import (
+    BASE,
+    CENTRALIZED,
+    HEADLINE,
+    HEADLINE_KINDS,
+    METRICS,
+    PLOT,
+    PREPARED,
+    SELECTION,
+    SELECTION_PLOT,
+    client_checkpoint,
+    global_checkpoint,
+    merged_checkpoint,
+)
+from tasks.prepared import read_arrays, read_groups, read_info
+from tasks.reports import SANITY
 from tasks.scoring import score_outputs
+from tasks.step_devices import device_settings, step_device
 from tasks.steps import Step
-from tasks.training import BASE, CENTRALIZED, client_checkpoint
-
-SELECTION = "metrics/selection.json"
-SELECTION_PLOT = "plots/selection.png"
-PLOT = "plots/comparison.png"
-# DVC's metrics (mergeflow.stages.HEADLINE_METRICS): a file per kind of model, keyed by the model's name.
-HEADLINE = "metrics/headline/{kind}.json"
-HEADLINE_KINDS = ("models", "merged", "federated")
 
 
 def plan_evaluate(params: Params) -> list[Step]:
     """One step over every model the pipeline produced."""
     clients = tuple(client_checkpoint(c) for c in range(params.partition.num_clients))
     merged = tuple(merged_checkpoint(m) for m in params.merge.methods)
-    federated = {name: final_checkpoint(params, name) for name in params.federated.algorithms}
+    federated = {name: global_checkpoint(name, params.federated.rounds) for name in params.federated.algorithms}
     step_params = {
         "evaluate": params.section("evaluate"),
         "num_clients": len(clients),
@@ -65,12 +69,12 @@ def plan_evaluate(params: Params) -> list[Step]:
     ]
 
 
-def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+def evaluate(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """Metrics for base, clients, best client, ensemble, centralized, each merge and each federated
     algorithm's final global model; the objective's comparison with centralized (the accuracy gain) for
     the last two. An objective without an output ensemble (a causal LM's outputs are per-row NLLs, not
     token distributions) has no ensemble row."""
-    settings = params["evaluate"]
+    evaluation = params["evaluate"]
     info = read_info(root)
     objective = get_objective(info["task"])
     X, y = read_arrays(root / PREPARED / "test.parquet", info)
@@ -78,11 +82,11 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     scale = target_scale(info)  # a standardised regression target
 
     def score(outputs: np.ndarray) -> dict[str, Any]:
-        result: dict[str, Any] = score_outputs(outputs, y, info, settings["noise_std"], settings["ece_bins"])
+        result: dict[str, Any] = score_outputs(outputs, y, info, evaluation["noise_std"], evaluation["ece_bins"])
         if groups is not None:  # the data's group column (domain, genre, part of speech, …)
             result["by_group"] = {
                 str(g): score_outputs(
-                    outputs[groups == g], y[groups == g], info, settings["noise_std"], settings["ece_bins"]
+                    outputs[groups == g], y[groups == g], info, evaluation["noise_std"], evaluation["ece_bins"]
                 )
                 for g in np.unique(groups)
             }
@@ -90,12 +94,12 @@ def evaluate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
 
     predictions: dict[str, np.ndarray] = {}  # for the sanity check: class ids, values in the target's units, NLLs
 
-    device = step_device(params)
+    device = step_device(settings)
 
     def outputs_of(path: str, name: str) -> np.ndarray:
         cancel.check()  # a stop waits for one model's scoring at most
         model = load_model(root / path).to(device)
-        outputs = predict(model, X, task=objective, batch_size=settings["batch_size"])
+        outputs = predict(model, X, task=objective, batch_size=evaluation["batch_size"])
         predictions[name] = objective.predictions(outputs, scale)
         return outputs
 

@@ -22,17 +22,9 @@ from prefect.settings import get_current_settings
 from mergeflow import cancel
 from mergeflow.files import private_directory
 from mergeflow.import_graph import third_party_versions
-from tasks.devices import dask_annotation, device_record, gpu_slot, made_on, uses_device
-from tasks.steps import (
-    Step,
-    StepOutcome,
-    cache_hit,
-    refuse_stale_code,
-    resolve,
-    step_key,
-    typical_seconds,
-    write_record,
-)
+from tasks.records import cache_hit, outcome_of, write_record
+from tasks.step_devices import dask_annotation, device_record, gpu_slot
+from tasks.steps import Step, StepOutcome, refuse_stale_code, resolve, step_key, typical_seconds
 from tasks.store import ArtifactStore
 
 
@@ -128,19 +120,12 @@ def run_waves(
     label = f"{steps[0].name} … {steps[-1].name} ({len(steps)} steps)"
     with dask_annotation(steps):
         records = execute_waves.submit(label, waves, str(root), torch_threads, ran_before, short_below).result()
-    return [_outcome(step, record, record["cached"]) for step, record in zip(steps, records, strict=False)]
+    return [outcome_of(step, record, record["cached"]) for step, record in zip(steps, records, strict=False)]
 
 
 def _precision(step: Step) -> str | None:
     """A training step's precision (fp32 unless set); None for steps that have no such setting."""
     return step.params["train"].get("precision", "fp32") if "train" in step.params else None
-
-
-def _outcome(step: Step, record: dict[str, Any], cached: bool) -> StepOutcome:
-    seconds = 0.0 if cached else record["seconds"]
-    device = made_on(record) or ("cpu" if uses_device(step.settings) else None)
-    shared = not step.local
-    return StepOutcome(step.name, cached, seconds, record["files"], record["summary"], record["key"], device, shared)
 
 
 def _run_step(step: Step, root: str, torch_threads: int, scratch: Path) -> dict[str, Any]:
@@ -153,7 +138,7 @@ def _run_step(step: Step, root: str, torch_threads: int, scratch: Path) -> dict[
     began, started = time.time(), time.perf_counter()
     with gpu_slot(step.settings), cancel.running(step.name):
         cancel.check()  # a step about to start (the rest of a task run's steps, too) starts no more
-        summary = resolve(step.fn)({**step.params, **step.settings}, Path(root), scratch)
+        summary = resolve(step.fn)(step.params, Path(root), scratch, step.settings)
     files = store.ingest(scratch)
     return {
         "files": files,
@@ -210,7 +195,7 @@ def run_steps(
         cached = index in found
         result = found[index] if cached else pending[index]()
         store.materialise(result["files"])
-        outcomes.append(_outcome(step, result, cached))
+        outcomes.append(outcome_of(step, result, cached))
     return outcomes
 
 

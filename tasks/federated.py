@@ -45,47 +45,26 @@ from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_rounds
 from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError
-from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
-from tasks.devices import device_settings, on_cpu, step_device
-from tasks.reports import FEDERATED, FEDERATED_INDEX
+from tasks.layout import (
+    BASE,
+    FEDERATED_INDEX,
+    FEDERATED_METRICS,
+    FEDERATED_PLOT,
+    PARTITION_METRICS,
+    PARTITIONS,
+    PREPARED,
+    client_file,
+    client_state_file,
+    global_checkpoint,
+    message_file,
+    round_metrics_file,
+    server_file,
+)
+from tasks.prepared import read_arrays, read_info
+from tasks.step_devices import device_settings, on_cpu, step_device
 from tasks.steps import Step
-from tasks.training import BASE
 
 _METRICS_KEY = "mergeflow.metrics"
-FEDERATED_METRICS = "metrics/federated.json"
-FEDERATED_PLOT = "plots/federated.png"
-PARTITION_METRICS = "metrics/partition.json"
-
-
-def _round_dir(name: str, round_index: int) -> str:
-    return f"{FEDERATED}/{name}/round_{round_index:03d}"
-
-
-def server_file(name: str, round_index: int) -> str:
-    """The algorithm's server state after ``round_index`` rounds (0 = initial)."""
-    return f"{_round_dir(name, round_index)}/server.safetensors"
-
-
-def global_checkpoint(name: str, round_index: int) -> str:
-    """The global model after ``round_index`` rounds, as a loadable checkpoint."""
-    return f"{_round_dir(name, round_index)}/global.safetensors"
-
-
-def round_metrics_file(name: str, round_index: int) -> str:
-    """Test metrics of the global model after ``round_index`` rounds, with drift and train loss."""
-    return f"{_round_dir(name, round_index)}/metrics.json"
-
-
-def client_state_file(name: str, round_index: int, client: int) -> str:
-    """A client's state (e.g. its duals) after its update in ``round_index`` (0 = initial); not written
-    when empty (FedAvg, FedProx: the file would hold nothing, and cost a file per client update)."""
-    return f"{_round_dir(name, round_index)}/client_{client:03d}.state.safetensors"
-
-
-def message_file(name: str, round_index: int, client: int) -> str:
-    """What a client sent to the server in ``round_index``: its tensors, and its local training metrics
-    (e.g. its last-epoch loss) in the header (:func:`read_message`), as Flower's ``FitRes`` carries both."""
-    return f"{_round_dir(name, round_index)}/client_{client:03d}.message.safetensors"
 
 
 def read_message(path: Path, device: str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -98,11 +77,6 @@ def read_message(path: Path, device: str = "cpu") -> tuple[dict[str, torch.Tenso
 def _save_message(path: Path, message: dict[str, torch.Tensor], metrics: dict[str, Any]) -> None:
     # One file, not a tensor file and a metrics file: a new file costs most of a short client update's I/O.
     _save(path, message, {_METRICS_KEY: json.dumps(metrics, sort_keys=True)})
-
-
-def final_checkpoint(params: Params, name: str) -> str:
-    """The global model after the last round."""
-    return global_checkpoint(name, params.federated.rounds)
 
 
 def _settings(params: Params, name: str) -> dict[str, Any]:
@@ -333,14 +307,16 @@ def loop_inputs(root: Path, num_clients: int) -> tuple[Callable[[], torch.nn.Mod
     return model_builder, clients, _test_data(root)[0]
 
 
-def _write_global(root: Path, out: Path, params: dict[str, Any], server: dict, round_index: int, row: dict) -> None:
+def _write_global(
+    root: Path, out: Path, params: dict[str, Any], settings: dict[str, Any], server: dict, round_index: int, row: dict
+) -> None:
     """The global model as a checkpoint, and its metrics for this round."""
     algorithm = get_algorithm(params["algorithm"])
     weights = _global_weights(root, params, algorithm.global_state(server))
     spec = load_checkpoint_meta(root / BASE)["spec"]
     meta = {"spec": spec, "role": "federated", "algorithm": params["algorithm"], "round": round_index}
     save_checkpoint(out / global_checkpoint(params["name"], round_index), weights, meta)
-    model = federated_model(root, params).to(step_device(params))  # scored on the device
+    model = federated_model(root, params).to(step_device(settings))  # scored on the device
     data, noise = _test_data(root)
     noise_std, samples, seed = noise or params["noise_std"], params["predictive_samples"], params["seed"]
     validation = validation_data(root) if params["validation"] else None
@@ -350,7 +326,7 @@ def _write_global(root: Path, out: Path, params: dict[str, Any], server: dict, r
     write_json(out / round_metrics_file(params["name"], round_index), {"round": round_index, **row, **scores})
 
 
-def init_rounds(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+def init_rounds(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """Round 0: the server and client states from the base model, and the base model's metrics."""
     algorithm = get_algorithm(params["algorithm"])
     options = algorithm.parse_options(params["options"])
@@ -362,17 +338,17 @@ def init_rounds(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]
     _save(out / server_file(params["name"], 0), server)
     for k in range(params["num_clients"]):
         _save_state(out / client_state_file(params["name"], 0, k), algorithm.init_client(initial, options))
-    _write_global(root, out, params, server, 0, {})
+    _write_global(root, out, params, settings, server, 0, {})
     return {"algorithm": params["algorithm"]}
 
 
-def client_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+def client_round(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """One client's local update from the previous round's server state."""
     name, r, k = params["name"], params["round"], params["client"]
     algorithm = get_algorithm(params["algorithm"])
     info = read_info(root, PARTITIONS)
     X, y = read_arrays(root / client_file(k), info)
-    device = step_device(params)  # the model, server and client states on it; the data move by batches
+    device = step_device(settings)  # the model, server and client states on it; the data move by batches
     data = ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"])
     if params.get("label_flip"):
         data = flip_labels(data, int(info["num_classes"]))
@@ -395,12 +371,12 @@ def client_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     return {"num_examples": len(y), **metrics}
 
 
-def server_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+def server_round(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """The server update from this round's messages, then the new global model's test metrics."""
     name, r, participants = params["name"], params["round"], params["participants"]
     algorithm = get_algorithm(params["algorithm"])
     options = algorithm.parse_options(params["options"])
-    device = str(step_device(params))  # the aggregation (robust rules, DP noise, server optimizers) runs there
+    device = str(step_device(settings))  # the aggregation (robust rules, DP noise, server optimizers) runs there
     server = load_file(root / server_file(name, r - 1), device=device)
     sent = {k: read_message(root / message_file(name, r, k), device) for k in participants}
     sizes = dict(enumerate(json.loads((root / PARTITION_METRICS).read_text())["sizes"]))
@@ -412,11 +388,11 @@ def server_round(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any
     except (DivergenceError, ValueError) as error:
         raise MergeflowError(f"federated.algorithms: {name}: {error}") from None
     _save(out / server_file(name, r), updated)
-    _write_global(root, out, params, updated, r, row)
+    _write_global(root, out, params, settings, updated, r, row)
     return {"round": r}
 
 
-def summarise_rounds(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+def summarise_rounds(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
     """Per-round metrics of every algorithm in one file, the accuracy-vs-round plot, and each algorithm's
     stability warning (in round 0's metrics and the index), computed here so that a change of the rounds
     asked for re-runs no finished round."""

@@ -20,27 +20,21 @@ from mergeflow.merge.registry import Scorer
 from mergeflow.merge.streaming import merge_files
 from mergeflow.models import family_of, parameter_names
 from mergeflow.schema.search import HIGHER_IS_BETTER, candidate_id, choose, search_grid, searched_keys
-from tasks.align import aligned_checkpoint, aligned_factors, aligned_fisher, aligned_grams
-from tasks.data import PREPARED, TOKENIZER
-from tasks.devices import device_settings, on_cpu, step_device
+from tasks.layout import (
+    BASE,
+    EXTRA_INPUTS,
+    PREPARED,
+    aligned_checkpoint,
+    aligned_factors,
+    aligned_fisher,
+    aligned_grams,
+    candidate_checkpoint,
+    merged_checkpoint,
+    merged_pretrained_dir,
+)
 from tasks.scoring import split_metrics
+from tasks.step_devices import device_settings, on_cpu, step_device
 from tasks.steps import Step
-from tasks.training import BASE
-
-MERGED = "models/merged"
-# Where the prepared artifacts a model family may need (its declared extra inputs) live.
-EXTRA_INPUTS = {"tokenizer": TOKENIZER}
-
-
-def merged_checkpoint(name: str) -> str:
-    """Relative path of one merge's model (``name`` is an entry of ``merge.methods``)."""
-    return f"{MERGED}/{name}.safetensors"
-
-
-def merged_pretrained_dir(name: str) -> str:
-    """The directory beside the checkpoint that the model family's ecosystem loads, for a family that
-    exports one (transformers: ``from_pretrained``'s weights, config and tokenizer)."""
-    return f"{MERGED}/{name}"
 
 
 def _uses_factors(method: str, params: Params) -> bool:
@@ -56,11 +50,6 @@ def _inputs(method: str, clients: range, with_factors: bool) -> tuple[str, ...]:
     if with_factors:
         paths += [aligned_factors(c) for c in clients]
     return tuple(paths)
-
-
-def candidate_checkpoint(name: str, options: dict[str, Any]) -> str:
-    """Relative path of one candidate of a searched merge, named by its options."""
-    return f"{MERGED}/{name}.candidates/{candidate_id(options)}.safetensors"
 
 
 _VALIDATION = (f"{PREPARED}/validation.parquet", f"{PREPARED}/info.json")
@@ -83,7 +72,7 @@ def _merge_step(params: Params, name: str, method: str, options: dict[str, Any],
     settings = {"stream_above_mb": params.merge.stream_above_mb} | device_settings(params)
     if not candidate:
         return Step(f"merge/{name}", "tasks.merging:merge_clients", step_params, inputs, settings=settings)
-    step_params["path"] = candidate_checkpoint(name, options)
+    step_params["path"] = candidate_checkpoint(name, candidate_id(options))
     step_name = f"merge/{name}/{candidate_id(options)}"
     return Step(step_name, "tasks.merging:merge_candidate", step_params, inputs, settings=settings)
 
@@ -99,7 +88,7 @@ def plan_merge(params: Params) -> list[list[Step]]:
             continue
         grid = search_grid(options)
         merges += [_merge_step(params, name, method, candidate, candidate=True) for candidate in grid]
-        paths = [candidate_checkpoint(name, candidate) for candidate in grid]
+        paths = [candidate_checkpoint(name, candidate_id(candidate)) for candidate in grid]
         select = {"name": name, "candidates": paths, "searched": searched_keys(options)}
         select["select_by"] = params.merge.selection_metric(params.task)
         inputs = (*paths, BASE) + _extra_inputs(params)
@@ -108,7 +97,7 @@ def plan_merge(params: Params) -> list[list[Step]]:
 
 
 def _merge_into(
-    params: dict[str, Any], root: Path, path: Path, scored: bool = False
+    params: dict[str, Any], settings: dict[str, Any], root: Path, path: Path, scored: bool = False
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """Merge the aligned client checkpoints with one registered method into the checkpoint ``path``.
 
@@ -133,7 +122,7 @@ def _merge_into(
     }
     weights = [metas[c]["num_examples"] for c in clients]
     with_base = "base" in uses and params.get("shared_base", True)
-    if _streams(params, root, clients):
+    if _streams(params, settings, root, clients):
         meta |= {"curves": {}, "summary": {}}
         merge_files(
             method,
@@ -143,7 +132,7 @@ def _merge_into(
             weights=weights,
             fishers=[root / aligned_fisher(c) for c in clients] if "fishers" in uses else None,
             metadata=checkpoint_header(meta),
-            device=step_device(params),
+            device=step_device(settings),
             **params["options"],
         )
         if not scored:
@@ -154,7 +143,7 @@ def _merge_into(
         return state, meta
     # Factor columns follow the model's parameter order; the files list tensors alphabetically.
     order = parameter_names(base_meta["spec"])
-    device = str(step_device(params))
+    device = str(step_device(settings))
 
     def load(relative: str) -> dict[str, torch.Tensor]:  # read straight onto the merge's device
         return load_file(root / relative, device=device)
@@ -181,10 +170,10 @@ def _merge_into(
     return state, meta
 
 
-def _streams(params: dict[str, Any], root: Path, clients: list[int]) -> bool:
+def _streams(params: dict[str, Any], settings: dict[str, Any], root: Path, clients: list[int]) -> bool:
     """Whether this merge streams: a tensor-scope method on client checkpoints above ``merge.stream_above_mb``
     (a setting of the step; without it, in memory)."""
-    threshold = params.get("stream_above_mb")
+    threshold = settings.get("stream_above_mb")
     if threshold is None or METHODS[params["method"]].scope != "tensor" or not clients:
         return False
     return (root / aligned_checkpoint(clients[0])).stat().st_size > threshold * 2**20
@@ -217,20 +206,20 @@ def _save_pretrained(name: str, state: dict[str, Any] | None, meta: dict[str, An
     family.export(meta["spec"], state, out / merged_pretrained_dir(name), inputs)
 
 
-def merge_clients(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+def merge_clients(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """Merge the aligned client checkpoints with one registered method; keep its curves in the metadata."""
-    state, meta = _merge_into(params, root, out / merged_checkpoint(params["name"]))
+    state, meta = _merge_into(params, settings, root, out / merged_checkpoint(params["name"]))
     _save_pretrained(params["name"], state, meta, root, out)
     return {"method": params["method"], **meta["summary"]}
 
 
-def merge_candidate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+def merge_candidate(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """One candidate of a search: merged, and scored on the validation split (kept in its metadata)."""
-    _, meta = _merge_into(params, root, out / params["path"], scored=True)
+    _, meta = _merge_into(params, settings, root, out / params["path"], scored=True)
     return {"method": params["method"], **{f"val_{k}": v for k, v in meta["validation"].items()}, **meta["summary"]}
 
 
-def select_candidate(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+def select_candidate(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
     """Keep the candidate with the best validation score as the merge's model; record every candidate's
     score and the choice (``selection`` in its metadata)."""
     metas = [load_checkpoint_meta(root / path) for path in params["candidates"]]  # headers only

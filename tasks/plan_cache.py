@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from mergeflow.config import Params
 from mergeflow.files import atomic_path
@@ -48,9 +49,12 @@ def stored_plan(root: Path, digest: str) -> Plan | None:
     except (OSError, ValueError):
         return None
     os.utime(path)  # recently used: kept when older plans are dropped
-    return [
-        [[Step(**{**step, "inputs": tuple(step["inputs"])}) for step in wave] for wave in stage] for stage in stored
-    ]
+    return [[[_step(step) for step in wave] for wave in stage] for stage in stored]
+
+
+def _step(stored: dict[str, Any]) -> Step:
+    """A step as :func:`store_plan` wrote it (JSON lists where the step has tuples)."""
+    return Step(**{**stored, "inputs": tuple(stored["inputs"]), "members": tuple(stored["members"])})
 
 
 def store_plan(root: Path, digest: str, plan: Plan) -> None:

@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-FEDERATED = "models/federated"
-FEDERATED_INDEX = f"{FEDERATED}/index.json"
-METRICS = "metrics/evaluate.json"
+from tasks.layout import FEDERATED_INDEX, METRICS
+
 SANITY = "sanity"  # the key of the input-blind baseline and its warning in METRICS
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from mergeflow.config import Params
 from mergeflow.stages import Stage
-from tasks.shared_records import write_stage_records
-from tasks.steps import CodeHashes, Step, StepOutcome, cached_outcomes, resolve, typical_seconds
+from tasks.records import cached_outcomes, write_stage_records
+from tasks.steps import CodeHashes, Step, StepOutcome, resolve, typical_seconds
 
 
 def _waves(planned: list) -> list[list[Step]]:
@@ -108,8 +108,8 @@ def cached_run(stages: Sequence[Stage], params: Params, root: Path) -> list[Step
 
 def warn_mixed_devices(outcomes: Sequence[StepOutcome]) -> None:
     """Say once, on stderr, when the run's outcomes were made on more than one device
-    (:func:`tasks.devices.mixed_devices_warning`)."""
-    from tasks.devices import mixed_devices_warning
+    (:func:`tasks.step_devices.mixed_devices_warning`)."""
+    from tasks.step_devices import mixed_devices_warning
 
     warning = mixed_devices_warning((outcome.name, outcome.device) for outcome in outcomes)
     if warning:

@@ -12,7 +12,8 @@ from mergeflow.data.encode import target_scale
 from mergeflow.models import build_from_spec
 from mergeflow.objectives import get_objective
 from mergeflow.training import predict
-from tasks.data import PREPARED, read_arrays, read_info
+from tasks.layout import PREPARED
+from tasks.prepared import read_arrays, read_info
 
 
 def score_outputs(outputs: np.ndarray, y: np.ndarray, info: dict[str, Any], noise_std: float, n_bins: int = 15) -> dict:

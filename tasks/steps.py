@@ -1,17 +1,18 @@
-"""Cached steps: their content-addressed keys and persisted records, without Prefect.
+"""Cached steps: what a step is and its content-addressed key, without Prefect.
 
-A step is a plain function ``fn(params, root, out) -> summary`` that reads its inputs from
-the project root and writes its outputs under ``out`` with their final relative paths.
-``out`` holds no file when the step starts, but may hold folders an earlier step of its task
-run made (create folders with ``exist_ok=True``).
+A step is a plain function ``fn(params, root, out, settings) -> summary`` that reads its inputs from
+the project root and writes its outputs under ``out`` with their final relative paths; ``params`` are
+keyed, ``settings`` are not (:attr:`Step.settings`). A step that reads no settings names the argument
+``_settings``. ``out`` holds no file when the step starts, but may hold folders an earlier step of its
+task run made (create folders with ``exist_ok=True``).
 The cache key hashes the step's name, its code (every file of this repository that its module
 imports, transitively: :attr:`Step.code`), its params (canonical JSON) and the sha256 of every
 input file, so it is stable across processes and machines; torch objects never enter it, and
-neither do third-party versions (as in DVC; each record notes them instead). A step's
-record (:func:`write_record`) holds its output manifest, so a hit in a new process re-materialises
-the files from the artifact store without running the step.
+neither do third-party versions (as in DVC; each record notes them instead). What a step made is
+persisted in its record (:mod:`tasks.records`), so a hit in a new process re-materialises the files
+from the artifact store without running the step.
 Executing steps as Prefect task runs is :mod:`tasks.execution`'s; this module imports no
-Prefect, so a fully cached run (:func:`cached_outcomes`) starts none of it.
+Prefect, so a fully cached run (:func:`tasks.records.cached_outcomes`) starts none of it.
 """
 
 from __future__ import annotations
@@ -28,11 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from mergeflow.errors import MergeflowError
-from mergeflow.files import atomic_path
 from mergeflow.import_graph import import_closure
-from tasks.store import STATE_DIR, ArtifactStore, hash_paths
+from tasks.store import hash_paths
 
-StepFunction = Callable[[dict[str, Any], Path, Path], dict[str, Any]]
+StepFunction = Callable[[dict[str, Any], Path, Path, dict[str, Any]], dict[str, Any]]
 
 # Bump to invalidate every cached step (e.g. after a change to the manifest format).
 CACHE_VERSION = "1"
@@ -45,12 +45,13 @@ _STARTED_NS = time.time_ns()
 class Step:
     """One unit of cached work: ``fn`` (as ``module:function``) on ``params`` and ``inputs``.
 
-    ``settings`` reach ``fn`` with the params but stay out of the cache key: they change how a step
-    runs (e.g. whether a merge streams from the files), never what it makes. ``holds`` (``module:function``
-    of ``(root, record) -> bool``) names the check of a step whose work lies outside the workspace (runs in
-    a tracking store): a record is a hit only while that work is still there. A ``local`` step's record stays
-    out of the stages' shared records (:mod:`tasks.shared_records`): its work is in a store of this machine,
-    which a clone does not have.
+    ``settings`` reach ``fn`` beside the params, as its own argument, and stay out of the cache key: they
+    change how a step runs (its device, whether a merge streams from the files), never what it makes.
+    ``holds`` (``module:function`` of ``(root, record) -> bool``) names the check of a step whose work lies
+    outside the workspace (runs in a tracking store): a record is a hit only while that work is still
+    there. A ``local`` step's record stays out of the stages' shared records
+    (:func:`tasks.records.write_stage_records`): its work is in a store of this machine, which a clone
+    does not have.
     """
 
     name: str
@@ -81,7 +82,7 @@ class StepOutcome:
     files: dict[str, str] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     key: str = ""
-    device: str | None = None  # the device that made it (``tasks.devices.made_on``); None for no device step
+    device: str | None = None  # the device that made it (``tasks.step_devices.made_on``); None for no device step
     shared: bool = True  # whether its record travels with the data (not a step whose work is in a tracking store)
 
 
@@ -155,95 +156,7 @@ def typical_seconds(seconds: list[float]) -> float | None:
     return ordered[len(ordered) // 2] if ordered else None
 
 
-def record_name(step: Step, key: str) -> str:
-    """The name of a step's persisted result (Prefect's cache key): readable, and unique by ``key``."""
-    return f"{step.name.replace('/', '-')}-{key}"
-
-
 def resolve(reference: str) -> StepFunction:
     """Import ``module:function``."""
     module, _, name = reference.partition(":")
     return getattr(importlib.import_module(module), name)
-
-
-def results_dir(root: Path) -> Path:
-    """Where the steps' records live (one JSON file per step and key)."""
-    return root / STATE_DIR / "results"
-
-
-RECORD_FORMAT = "mergeflow-step-record/1"
-
-
-def write_record(root: Path, step: Step, key: str, outcome: dict[str, Any]) -> dict[str, Any]:
-    """Persist a step's outcome (its files, their stamps, its summary, seconds and package versions);
-    the record, as :func:`read_record` reads it back.
-
-    The record is mergeflow's own JSON, not Prefect's result record: Prefect orchestrates and shows
-    the runs, and an upgrade of its result format cannot turn every cache hit into a miss.
-    """
-    path = results_dir(root) / record_name(step, key)
-    record = {"format": RECORD_FORMAT, "step": step.name, "key": key, **outcome}
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(record, sort_keys=True))
-    return record
-
-
-def read_record(root: Path, step: Step, key: str) -> dict[str, Any] | None:
-    """A step's record as :func:`write_record` wrote it, or as a stage's shared records hold it with its
-    outputs in the workspace (:func:`tasks.shared_records.adopt`); None when there is neither."""
-    try:
-        record = json.loads((results_dir(root) / record_name(step, key)).read_text())
-    except (OSError, ValueError):
-        from tasks.shared_records import adopt
-
-        return adopt(root, step, key)
-    return record if is_record(record, key) else None
-
-
-def is_record(record: Any, key: str) -> bool:
-    """Whether ``record`` is a step record of this format for ``key``."""
-    valid = isinstance(record, dict) and record.get("format") == RECORD_FORMAT and record.get("key") == key
-    return valid and isinstance(record.get("files"), dict)
-
-
-def still_holds(step: Step, root: Path, record: dict[str, Any]) -> bool:
-    """Whether the work that ``record`` says ``step`` did outside the workspace is still there (:attr:`Step.holds`)."""
-    return step.holds is None or bool(resolve(step.holds)(root, record))
-
-
-def cache_hit(store: ArtifactStore, step: Step, key: str) -> dict[str, Any] | None:
-    """The step's record when it is a hit: its blobs all in the store and its outside work still there
-    (:func:`still_holds`); None for a miss (the step then runs and rewrites its record)."""
-    hit = read_record(store.root, step, key)
-    if hit is None or not store.has(hit["files"], hit.get("stamps")) or not still_holds(step, store.root, hit):
-        return None
-    return hit
-
-
-def cached_outcomes(steps: list[Step], root: Path, code_hashes: CodeHashes | None = None) -> list[StepOutcome] | None:
-    """The steps' outcomes when every one is a cache hit (:func:`cache_hit`), materialised, without Prefect;
-    None (nothing materialised) at the first miss. ``code_hashes``: as for ``step_key``."""
-    store = ArtifactStore(root)
-    hits = []
-    for step in steps:
-        hit = cache_hit(store, step, step_key(step, root, code_hashes))
-        if hit is None:
-            return None
-        hits.append(hit)
-    for hit in hits:
-        store.materialise(hit["files"])
-    from tasks.devices import made_on, uses_device
-
-    return [
-        StepOutcome(
-            step.name,
-            True,
-            0.0,
-            hit["files"],
-            hit["summary"],
-            hit["key"],
-            made_on(hit) or ("cpu" if uses_device(step.settings) else None),
-            not step.local,
-        )
-        for step, hit in zip(steps, hits, strict=True)
-    ]

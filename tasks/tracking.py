@@ -23,19 +23,32 @@ from typing import Any
 from mergeflow.checkpoints import load_checkpoint, load_checkpoint_meta
 from mergeflow.config import Params
 from mergeflow.import_graph import third_party_versions
-from tasks.align import ALIGN_METRICS, BARRIER_PLOT
-from tasks.data import DATA_METRICS, PARTITIONS, PREPARED, client_file
-from tasks.evaluation import METRICS, PLOT, SANITY, SELECTION, SELECTION_PLOT
-from tasks.federated import FEDERATED_METRICS, FEDERATED_PLOT, final_checkpoint, global_checkpoint
-from tasks.merging import merged_checkpoint, merged_pretrained_dir
+from tasks.layout import (
+    ALIGN_METRICS,
+    BARRIER_PLOT,
+    DATA_METRICS,
+    FEDERATED_METRICS,
+    FEDERATED_PLOT,
+    METRICS,
+    PARTITION_METRICS,
+    PARTITION_PLOT,
+    PARTITIONS,
+    PLOT,
+    PREPARED,
+    SELECTION,
+    SELECTION_PLOT,
+    client_checkpoint,
+    client_file,
+    global_checkpoint,
+    merged_checkpoint,
+    merged_pretrained_dir,
+)
 from tasks.mlflow_store import is_remote, store_exists, tracking_uri
+from tasks.reports import SANITY
 from tasks.steps import Step
 from tasks.store import STATE_DIR, hash_paths, sha256_file
 from tasks.tracking_params import data_label, flatten, params_in_use, registered_model_name, run_name
-from tasks.training import client_checkpoint
 
-PARTITION_METRICS = "metrics/partition.json"
-PARTITION_PLOT = "plots/partition.png"
 # Files logged as artifacts of the parent run.
 _ARTIFACTS = (
     DATA_METRICS,
@@ -80,7 +93,7 @@ def plan_track(params: Params) -> list[Step]:
         "data": data_label(params),
         "uri": os.environ.get("MLFLOW_TRACKING_URI", "local"),
     }
-    federated = tuple(final_checkpoint(params, name) for name in params.federated.algorithms)
+    federated = tuple(global_checkpoint(name, params.federated.rounds) for name in params.federated.algorithms)
     inputs = (*_ARTIFACTS, *clients, *merged, *federated)
     # A hit only while the store still holds the logged runs: a pulled clone's or an emptied store is filled.
     # The record of a run logged to a server travels with the data: a clone that logs there too finds it.
@@ -120,7 +133,7 @@ def _log_dataset(mlflow, root: Path, relative: str, info: dict[str, Any], contex
     by its source and file and identified by its content's sha256."""
     from mlflow.data.dataset_source_registry import get_registered_sources
 
-    from tasks.data import read_arrays
+    from tasks.prepared import read_arrays
 
     path = root / relative
     X, y = read_arrays(path, info)
@@ -173,7 +186,7 @@ def _barrier_metrics(report: dict[str, Any]) -> dict[str, float]:
 def step_times(root: Path) -> dict[tuple[str, str], tuple[int, int]]:
     """When the step that made each output ran: ``{(path, sha256): (start, end)}`` in epoch milliseconds,
     from the steps' records (a record without a start time, from an older mergeflow, is left out)."""
-    from tasks.steps import results_dir
+    from tasks.records import results_dir
 
     times = {}
     for path in results_dir(root).glob("*"):
@@ -190,7 +203,7 @@ def step_times(root: Path) -> dict[tuple[str, str], tuple[int, int]]:
 def step_devices(root: Path) -> dict[tuple[str, str], dict[str, str]]:
     """What made each output: ``{(path, sha256): {"device", "device_name"[, "precision"]}}`` from the records of
     the steps that computed on a device (the device is not in the cache key: the runs say which made what)."""
-    from tasks.steps import results_dir
+    from tasks.records import results_dir
 
     devices = {}
     for path in results_dir(root).glob("*"):
@@ -508,7 +521,7 @@ def _tracking_lock(root: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def track(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+def track(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
     """Log the parent pipeline run and its client, merge and federated child runs."""
     with _tracking_lock(root):
         return _track(params, root)
@@ -520,7 +533,7 @@ def _input_example(root: Path, info: dict[str, Any]):
     import numpy as np
     import pandas as pd
 
-    from tasks.data import read_arrays
+    from tasks.prepared import read_arrays
 
     raw = info.get("raw_example")
     if raw is None or list(raw) == ["x"]:
@@ -587,7 +600,7 @@ def _pipeline_run(mlflow, experiment_id: str, name: str, tags: dict[str, str], s
 def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
     import mlflow
 
-    from tasks.data import read_info
+    from tasks.prepared import read_info
 
     config = params["params"]
     mlflow.set_tracking_uri(tracking_uri(root))

@@ -15,20 +15,13 @@ from mergeflow.models import build_from_spec, family_of
 from mergeflow.objectives import get_objective
 from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError, TrainResult, predict, train
-from tasks.data import CORPUS, PARTITIONS, PREPARED, client_file, read_arrays, read_info
-from tasks.devices import device_settings, step_device
+from tasks.layout import BASE, CENTRALIZED, CORPUS, PARTITIONS, PREPARED, client_checkpoint, client_file
+from tasks.prepared import read_arrays, read_info
+from tasks.step_devices import device_settings, step_device
 from tasks.steps import Step
 
-BASE = "models/base/base.safetensors"
-CLIENTS = "models/clients"
-CENTRALIZED = "models/centralized/centralized.safetensors"
 _TRAIN_KEYS = ("epochs", "lr", "optimizer", "momentum", "weight_decay", "batch_size")
 _FP32 = "fp32"
-
-
-def client_checkpoint(client: int) -> str:
-    """Relative path of one client's fine-tuned model."""
-    return f"{CLIENTS}/client_{client:03d}.safetensors"
 
 
 def _fit(
@@ -60,21 +53,21 @@ def plan_pretrain(params: Params) -> list[Step]:
     ]
 
 
-def pretrain(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+def pretrain(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """Initialise the base model from the shared seed and train it on the server split if enabled."""
     info = read_info(root)
     model, spec = _base_model(params["model"], info, derive_seed(params["seed"], "init"))
-    model.to(step_device(params))
-    settings = params["pretrain"]
+    model.to(step_device(settings))
+    pretraining = params["pretrain"]
     losses: list[float] = []
     meta: dict[str, Any] = {"spec": spec, "role": "base"}
     server = root / PREPARED / "server.parquet"
-    if settings.get("language_model"):
-        losses_and_tokens = _pretrain_language_model(model, root, info, settings, params["seed"])
+    if pretraining.get("language_model"):
+        losses_and_tokens = _pretrain_language_model(model, root, info, pretraining, params["seed"])
         meta["language_model_losses"], meta["language_model_tokens"] = losses_and_tokens
-    if settings["enabled"] and server.is_file():
+    if pretraining["enabled"] and server.is_file():
         X, y = read_arrays(server, info)
-        result = _fit(model, X, y, info["task"], settings, derive_seed(params["seed"], "pretrain"), "pretrain")
+        result = _fit(model, X, y, info["task"], pretraining, derive_seed(params["seed"], "pretrain"), "pretrain")
         losses = result.epoch_losses
     save_checkpoint(out / BASE, model.state_dict(), meta | {"epoch_losses": losses})
     return {"trained": bool(losses), "language_model_losses": meta.get("language_model_losses")}
@@ -176,7 +169,7 @@ def _train_from_base(
     return model, spec, result
 
 
-def finetune_client(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+def finetune_client(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """Fine-tune the base model on one client's partition."""
     client = params["client"]
     info = read_info(root, PARTITIONS)
@@ -184,7 +177,7 @@ def finetune_client(params: dict[str, Any], root: Path, out: Path) -> dict[str, 
     seed = derive_seed(params["seed"], "finetune", client)
     init_seed = derive_seed(params["seed"], "init", client) if params["init"] == "independent" else None
     try:
-        device = step_device(params)
+        device = step_device(settings)
         model, spec, result = _train_from_base(root, X, y, params["train"], seed, f"client {client}", init_seed, device)
         if not all(torch.isfinite(p).all() for p in model.parameters()):
             raise DivergenceError("non-finite weights after training")
@@ -242,7 +235,7 @@ def plan_centralized(params: Params) -> list[Step]:
     ]
 
 
-def centralized(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
+def centralized(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """Train from the base model on the union of the client partitions; with ``keep: best_validation``,
     keep the weights of the epoch that scores best on the validation split."""
     info = read_info(root, PARTITIONS)
@@ -251,7 +244,7 @@ def centralized(params: dict[str, Any], root: Path, out: Path) -> dict[str, Any]
     X = np.concatenate([a[0] for a in arrays])
     y = np.concatenate([a[1] for a in arrays])
     seed = derive_seed(params["seed"], "centralized")
-    model, spec = _start_model(root, device=step_device(params))
+    model, spec = _start_model(root, device=step_device(settings))
     best = params.get("keep") == "best_validation"
     tracker = _BestEpoch(root, model, params["select_by"], params["noise_std"]) if best else None
     result = _fit(model, X, y, info["task"], params["train"], seed, "centralized", tracker)

@@ -104,7 +104,8 @@ def smoke(tmp_path_factory, cli_env):
 @pytest.mark.slow
 def test_the_smoke_sweep_tables_gain_gap_and_seen_unseen_under_a_minute(smoke):
     from mergeflow.federated import sample_participants
-    from tasks.data import client_file, read_groups
+    from tasks.layout import client_file
+    from tasks.prepared import read_groups
 
     root, _, seconds = smoke
     assert seconds < 60

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import tasks.steps
+import tasks.records
 from mergeflow.config import validate_params
-from tasks.devices import device_settings, mixed_devices_warning
 from tasks.execution import _run_step, _scratch
+from tasks.records import cached_outcomes, write_record
 from tasks.runner import warn_mixed_devices
-from tasks.steps import Step, StepOutcome, cached_outcomes, step_key, write_record
+from tasks.step_devices import device_settings, mixed_devices_warning
+from tasks.steps import Step, StepOutcome, step_key
 
 
-def write_step(params: dict, root: Path, out: Path) -> dict:
+def write_step(params: dict, root: Path, out: Path, _settings: dict) -> dict:
     """A step that writes one file."""
     (out / f"{params['name']}.txt").write_text(params["name"])
     return {}
@@ -43,7 +44,7 @@ def test_a_run_reusing_results_made_on_another_device_warns_once(tmp_path, capsy
     write_record(tmp_path, old, "k2", {"files": {}, "summary": {}})  # recorded before devices were noted
     write_record(tmp_path, data, "k3", {"files": {}, "summary": {}})
     keyed = {gpu_made.name: "k1", old.name: "k2", data.name: "k3"}
-    monkeypatch.setattr(tasks.steps, "step_key", lambda step, root, hashes=None: keyed[step.name])
+    monkeypatch.setattr(tasks.records, "step_key", lambda step, root, hashes=None: keyed[step.name])
     outcomes = cached_outcomes([gpu_made, old, data], tmp_path)
     assert [outcome.device for outcome in outcomes] == ["NVIDIA H100", "cpu", None]
     warn_mixed_devices(outcomes)
@@ -63,7 +64,7 @@ def test_gpu_steps_share_the_gpu_within_gpu_workers_and_ask_dask_for_a_gpu(monke
     import torch
 
     import mergeflow.device
-    from tasks.devices import dask_annotation, dask_resources, gpu_slot
+    from tasks.step_devices import dask_annotation, dask_resources, gpu_slot
 
     monkeypatch.setattr(mergeflow.device, "resolve_device", lambda setting: torch.device("cuda", 0))
     settings = device_settings(validate_params({"orchestration": {"device": "cuda", "gpu_workers": 2}}))

@@ -126,7 +126,7 @@ def test_a_project_copy_has_its_own_dvc_config(tmp_path, dvc_env):
 def test_only_the_headline_files_are_dvc_metrics():
     """`dvc exp show` has a column per metric key: only each model's test headline, NLL and ECE are metrics;
     every other JSON (per-client curves, data notes, per-round rows, the full evaluation) a plain output."""
-    from tasks.evaluation import HEADLINE, HEADLINE_KINDS
+    from tasks.layout import HEADLINE, HEADLINE_KINDS
 
     stages = yaml.safe_load(render())["stages"]
     metrics = [path for entry in stages.values() for path in entry.get("metrics", [])]

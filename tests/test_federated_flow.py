@@ -49,7 +49,8 @@ def workspace(tmp_path_factory, cli_env):
 def test_the_flow_reproduces_the_plain_round_loop_bit_for_bit(workspace):
     from mergeflow.checkpoints import load_checkpoint
     from mergeflow.federated import LocalTraining, run_rounds
-    from tasks.federated import loop_inputs, message_file, read_message
+    from tasks.federated import loop_inputs, read_message
+    from tasks.layout import message_file
 
     steps = ran_steps(workspace)
     for name in FEDERATED["algorithms"]:

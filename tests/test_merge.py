@@ -418,9 +418,8 @@ def test_merge_step_orders_factor_columns_like_the_model_not_like_the_file(tmp_p
     from mergeflow.checkpoints import load_checkpoint, save_checkpoint
     from mergeflow.fisher import diagonal_fisher, fisher_factors
     from mergeflow.models import build_from_spec, model_spec, parameter_names
-    from tasks.align import aligned_checkpoint, aligned_factors, aligned_fisher
-    from tasks.merging import merge_clients, merged_checkpoint
-    from tasks.training import BASE
+    from tasks.layout import BASE, aligned_checkpoint, aligned_factors, aligned_fisher, merged_checkpoint
+    from tasks.merging import merge_clients
 
     spec = model_spec("mlp", [4], 3, widths=[3] * 5)
     names = parameter_names(spec)
@@ -441,7 +440,7 @@ def test_merge_step_orders_factor_columns_like_the_model_not_like_the_file(tmp_p
         save_file({"U": factors[-1]}, str(tmp_path / aligned_factors(client)))
     options = {"prior_precision": 0.01}
     step = {"name": "exact", "method": "exact", "options": options, "num_clients": 2, "factors": True}
-    merge_clients(step, tmp_path, tmp_path / "out")
+    merge_clients(step, tmp_path, tmp_path / "out", {})
     merged, _ = load_checkpoint(tmp_path / "out" / merged_checkpoint("exact"))
     expected = merge("exact", states, base=base, weights=[40, 40], fishers=fishers, factors=factors, **options)
     for key in names:

@@ -12,8 +12,9 @@ from conftest import fast_params, make_workspace, ran_steps, run_cli
 from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import load_params
 from mergeflow.errors import ConfigError
-from mergeflow.schema.search import choose, search_grid
+from mergeflow.schema.search import candidate_id, choose, search_grid
 from tasks import merging, scoring
+from tasks.layout import PREPARED, candidate_checkpoint, merged_checkpoint
 
 SCALINGS = [0.1, 0.3, 0.6, 1.0]
 
@@ -58,7 +59,7 @@ def test_each_candidate_is_scored_on_validation_and_the_best_is_kept(searched):
     assert record["chosen"] == accuracies.index(max(accuracies))
     chosen = load_checkpoint(searched / "models/merged/task_arithmetic.safetensors")
     best_options = record["candidates"][record["chosen"]]["options"]
-    candidate = load_checkpoint(searched / merging.candidate_checkpoint("task_arithmetic", best_options))
+    candidate = load_checkpoint(searched / candidate_checkpoint("task_arithmetic", candidate_id(best_options)))
     assert chosen[1]["options"]["scaling"] == SCALINGS[record["chosen"]]
     for key, tensor in chosen[0].items():
         assert torch.equal(tensor, candidate[0][key])
@@ -88,7 +89,7 @@ def test_adding_a_value_runs_only_that_candidate(searched, cli_env):
     done = run_cli(["run", "-S", f"merge.options.task_arithmetic.scaling={[*SCALINGS, 0.45]}"], searched, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
     merges = {name for name in ran_steps(searched) if name.startswith("merge/")}
-    new = merging.candidate_id({"scaling": 0.45})
+    new = candidate_id({"scaling": 0.45})
     assert merges == {f"merge/task_arithmetic/{new}", "merge/task_arithmetic"}
 
 
@@ -106,12 +107,12 @@ def test_selection_never_reads_test_data_and_keeps_the_planted_best(searched, tm
     merges, selections = merging.plan_merge(params)
     candidates = [step for step in merges if step.name.startswith("merge/task_arithmetic/")]
     (soup,) = [step for step in merges if step.name == "merge/greedy_soup"]
-    assert f"{merging.PREPARED}/validation.parquet" in soup.inputs
+    assert f"{PREPARED}/validation.parquet" in soup.inputs
     for step in (*candidates, *selections, soup):
         assert not any("test" in path for path in step.inputs), step.name
     for step in candidates:
-        merging.merge_candidate(step.params, searched, tmp_path)
-    merging.merge_clients(soup.params, searched, tmp_path)
+        merging.merge_candidate(step.params, searched, tmp_path, {})
+    merging.merge_clients(soup.params, searched, tmp_path, {})
     assert read and set(read) == {"validation.parquet"}
 
     planted = {0.1: 0.5, 0.3: 0.9, 0.6: 0.7, 1.0: 0.2}  # the best is inside the grid, not at an edge
@@ -121,9 +122,9 @@ def test_selection_never_reads_test_data_and_keeps_the_planted_best(searched, tm
         save_checkpoint(tmp_path / step.params["path"], state, meta)
     (select,) = [s for s in selections if s.name == "merge/task_arithmetic"]
     out = tmp_path / "out"
-    summary = merging.select_candidate(select.params, tmp_path, out)
+    summary = merging.select_candidate(select.params, tmp_path, out, {})
     assert summary["chosen"] == {"scaling": 0.3}
-    assert load_checkpoint(out / merging.merged_checkpoint("task_arithmetic"))[1]["selection"]["chosen"] == 1
+    assert load_checkpoint(out / merged_checkpoint("task_arithmetic"))[1]["selection"]["chosen"] == 1
 
 
 @pytest.mark.slow
@@ -142,11 +143,11 @@ def test_merges_above_the_size_threshold_stream_to_the_same_checkpoints_under_th
     assert [step_key(s, searched) for s in merges] == [step_key(s, searched) for s in default]  # a setting, no key
     for step in merges:
         assert step.settings["stream_above_mb"] == 0
-        resolve(step.fn)({**step.params, **step.settings}, searched, tmp_path)
+        resolve(step.fn)(step.params, searched, tmp_path, step.settings)
     assert sorted(set(streamed)) == ["average", "task_arithmetic", "ties"]  # greedy_soup is model-scope: in memory
     assert streamed.count("task_arithmetic") == len(SCALINGS)
     for step in merges:
-        path = step.params.get("path") or merging.merged_checkpoint(step.params["name"])
+        path = step.params.get("path") or merged_checkpoint(step.params["name"])
         (expected, expected_meta), (got, meta) = load_checkpoint(searched / path), load_checkpoint(tmp_path / path)
         assert meta == expected_meta and got.keys() == expected.keys(), step.name
         assert all(torch.equal(got[key], expected[key]) for key in expected), step.name

@@ -51,7 +51,8 @@ def circles():
 
 
 def test_a_new_source_is_one_declaration(circles, tmp_path):
-    from tasks.data import prepare, read_info
+    from tasks.data import prepare
+    from tasks.prepared import read_info
 
     params = validate_params({"data": {"source": "circles", "circles": {"n": 100}}, "partition": {"num_clients": 3}})
     assert (params.data.task, params.data.modality, params.data.is_text) == ("classification", "features", False)
@@ -65,7 +66,7 @@ def test_a_new_source_is_one_declaration(circles, tmp_path):
     with pytest.raises(ConfigError, match="model.arch: 'cnn' needs image-shaped data"):
         validate_params({"data": {"source": "circles"}, "model": {"arch": "cnn"}})
 
-    sizes = prepare({"seed": 0, "data": params.section("data")}, tmp_path, tmp_path)
+    sizes = prepare({"seed": 0, "data": params.section("data")}, tmp_path, tmp_path, {})
     assert sum(sizes.values()) == 100 and read_info(tmp_path)["source"] == "circles"
 
 

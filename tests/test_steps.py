@@ -18,12 +18,26 @@ from tasks.store import sha256_file
 CALLS: list[str] = []
 
 
-def record_step(params: dict, root: Path, out: Path) -> dict:
+def record_step(params: dict, root: Path, out: Path, _settings: dict) -> dict:
     """A step that notes each execution and writes one file."""
     CALLS.append(params["name"])
     (out / "outputs").mkdir(parents=True, exist_ok=True)  # an earlier step of the wave may have made it
     (out / "outputs" / f"{params['name']}.txt").write_text(params["name"])
     return {"name": params["name"]}
+
+
+def settings_step(params: dict, root: Path, out: Path, settings: dict) -> dict:
+    """A step that returns what it was given."""
+    return {"params": params, "settings": settings}
+
+
+def test_a_step_gets_its_settings_apart_from_its_keyed_params(tmp_path):
+    from tasks.execution import _run_step, _scratch
+
+    step = Step("s", f"{__name__}:settings_step", {"name": "s"}, settings={"stream_above_mb": 1})
+    with _scratch(str(tmp_path)) as scratch:
+        summary = _run_step(step, str(tmp_path), 1, scratch)["summary"]
+    assert summary == {"params": {"name": "s"}, "settings": {"stream_above_mb": 1}}
 
 
 def test_a_file_rewritten_in_place_is_hashed_again(tmp_path):
@@ -54,7 +68,7 @@ def test_a_settled_file_is_read_once_and_an_in_place_rewrite_keeping_its_mtime_i
 def test_read_arrays_parses_a_replaced_file_again_and_hands_out_copies(tmp_path):
     import datasets
 
-    from tasks.data import read_arrays
+    from tasks.prepared import read_arrays
 
     info = {"task": "classification", "input_shape": [2], "num_classes": 2}
     path = tmp_path / "split.parquet"
@@ -118,11 +132,11 @@ def test_the_run_summary_lists_few_steps_and_counts_many():
     assert step_summary(["prepare", *rounds, "evaluate"]) == "prepare, federated/… (12 steps), evaluate"
 
 
-def failing_step(params: dict, root: Path, out: Path) -> dict:
+def failing_step(params: dict, root: Path, out: Path, _settings: dict) -> dict:
     """``record_step``, except that it fails for the name in the ``FAIL`` file (a crash mid-batch)."""
     if (root / "FAIL").is_file() and (root / "FAIL").read_text() == params["name"]:
         raise RuntimeError(f"{params['name']} failed")
-    return record_step(params, root, out)
+    return record_step(params, root, out, _settings)
 
 
 def test_steps_run_several_to_a_task_are_cached_one_by_one(tmp_path, prefect_settings):
@@ -150,9 +164,9 @@ def test_steps_run_several_to_a_task_are_cached_one_by_one(tmp_path, prefect_set
     assert all(o.cached for o in run(1))
 
 
-def chained_step(params: dict, root: Path, out: Path) -> dict:
+def chained_step(params: dict, root: Path, out: Path, _settings: dict) -> dict:
     """Appends its name to what the step before it wrote (``params["after"]``), failing for the name in ``FAIL``."""
-    failing_step(params, root, out)
+    failing_step(params, root, out, _settings)
     before = (root / "outputs" / f"{params['after']}.txt").read_text() if params["after"] else ""
     (out / "outputs" / f"{params['name']}.txt").write_text(before + params["name"] + params.get("version", ""))
     return {"name": params["name"]}
@@ -346,7 +360,7 @@ def test_an_output_written_into_in_place_is_caught_and_its_blob_made_again(tmp_p
 
 
 def test_records_are_mergeflows_own_json_and_a_foreign_record_is_a_miss(tmp_path):
-    from tasks.steps import RECORD_FORMAT, read_record, record_name, results_dir, write_record
+    from tasks.records import RECORD_FORMAT, read_record, record_name, results_dir, write_record
 
     step = Step("fisher/client_000", "tasks.fisher:client_fisher", {"client": 0})
     outcome = {"files": {"models/x.safetensors": "ab" * 32}, "stamps": {}, "summary": {"n": 1}, "seconds": 0.5}

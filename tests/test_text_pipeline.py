@@ -140,7 +140,7 @@ def test_a_tiny_gpt2_pretrained_as_a_language_model_and_fine_tuned_with_lora_run
 ):
     from safetensors.torch import load_file
 
-    from tasks.federated import global_checkpoint, message_file
+    from tasks.layout import global_checkpoint, message_file
 
     lora = {"r": 4, "alpha": 8, "target_modules": ["c_attn"]}
     federated = {"algorithms": ["fedavg"], "rounds": 2, "exchange": "adapters", "local": {"epochs": 2, **ADAM}}

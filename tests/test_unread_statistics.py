@@ -12,7 +12,8 @@ from conftest import fast_params, pipeline_params
 from mergeflow.config import apply_overrides, validate_params
 from mergeflow.schema.merge import DECLARED, MethodDeclaration, NoOptions
 from tasks.align import plan_align
-from tasks.fisher import plan_fisher, statistics_read
+from tasks.fisher import plan_fisher
+from tasks.merge_statistics import statistics_read
 
 UP_TO_MERGE = ["prepare", "partition", "pretrain", "finetune", "fisher", "align", "merge"]
 

@@ -159,7 +159,7 @@ def _run_stages(params, root: Path) -> dict:
     """Every stage's steps in order, called directly (no Prefect; MLflow tracking left out), writing
     into ``root``; the evaluation's metrics."""
     from mergeflow.stages import STAGES
-    from tasks.reports import METRICS
+    from tasks.layout import METRICS
     from tasks.steps import resolve
 
     for stage in STAGES:
@@ -169,7 +169,7 @@ def _run_stages(params, root: Path) -> dict:
             for wave in waves:
                 for step in wave:
                     if not step.fn.startswith("tasks.tracking"):
-                        resolve(step.fn)({**step.params, **step.settings}, root, root)
+                        resolve(step.fn)(step.params, root, root, step.settings)
     return json.loads((root / METRICS).read_text())
 
 

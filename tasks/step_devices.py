@@ -1,11 +1,12 @@
 """The compute device of the pipeline's steps: passed to them outside their cache key, noted in their records.
 
 A step that computes (training, Fisher, alignment, merges, federated rounds, evaluation) carries
-``orchestration.device`` in its :attr:`~tasks.steps.Step.settings`: it reaches the step with its params
-but stays out of its key, since a result does not depend on the device beyond floating-point
+``orchestration.device`` in its :attr:`~tasks.steps.Step.settings`: they reach the step beside its params
+and stay out of its key, since a result does not depend on the device beyond floating-point
 rounding. The step resolves it (:func:`step_device`), computes there and writes its files from the
 CPU; its record notes the device it ran on (:func:`device_record`), and a run whose outcomes were
-made on more than one device says so once (:func:`mixed_devices_warning`).
+made on more than one device says so once (:func:`mixed_devices_warning`). Resolving a setting into a
+torch device is the library's (:mod:`mergeflow.device`).
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ def uses_device(settings: Mapping[str, Any]) -> bool:
     return DEVICE in settings
 
 
-def step_device(params: Mapping[str, Any]) -> torch.device:
-    """The torch device a step's params (with its settings) name, with deterministic kernels asked for on a
-    GPU; the CPU for a step planned without one."""
+def step_device(settings: Mapping[str, Any]) -> torch.device:
+    """The torch device a step's settings name, with deterministic kernels asked for on a GPU; the CPU for a
+    step planned without one."""
     from mergeflow.device import resolve_device, use_deterministic
 
-    device = resolve_device(params.get(DEVICE, "cpu"))
+    device = resolve_device(settings.get(DEVICE, "cpu"))
     use_deterministic(device)
     return device
 
