@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from mergeflow.merge import run_merge
-from mergeflow.merge.registry import MergeResult
+from mergeflow.merge.engine import MergeResult
 
 LATENT = 32
 

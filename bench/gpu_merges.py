@@ -81,7 +81,7 @@ def model_count(method: str, wanted: int) -> int:
 
 def draws_on_device(method: str) -> bool:
     """Whether the method draws at random (a ``seed`` option): its draws are the device's own."""
-    return "seed" in METHODS[method].options.model_fields
+    return "seed" in METHODS[method].Options.model_fields
 
 
 def largest_relative_difference(merged: State, reference: State) -> float:

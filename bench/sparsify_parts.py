@@ -13,6 +13,7 @@ runs vary by 2-4x.
 from __future__ import annotations
 
 import argparse
+import importlib
 import shutil
 import tempfile
 import time
@@ -20,7 +21,7 @@ import time
 import torch
 
 import mergeflow.merge.streaming as streaming
-from mergeflow.merge.registry import METHODS
+from mergeflow.merge import METHODS
 
 
 def main() -> None:
@@ -47,7 +48,8 @@ def main() -> None:
 
     streaming._Masks.draw = timed("masks", streaming._Masks.draw)
     spec = METHODS[args.method]
-    object.__setattr__(spec, "fn", timed("blocks", spec.fn))
+    module, _, attr = spec.implementation.partition(":")
+    setattr(importlib.import_module(module), attr, timed("blocks", spec.load()))  # what the engine then loads
     models = [f"{args.dir}/model_{k}" for k in range(args.models)]
     base = {"base": f"{args.dir}/base"} if "base" in spec.needs else {}
     for run in range(args.runs):

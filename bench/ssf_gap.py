@@ -29,9 +29,10 @@ import yaml
 from safetensors.torch import load_file
 
 from mergeflow.merge import run_merge
+from mergeflow.merge.engine import ModelInputs, model_inputs
 from mergeflow.merge.precision import client_precisions
-from mergeflow.merge.registry import ModelInputs, model_inputs, validate_options
 from mergeflow.merge.ssf import ssf_iterates
+from mergeflow.schema.merge import validate_options
 
 Setting = tuple[ModelInputs, Callable[[torch.Tensor], float], dict, float]
 

@@ -20,8 +20,8 @@ import time
 import torch
 from exact_speed import synthetic_clients
 
+from mergeflow.merge.engine import model_inputs
 from mergeflow.merge.exact import conjugate_gradient, product_system, woodbury_preconditioner
-from mergeflow.merge.registry import model_inputs
 from mergeflow.schema.merge import ExactOptions
 
 

@@ -55,7 +55,7 @@ def render_block(name: str, summary: str, details: Mapping[str, Iterable[str]]) 
 
 
 def render_methods() -> str:
-    """Every registered merge method (imports the methods, hence torch)."""
+    """Every declared merge method (imports the methods' modules, hence torch)."""
     from mergeflow.merge import METHODS
     from mergeflow.schema.merge import NEEDS
 
@@ -65,9 +65,9 @@ def render_methods() -> str:
         details = {
             "needs": [need for need in NEEDS if need in method.needs],
             "uses if given": [need for need in NEEDS if need in method.uses - method.needs],
-            "options": option_defaults(method.options),
+            "options": option_defaults(method.Options),
         }
-        blocks.append(render_block(name, first_sentence(method.fn.__doc__), details))
+        blocks.append(render_block(name, first_sentence(method.load().__doc__), details))
     return "\n\n".join(blocks) + "\n"
 
 

@@ -963,7 +963,7 @@ def _declared_options(kinds: str) -> dict[str, type[BaseModel]]:
     if kinds == "merge":
         from mergeflow.schema.merge import DECLARED
 
-        return {name: declaration.options for name, declaration in DECLARED.items()}
+        return {name: declaration.Options for name, declaration in DECLARED.items()}
     from mergeflow.schema.federated import DECLARED as ALGORITHMS
 
     return dict(ALGORITHMS)

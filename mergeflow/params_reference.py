@@ -165,7 +165,7 @@ def _merge_methods() -> list[str]:
         if declaration.uses - declaration.needs:
             inputs.append(f"uses: {_listed(declaration.uses - declaration.needs)}")
         parts.append("; ".join(inputs) + ".\n")
-        parts += _options(declaration.options)
+        parts += _options(declaration.Options)
     return parts
 
 

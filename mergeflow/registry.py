@@ -42,15 +42,16 @@ class Member:
         """The module of its implementation (None without one): what keys the steps that use it."""
         return self.implementation.partition(":")[0] or None
 
-    def load(self) -> Any:
-        """Its implementation, imported now (``ImportError`` names the reference when it is wrong)."""
-        module, _, attr = self.implementation.partition(":")
+    def load(self, reference: str | None = None) -> Any:
+        """Its implementation, or ``reference``, another ``"module:attr"`` it declares (a merge method's
+        ``masks``), imported now (``ImportError`` names the reference when it is wrong)."""
+        module, _, attr = (reference or self.implementation).partition(":")
         if not module or not attr:
             raise ImportError(f"{type(self).__name__} {self.name!r} has no implementation ('module:attr')")
         try:
             return getattr(importlib.import_module(module), attr)
         except AttributeError:
-            raise ImportError(f"{self.name!r}: {module} has no {attr!r} ({self.implementation})") from None
+            raise ImportError(f"{self.name!r}: {module} has no {attr!r} ({reference or self.implementation})") from None
 
 
 class Named(Protocol):

@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 
 from mergeflow.checkpoints import checkpoint_header, load_checkpoint, load_checkpoint_meta, save_checkpoint
 from mergeflow.config import Params
-from mergeflow.merge import METHODS, run_merge
-from mergeflow.merge.registry import Scorer
+from mergeflow.merge.engine import Scorer, run_merge
 from mergeflow.merge.streaming import merge_files
 from mergeflow.models import family_of, parameter_names
+from mergeflow.schema.merge import DECLARED
 from mergeflow.schema.search import HIGHER_IS_BETTER, candidate_id, choose, search_grid, searched_keys
 from tasks.layout import (
     BASE,
@@ -38,14 +38,14 @@ from tasks.steps import Step
 
 
 def _uses_factors(method: str, params: Params) -> bool:
-    return "factors" in METHODS[method].uses and params.fisher.low_rank
+    return "factors" in DECLARED[method].uses and params.fisher.low_rank
 
 
 def _inputs(method: str, clients: range, with_factors: bool) -> tuple[str, ...]:
     paths = [BASE, *(aligned_checkpoint(c) for c in clients)]
-    if "fishers" in METHODS[method].uses:
+    if "fishers" in DECLARED[method].uses:
         paths += [aligned_fisher(c) for c in clients]
-    if "grams" in METHODS[method].uses:
+    if "grams" in DECLARED[method].uses:
         paths += [aligned_grams(c) for c in clients]
     if with_factors:
         paths += [aligned_factors(c) for c in clients]
@@ -59,11 +59,11 @@ def _merge_step(params: Params, name: str, method: str, options: dict[str, Any],
     clients = range(params.partition.num_clients)
     factors = _uses_factors(method, params)
     step_params = {"name": name, "method": method, "options": options, "num_clients": len(clients), "factors": factors}
-    spec = METHODS[method]
+    spec = DECLARED[method]
     if "base" in spec.uses and "base" not in spec.needs:  # an optional base is the clients' only if they share it
         step_params["shared_base"] = params.finetune.init == "shared"
     inputs = _inputs(method, clients, factors) + _extra_inputs(params)
-    if candidate or "scorer" in METHODS[method].uses:  # scored on the validation split, never on test
+    if candidate or "scorer" in spec.uses:  # scored on the validation split, never on test
         step_params |= {
             "noise_std": params.evaluate.noise_std,
             "select_by": params.merge.selection_metric(params.task),
@@ -71,10 +71,10 @@ def _merge_step(params: Params, name: str, method: str, options: dict[str, Any],
         inputs += _VALIDATION
     settings = {"stream_above_mb": params.merge.stream_above_mb} | device_settings(params)
     if not candidate:
-        return Step(f"merge/{name}", "tasks.merging:merge_clients", step_params, inputs, settings=settings)
+        return Step(f"merge/{name}", "tasks.merging:merge_clients", step_params, inputs, settings, members=spec.modules)
     step_params["path"] = candidate_checkpoint(name, candidate_id(options))
     step_name = f"merge/{name}/{candidate_id(options)}"
-    return Step(step_name, "tasks.merging:merge_candidate", step_params, inputs, settings=settings)
+    return Step(step_name, "tasks.merging:merge_candidate", step_params, inputs, settings, members=spec.modules)
 
 
 def plan_merge(params: Params) -> list[list[Step]]:
@@ -99,15 +99,17 @@ def plan_merge(params: Params) -> list[list[Step]]:
 def _merge_into(
     params: dict[str, Any], settings: dict[str, Any], root: Path, path: Path, scored: bool = False
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """Merge the aligned client checkpoints with one registered method into the checkpoint ``path``.
+    """Merge the aligned client checkpoints with one declared method into the checkpoint ``path``.
 
     ``scored``: a search candidate, whose validation metrics go into its metadata (``validation``).
     Returns the merged state (None when it was streamed from the files and not needed after) and the
     checkpoint's metadata (its summary and curves among them).
     """
     name, method = params["name"], params["method"]
+    spec = DECLARED[method]
+    options = spec.parse(params["options"])  # validated once, here at the step's boundary
     clients = range(params["num_clients"])
-    uses = METHODS[method].uses
+    uses = spec.uses
     metas = [load_checkpoint_meta(root / aligned_checkpoint(c)) for c in clients]  # headers only
     excluded = [c for c, meta in enumerate(metas) if meta.get("diverged")]
     clients = [c for c in clients if c not in excluded]  # finetune.on_divergence: exclude
@@ -133,7 +135,7 @@ def _merge_into(
             fishers=[root / aligned_fisher(c) for c in clients] if "fishers" in uses else None,
             metadata=checkpoint_header(meta),
             device=step_device(settings),
-            **params["options"],
+            options=options,
         )
         if not scored:
             return None, meta
@@ -160,7 +162,7 @@ def _merge_into(
         factors=[load(aligned_factors(c))["U"] for c in clients] if params["factors"] else None,
         grams=[load(aligned_grams(c)) for c in clients] if "grams" in uses else None,
         scorer=_validation_scorer(params, root, base_meta["spec"]) if "scorer" in uses else None,
-        **params["options"],
+        options=options,
     )
     meta |= {"curves": result.curves, "summary": result.summary}
     if scored:
@@ -174,7 +176,7 @@ def _streams(params: dict[str, Any], settings: dict[str, Any], root: Path, clien
     """Whether this merge streams: a tensor-scope method on client checkpoints above ``merge.stream_above_mb``
     (a setting of the step; without it, in memory)."""
     threshold = settings.get("stream_above_mb")
-    if threshold is None or METHODS[params["method"]].scope != "tensor" or not clients:
+    if threshold is None or DECLARED[params["method"]].scope != "tensor" or not clients:
         return False
     return (root / aligned_checkpoint(clients[0])).stat().st_size > threshold * 2**20
 

@@ -71,7 +71,7 @@ def merge_inputs(method: str, device: torch.device | str = "cpu", clients: int =
 
 def few_steps(method: str) -> dict[str, int]:
     """Options that cut an iterative method short (a test checks devices, not convergence)."""
-    fields = METHODS[method].options.model_fields
+    fields = METHODS[method].Options.model_fields
     return {name: 3 for name in ("steps", "max_iter", "iterations") if name in fields}
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mergeflow.merge import sparsify
-from mergeflow.merge.registry import TaskOperands, TensorInputs
+from mergeflow.merge.engine import TaskOperands, TensorInputs
 from mergeflow.merge.sparsify import bernoulli_draws, masked_merge, masked_merge_eager, top_mask, top_of_differences
 
 

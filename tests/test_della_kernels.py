@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 import mergeflow.merge.della as della
 from mergeflow.merge import merge
-from mergeflow.merge.registry import TensorInputs
+from mergeflow.merge.engine import TensorInputs
 from mergeflow.merge.sparsify import disjoint_mean
 from mergeflow.merge.streaming import merge_files
 from mergeflow.merge.sums import running_sum

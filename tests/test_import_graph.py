@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, pipeline_params
+from conftest import PIPELINE, ROOT, pipeline_params
 
 from mergeflow.import_graph import import_closure, third_party_versions
 from mergeflow.stages import STAGES
@@ -22,13 +22,21 @@ def _copy_code(target: Path) -> Path:
     return target
 
 
+# The tests' pipeline with more merges: two sparsifying methods and a searched one (a step per candidate).
+MORE_MERGES = [
+    f"merge.methods=[{','.join([*PIPELINE['merge']['methods'], 'ties', 'della', 'della_search'])}]",
+    "merge.options.della_search={method: della, density: [0.3, 0.5]}",
+    "data.validation_fraction=0.2",
+]
+
+
 @pytest.fixture(scope="module")
 def planned():
-    from mergeflow.config import validate_params
+    from mergeflow.config import apply_overrides, validate_params
     from tasks.runner import _waves
     from tasks.steps import resolve
 
-    params = validate_params(pipeline_params())
+    params = validate_params(apply_overrides(pipeline_params(), MORE_MERGES))
     return [
         step for stage in STAGES for phase in stage.phases for wave in _waves(resolve(phase)(params)) for step in wave
     ]
@@ -46,19 +54,24 @@ def _edit(path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "module, stages",
+    "module, stages, merges",
     [
         # the holes of the hand-kept lists: federated training, Fisher's training and models, seeds, track
-        ("mergeflow/training.py", None),
+        ("mergeflow/training.py", None, None),
         # a step module reads its siblings' outputs through tasks/layout.py, not their code: evaluate and track
         # import no merge and no federated algorithm, align and merge no training step
-        ("mergeflow/federated/local.py", {"federated"}),
-        ("mergeflow/seeding.py", {"pretrain", "finetune", "centralized", "fisher", "federated"}),
-        ("tasks/tracking.py", {"track"}),
-        ("mergeflow/merge/sparsify.py", {"merge"}),
+        ("mergeflow/federated/local.py", {"federated"}, None),
+        ("mergeflow/seeding.py", {"pretrain", "finetune", "centralized", "fisher", "federated"}, None),
+        ("tasks/tracking.py", {"track"}, None),
+        # keys per member: a method's module re-keys its merges only (evaluate and track then re-run on the
+        # merged models they read, their inputs), a shared helper the merges of the methods that import it
+        ("mergeflow/merge/della.py", {"merge"}, {"della", "della_search"}),
+        ("mergeflow/merge/ties.py", {"merge"}, {"ties"}),
+        ("mergeflow/merge/sparsify.py", {"merge"}, {"ties", "della", "della_search"}),
+        ("mergeflow/merge/average.py", {"merge"}, {"average", "fisher"}),  # fisher averages what it does not cover
     ],
 )
-def test_an_edit_re_keys_exactly_the_steps_that_import_it(module, stages, planned, tmp_path, monkeypatch):
+def test_an_edit_re_keys_exactly_the_steps_that_import_it(module, stages, merges, planned, tmp_path, monkeypatch):
     code_root = _copy_code(tmp_path / "code")
     before = _keys(planned, code_root, tmp_path, monkeypatch)
     _edit(code_root / module)
@@ -68,6 +81,8 @@ def test_an_edit_re_keys_exactly_the_steps_that_import_it(module, stages, planne
     assert changed == importers and changed  # every importer, transitively, and nothing else
     if stages is not None:
         assert {name.split("/")[0] for name in changed} == stages
+    if merges is not None:  # every step that runs the method: a search's candidates, not the choice among them
+        assert {name.split("/")[1] for name in changed} == merges and "merge/della_search" not in changed
     if module == "mergeflow/training.py":  # every federated client update and every Fisher
         assert {s.name for s in planned if s.name.startswith(("federated/", "fisher/"))} <= changed
 

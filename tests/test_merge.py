@@ -11,7 +11,6 @@ import torch
 
 from mergeflow.errors import ConfigError, MergeflowError
 from mergeflow.merge import METHODS, merge, merge_method, run_merge
-from mergeflow.merge.registry import METHODS as REGISTRY
 from mergeflow.schema.merge import DECLARED, TiesOptions
 
 
@@ -69,7 +68,7 @@ def test_task_arithmetic_needs_base():
 
 
 def test_unknown_method_and_bad_option_are_clear():
-    with pytest.raises(MergeflowError, match="unknown merge method 'nope'"):
+    with pytest.raises(MergeflowError, match="merge method 'nope' is unknown"):
         merge("nope", _states([1.0]))
     with pytest.raises(ConfigError, match="task_arithmetic.bogus"):
         merge("task_arithmetic", _states([1.0]), base=_states([0.0])[0], bogus=1)
@@ -83,37 +82,60 @@ def test_mismatched_architectures_are_refused():
         merge("average", [{"w": torch.ones(2)}, {"v": torch.ones(2)}])
 
 
-def test_registering_a_new_method_is_one_function():
-    @merge_method("test_max")
-    def test_max(x, options):
-        """Elementwise maximum."""
-        return torch.stack(x.tensors).amax(dim=0)
+def elementwise_max(x, options):
+    """Elementwise maximum."""
+    return torch.stack(x.tensors).amax(dim=0)
 
+
+def test_registering_a_new_method_is_one_function():
+    merge_method("test_max")(elementwise_max)  # as ``@merge_method("test_max")`` would, on a notebook's function
     try:
         assert merge("test_max", _states([1.0, 5.0, 2.0]))["w"].max().item() == 5.0
-        assert METHODS["test_max"].summary == "Elementwise maximum."
+        assert METHODS["test_max"].implementation == f"{__name__}:elementwise_max"
         assert DECLARED["test_max"].needs == frozenset()  # declared by its registration
         with pytest.raises(ValueError, match="registered twice"):
-            merge_method("test_max")(test_max)
+            merge_method("test_max")(elementwise_max)
     finally:
-        del REGISTRY["test_max"], DECLARED["test_max"]
+        del DECLARED["test_max"]
+    with pytest.raises(ValueError, match="top level of a module"):
+
+        @merge_method("local_max")
+        def local_max(x, options):
+            return x.tensors[0]
 
 
-def test_every_builtin_method_is_declared_torch_free_and_declared_once():
-    # In a fresh process: the schema alone names every method the package registers.
+def test_options_are_a_validated_model_or_keywords():
+    base, states = _states([1.0])[0], _states([2.0, 4.0])
+    model = DECLARED["task_arithmetic"].parse({"scaling": 0.5})
+    assert torch.equal(
+        merge("task_arithmetic", states, base=base, options=model)["w"],
+        merge("task_arithmetic", states, base=base, scaling=0.5)["w"],
+    )
+    with pytest.raises(MergeflowError, match="not both"):
+        merge("task_arithmetic", states, base=base, options=model, scaling=0.5)
+
+
+def test_every_builtin_method_is_declared_torch_free_and_its_module_imported_only_when_run():
+    # In a fresh process: the declarations import no torch, the package no method's module, a merge only its own.
     code = (
-        "import sys; from mergeflow.schema import federated, merge; assert 'torch' not in sys.modules; "
-        "names = (set(merge.DECLARED), set(federated.DECLARED)); import mergeflow.merge, mergeflow.federated; "
-        "assert names == (set(mergeflow.merge.METHODS), set(mergeflow.federated.ALGORITHMS)), names"
+        "import sys; from mergeflow.schema import merge; assert 'torch' not in sys.modules; "
+        "import mergeflow.merge, torch; assert mergeflow.merge.METHODS is merge.DECLARED; "
+        "loaded = lambda: {m for m in sys.modules if m.startswith('mergeflow.merge.')}; "
+        "assert 'mergeflow.merge.della' not in loaded(), loaded(); "
+        "mergeflow.merge.merge('average', [{'w': torch.ones(2)}]); "
+        "assert loaded() == {'mergeflow.merge.engine', 'mergeflow.merge.sums', 'mergeflow.merge.average'}, loaded()"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert set(DECLARED) == set(METHODS)
-    assert all(METHODS[name].options is DECLARED[name].options for name in METHODS)
-    assert METHODS["ties"].options is TiesOptions and METHODS["ties"].needs == {"base"}
-    assert METHODS["exact"].uses == {"fishers", "factors", "base"}
-    with pytest.raises(ValueError, match="declared in mergeflow.schema.merge"):
-        merge_method("ties", needs=("sizes",))
+    for name, method in DECLARED.items():
+        assert callable(method.load()) and (method.masks is None or callable(method.load(method.masks))), name
+    assert DECLARED["ties"].Options is TiesOptions and DECLARED["ties"].needs == {"base"}
+    assert DECLARED["exact"].uses == {"fishers", "factors", "base"}
+    assert DECLARED["ties"].modules == ("mergeflow.merge.ties",)
+    # a tensor that no Fisher covers is averaged
+    assert DECLARED["fisher"].modules == ("mergeflow.merge.fisher", "mergeflow.merge.average")
+    with pytest.raises(ValueError, match="'ties' is registered twice"):
+        merge_method("ties", needs={"sizes"})(elementwise_max)
 
 
 def test_fisher_merge_closed_form():
@@ -213,9 +235,9 @@ def test_exact_merge_is_the_same_without_the_preconditioner(preconditioner):
 
 
 def test_jacobi_preconditioner_divides_by_the_diagonal_of_the_whole_precision():
+    from mergeflow.merge.engine import model_inputs
     from mergeflow.merge.exact import _preconditioner
     from mergeflow.merge.precision import client_precisions
-    from mergeflow.merge.registry import model_inputs
 
     states, fishers, factors, sizes, _ = _linear_gaussian()
     clients = client_precisions(model_inputs(states, weights=sizes, fishers=fishers, factors=factors), by_size=True)

@@ -45,7 +45,7 @@ def test_every_key_method_and_algorithm_has_its_row_with_type_default_and_constr
         assert f"| `{key}` |" in _part(text, f"`{path}`" if path else "Top level"), f"{path}.{key}"
     for name, declaration in merge.DECLARED.items():
         part = _part(text, f"`merge.options.{name}`")
-        assert all(f"| `{key}` |" in part for key in declaration.options.model_fields), name
+        assert all(f"| `{key}` |" in part for key in declaration.Options.model_fields), name
         assert all(f"`{need}`" in part for need in declaration.uses), name
     for name, options in federated.DECLARED.items():
         part = _part(text, f"`federated.options.{name}`")

@@ -9,7 +9,7 @@ import torch
 from mergeflow.errors import ConfigError
 from mergeflow.merge import merge, sparsify
 from mergeflow.merge.della import keep_probabilities, pruned
-from mergeflow.merge.registry import TaskVectors
+from mergeflow.merge.engine import TaskVectors
 from mergeflow.merge.sparsify import agreeing_sum, magnitude_masks, outlier_masks, top_mask, top_masks
 from mergeflow.schema.merge import DellaOptions, validate_options
 

@@ -331,7 +331,7 @@ def test_a_blocked_merge_reads_on_one_torch_thread(gpt2_dirs, tmp_path, monkeypa
 
 
 def test_mask_merges_on_the_cpu_merge_float32_files_as_stored_without_reading_them(gpt2_dirs, tmp_path, monkeypatch):
-    """TIES on float32 files merges views of the memory maps (``merge_method(stored=True)``): the reader reads
+    """TIES on float32 files merges views of the memory maps (declared ``stored``): the reader reads
     nothing; bf16 files are read and widened as before. Both equal the in-memory merge (the test above)."""
     dtype, models, base, _ = gpt2_dirs
     reads = []

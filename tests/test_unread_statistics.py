@@ -10,7 +10,7 @@ import pytest
 from conftest import fast_params, pipeline_params
 
 from mergeflow.config import apply_overrides, validate_params
-from mergeflow.schema.merge import DECLARED, MethodDeclaration, NoOptions
+from mergeflow.schema.merge import DECLARED, MergeMethod
 from tasks.align import plan_align
 from tasks.fisher import plan_fisher
 from tasks.merge_statistics import statistics_read
@@ -40,7 +40,7 @@ def test_the_statistics_read_are_those_the_merge_methods_declare(overrides, expe
 
 
 def test_a_newly_declared_method_brings_its_statistics_without_a_list_of_names(monkeypatch):
-    declared = MethodDeclaration(NoOptions, frozenset({"grams"}), frozenset({"grams", "base"}))
+    declared = MergeMethod("gram_user", "gram_user_module:merge", needs={"grams"}, uses={"base"})
     monkeypatch.setitem(DECLARED, "gram_user", declared)
     assert statistics_read(_params("merge.methods=[gram_user]")) == ("grams",)
 

@@ -1,28 +1,11 @@
-"""Merge methods on plain state dicts: ``merge(method, states, **options)``; ``METHODS`` lists them.
+"""Merge methods on plain state dicts: ``merge(method, states, **options)``; ``METHODS`` declares them.
 
-Importing this package registers the built-in methods; a new method is one module here
-with an ``@merge_method`` function, imported below.
+Each method is declared in ``mergeflow.schema.merge`` and implemented in its own module here, which the
+engine (``mergeflow.merge.engine``) imports when it runs that method, and no other.
 """
 
-from mergeflow.merge import (  # noqa: F401  (registration)
-    average,
-    breadcrumbs,
-    dare,
-    della,
-    exact,
-    fisher,
-    isotropic,  # spectral and geometric merges: isotropic, karcher, tsv
-    karcher,
-    model_stock,
-    regmean,
-    slerp,
-    soup,
-    ssf,
-    task_arithmetic,
-    ties,
-    tsv,
-    weighted,
-)
-from mergeflow.merge.registry import METHODS, MergeMethod, MergeResult, merge, merge_method, run_merge, validate_options
+from mergeflow.merge.engine import MergeResult, merge, merge_method, run_merge
+from mergeflow.schema.merge import DECLARED as METHODS
+from mergeflow.schema.merge import MergeMethod, validate_options
 
 __all__ = ["METHODS", "MergeMethod", "MergeResult", "merge", "merge_method", "run_merge", "validate_options"]

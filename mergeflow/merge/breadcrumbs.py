@@ -11,24 +11,21 @@ from collections.abc import Iterator
 
 import torch
 
-from mergeflow.merge.registry import TaskVectors, TensorInputs, merge_method
+from mergeflow.merge.engine import TaskVectors, TensorInputs
 from mergeflow.merge.sparsify import masked_merge, outlier_masks
 from mergeflow.schema.merge import BreadcrumbsOptions
 
 
-def _crumbs(
-    tasks: TaskVectors, shape: tuple[int, ...], name: str, options: BreadcrumbsOptions
-) -> Iterator[torch.Tensor]:
+def masks(tasks: TaskVectors, shape: tuple[int, ...], name: str, options: BreadcrumbsOptions) -> Iterator[torch.Tensor]:
+    """Breadcrumbs' masks: the ``gamma`` outliers and the smallest rest dropped (the declaration's ``masks``)."""
     return outlier_masks(tasks, options.density, options.gamma)
 
 
-@merge_method("breadcrumbs", masks=_crumbs, stored=True)
 def breadcrumbs(x: TensorInputs, options: BreadcrumbsOptions) -> torch.Tensor:
     """Breadcrumbs: base + λ · Σ_k (or the mean, ``normalize``) of the task vectors without outliers and smallest."""
     return masked_merge(x, options.scaling / len(x.tensors) if options.normalize else options.scaling, "sum")
 
 
-@merge_method("breadcrumbs_ties", masks=_crumbs, stored=True)
 def breadcrumbs_ties(x: TensorInputs, options: BreadcrumbsOptions) -> torch.Tensor:
     """Breadcrumbs + TIES: base + λ · the sum (or mean, ``normalize``) of the sign-agreeing masked entries."""
     return masked_merge(x, options.scaling, "agreeing_mean" if options.normalize else "agreeing_sum")

@@ -18,7 +18,7 @@ import math
 import numpy as np
 import torch
 
-from mergeflow.merge.registry import TensorInputs, merge_method
+from mergeflow.merge.engine import TensorInputs
 from mergeflow.merge.sparsify import (
     bernoulli_draws,
     compiled_draws_match,
@@ -171,13 +171,11 @@ def _to_l1_norm(task: torch.Tensor, before: torch.Tensor) -> None:
         task.mul_(before / after)
 
 
-@merge_method("della", stored=True)
 def della(x: TensorInputs, options: DellaOptions) -> torch.Tensor:
     """DELLA: base + λ · disjoint mean of the magnitude-ranked, randomly pruned, rescaled, sign-elected task vectors."""
     return _merged(x, options, "agreeing_mean")
 
 
-@merge_method("della_linear", stored=True)
 def della_linear(x: TensorInputs, options: DellaOptions) -> torch.Tensor:
     """DELLA + task arithmetic: base + λ · Σ_k of the magnitude-ranked, randomly pruned, rescaled task vectors."""
     return _merged(x, options, "sum")

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from mergeflow import cancel
+from mergeflow.merge.engine import MergeResult, ModelInputs
 from mergeflow.merge.precision import ClientPrecision, client_precisions, prior_mean
-from mergeflow.merge.registry import MergeResult, ModelInputs, merge_method
 from mergeflow.schema.merge import ExactOptions
 
 
@@ -174,7 +174,6 @@ def product_system(x: ModelInputs, options: ExactOptions) -> ProductSystem:
     return ProductSystem(clients, delta, rhs, start)
 
 
-@merge_method("exact", scope="model")
 def exact(x: ModelInputs, options: ExactOptions) -> MergeResult:
     """Product of Gaussian posteriors, θ* = (Σ Λ_k − (K−1)δ)⁻¹ (Σ Λ_k θ_k − (K−1)δθ₀), by matrix-free CG."""
     system = product_system(x, options)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import torch
 
 from mergeflow.errors import MergeflowError
-from mergeflow.merge.registry import TensorInputs, merge_method
+from mergeflow.merge.engine import TensorInputs
 from mergeflow.schema.merge import FisherOptions
 
 
-@merge_method("fisher", elementwise=True)
 def fisher(x: TensorInputs, options: FisherOptions) -> torch.Tensor:
     """θ* = Σ λ_k F_k θ_k / Σ λ_k F_k, elementwise."""
     assert x.fishers is not None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from mergeflow.errors import MergeflowError
-from mergeflow.merge.registry import TensorInputs, merge_method
+from mergeflow.merge.engine import TensorInputs
 from mergeflow.merge.spectral import add_scaled, is_matrix, mean_task, orthogonalised, task_matrices
 from mergeflow.merge.sums import running_sum
 from mergeflow.schema.merge import IsoCOptions, IsoCtsOptions
@@ -66,7 +66,6 @@ def iso_cts_task_matrix(tasks: list[torch.Tensor], fraction: float) -> torch.Ten
     return whitened.mul_(torch.cat(values).mean())
 
 
-@merge_method("iso_c")
 def iso_c(x: TensorInputs, options: IsoCOptions) -> torch.Tensor:
     """Iso-C: the summed task matrix with its singular values flattened to their mean, added as base + α·σ̄UVᵀ."""
     if not is_matrix(x):
@@ -74,7 +73,6 @@ def iso_c(x: TensorInputs, options: IsoCOptions) -> torch.Tensor:
     return add_scaled(x, iso_c_task_matrix(task_matrices(x)), options.scaling)
 
 
-@merge_method("iso_cts")
 def iso_cts(x: TensorInputs, options: IsoCtsOptions) -> torch.Tensor:
     """Iso-CTS: Iso-C over a common subspace plus each task's own directions, whitened together."""
     if len(x.tensors) < 2:

@@ -6,7 +6,7 @@ u ← exp_u(Σ_k a_k·log_u(u_k)), log_u(u_k) = θ_k/sin θ_k · (u_k − cos θ
 
 Every iterate stays in the span of the u_k, so the iteration runs on K coefficients, reading the
 tensors only through their K × K Gram matrix: the output is Σ_k c_k x_k, elementwise once c is known.
-It therefore streams in blocks (``merge_method(gram="inputs")``: a first pass sums the Gram, a second
+It therefore streams in blocks (declared with ``gram="inputs"``: a first pass sums the Gram, a second
 merges), and never holds a whole tensor.
 
 For K = 2 with equal weights the first step is already the fixed point: the merge is the mean norm
@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from mergeflow.merge.registry import TensorInputs, merge_method
+from mergeflow.merge.engine import TensorInputs
 from mergeflow.schema.merge import KarcherOptions
 
 
@@ -72,7 +72,6 @@ def karcher_coefficients(gram: torch.Tensor, weights: torch.Tensor, max_iter: in
     return coefficients
 
 
-@merge_method("karcher", gram="inputs")
 def karcher(x: TensorInputs, options: KarcherOptions) -> torch.Tensor:
     """Karcher mean: the Riemannian mean of K ≥ 2 models on each tensor's sphere, scaled by the mean norm."""
     assert x.gram is not None  # guaranteed by gram=

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from mergeflow.merge.registry import TensorInputs, merge_method
+from mergeflow.merge.engine import TensorInputs
 from mergeflow.merge.sums import mean
 
 
@@ -24,7 +24,6 @@ def stock_ratio(gram: torch.Tensor) -> float:
     return k * cos / (1 + (k - 1) * cos) if 1 + (k - 1) * cos != 0 else 0.0
 
 
-@merge_method("model_stock", gram="tasks")
 def model_stock(x: TensorInputs, options: object) -> torch.Tensor:
     """Model Stock: t · average + (1 − t) · base per tensor, t from the task vectors' mean pairwise angle."""
     assert x.base is not None and x.gram is not None  # needs base (schema), gram=

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mergeflow.errors import MergeflowError
-from mergeflow.merge.registry import ModelInputs
+from mergeflow.merge.engine import ModelInputs
 
 # Factor rows widened to float64 at once: bounds the temporaries for large models.
 _ROW_BLOCK = 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mergeflow.grams import CONV1D
-from mergeflow.merge.registry import MergeResult, ModelInputs, merge_method
+from mergeflow.merge.engine import MergeResult, ModelInputs
 from mergeflow.schema.merge import RegMeanOptions
 
 RCOND = 1e-6
@@ -25,7 +25,6 @@ def minimum_norm_solve(gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     return torch.linalg.pinv(gram, rtol=RCOND, hermitian=True) @ rhs
 
 
-@merge_method("regmean", scope="model")
 def regmean(x: ModelInputs, options: RegMeanOptions) -> MergeResult:
     """RegMean: W* = Σ_k W_k G_k (Σ_k G_k)⁻¹ per linear layer (G_k = X_kᵀX_k; ``nn.Linear`` and GPT-2's
     ``Conv1D``), other parameters averaged."""

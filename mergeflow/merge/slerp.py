@@ -7,7 +7,7 @@ import math
 import torch
 
 from mergeflow.errors import MergeflowError
-from mergeflow.merge.registry import TensorInputs, merge_method
+from mergeflow.merge.engine import TensorInputs
 from mergeflow.schema.merge import SlerpOptions
 
 # Directions closer than this (|cos| above it) are interpolated linearly, as mergekit does.
@@ -25,7 +25,6 @@ def slerp_coefficients(gram: torch.Tensor, t: float) -> tuple[float, float]:
     return math.sin((1 - t) * theta) / math.sin(theta), math.sin(t * theta) / math.sin(theta)
 
 
-@merge_method("slerp", gram="inputs")
 def slerp(x: TensorInputs, options: SlerpOptions) -> torch.Tensor:
     """SLERP of exactly two models per tensor at t (K ≠ 2 is refused; `karcher` merges K ≥ 2 on the sphere)."""
     if len(x.tensors) != 2:

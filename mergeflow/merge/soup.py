@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mergeflow.merge.registry import MergeResult, ModelInputs, merge_method
+from mergeflow.merge.engine import MergeResult, ModelInputs
 
 
 def _soup(x: ModelInputs, members: list[int]) -> dict[str, torch.Tensor]:
@@ -15,7 +15,6 @@ def _soup(x: ModelInputs, members: list[int]) -> dict[str, torch.Tensor]:
     return state
 
 
-@merge_method("greedy_soup", scope="model")
 def greedy_soup(x: ModelInputs, options: object) -> MergeResult:
     """Greedy soup: clients by held-out score, each added only if the soup's score does not drop."""
     assert x.scorer is not None  # needed, per mergeflow.schema.merge

@@ -1,4 +1,9 @@
-"""Task-vector sparsification and sign election, shared by TIES and DARE.
+"""Task-vector sparsification, sign election and the masked merge, shared by the sparsifying merges.
+
+The masks of TIES (top magnitudes: ``magnitude_masks``), DARE (random drops: ``dropout_masks``) and
+Breadcrumbs (outliers and smallest dropped: ``outlier_masks``), their selection kernels, and the merge of
+the masked task vectors (``masked_merge``); DELLA's per-tensor draws (``tensor_generator``,
+``bernoulli_draws``), disjoint mean and threads. The methods themselves are in their own modules.
 
 Semantics follow the papers and PEFT's ``merge_utils`` (checked against it in the tests): trimming
 keeps ``int(density * numel)`` entries per tensor, the elected sign is that of the summed task
@@ -19,7 +24,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from mergeflow.merge.registry import TaskOperands, TaskVectors, TensorInputs
+from mergeflow.merge.engine import TaskOperands, TaskVectors, TensorInputs
 from mergeflow.merge.sums import running_sum
 
 # From this many entries on, the cut is found by radix selection in blocks, not ``kthvalue``.

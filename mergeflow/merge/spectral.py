@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mergeflow.merge.registry import TensorInputs
+from mergeflow.merge.engine import TensorInputs
 from mergeflow.merge.sums import mean
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from mergeflow import cancel
+from mergeflow.merge.engine import MergeResult, ModelInputs
 from mergeflow.merge.precision import ClientPrecision, client_precisions, prior_mean
-from mergeflow.merge.registry import MergeResult, ModelInputs, merge_method
 from mergeflow.schema.merge import SSFOptions
 
 
@@ -199,7 +199,6 @@ def ssf_iterates(x: ModelInputs, options: SSFOptions) -> Iterator[tuple[torch.Te
         yield theta.detach().clone(), float(loss.detach())
 
 
-@merge_method("ssf", scope="model")
 def ssf(x: ModelInputs, options: SSFOptions) -> MergeResult:
     """Self-supervised Fisher merging: SGD on the clients' masked Gaussian conditionals."""
     losses: list[float] = []

@@ -15,7 +15,7 @@ that runs ahead of the merge, and writes the merged tensors into the output as t
   memory maps, elsewhere one float64 task vector at a time and its top-k temporaries), then merge
   blocks like the elementwise methods. On the CPU, where a tensor's inputs are all float32 or all
   float64, those blocks (``STORED_BLOCK`` elements) are views of the memory maps as stored, which the
-  method widens itself (``merge_method(stored=True)``) on every core: nothing is read ahead. Its
+  method widens itself (``MergeMethod.stored``) on every core: nothing is read ahead. Its
   result goes straight into the output buffer when that is float32 or float64.
 - Methods that read a tensor only through the Gram matrix of its K inputs or task vectors
   (``model_stock``, ``slerp``) take two passes over its blocks: the first sums the K × K Gram, the
@@ -61,21 +61,22 @@ from mergeflow.hf_checkpoints import (
     copy_model_files,
     open_checkpoint,
 )
-from mergeflow.merge.reader import Reader
-from mergeflow.merge.registry import (
-    METHODS,
-    MergeMethod,
+from mergeflow.merge.engine import (
+    Implementation,
     TaskOperands,
     TaskVectors,
     TensorInputs,
     fisher_norms,
     gram_matrix,
+    implementations,
     normalized_weights,
+    parsed_options,
     require_inputs,
     tensor_method,
-    validate_options,
 )
+from mergeflow.merge.reader import Reader
 from mergeflow.safetensors_io import CODES, DTYPES, SafetensorsWriter
+from mergeflow.schema.merge import DECLARED, MergeMethod
 
 # Elements per block for elementwise methods: K float64 input rows of 1 MiB stay in cache while
 # they are summed; 64K-256K measured fastest on the 2-core bench machine (2 MiB L2 per core).
@@ -104,8 +105,8 @@ class _Item:
     start: int
     shape: tuple[int, ...]
     total: tuple[int, ...] = ()  # the whole tensor's shape
-    gram_pass: bool = False  # a block read only to sum the tensor's Gram matrix (``merge_method(gram=...)``)
-    stored: bool = False  # merged from views of the files as stored (``merge_method(stored=True)``), not read
+    gram_pass: bool = False  # a block read only to sum the tensor's Gram matrix (``MergeMethod.gram``)
+    stored: bool = False  # merged from views of the files as stored (``MergeMethod.stored``), not read
 
     @property
     def count(self) -> int:
@@ -175,7 +176,8 @@ def merge_files(
     out_dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = MAX_SHARD_SIZE,
     device: str | torch.device = "cpu",
-    **options: object,
+    options: BaseModel | None = None,
+    **keywords: object,
 ) -> None:
     """Merge checkpoints into ``out`` with a tensor-scope method, streaming tensor by tensor.
 
@@ -189,17 +191,16 @@ def merge_files(
     Example: ``merge_files("ties", ["ft-a", "ft-b"], "merged", base="gpt2", density=0.2)``.
     Model-scope methods (``exact``, ``ssf``, ``regmean``) couple all parameters and need the
     whole models: use ``mergeflow.merge.merge`` for them. ``device`` (``"cuda"``, ``"auto"``) merges
-    on an accelerator; the files are still read and written on the host.
+    on an accelerator; the files are still read and written on the host. The method's options are ``options``,
+    its validated options model, or ``keywords`` (as ``mergeflow.merge.engine.run_merge``'s).
     """
-    spec = METHODS.get(method)
-    if spec is None:
-        raise MergeflowError(f"unknown merge method {method!r}; known: {', '.join(METHODS)}")
+    spec = DECLARED.lookup(method)
     if spec.scope != "tensor":
         raise MergeflowError(f"merge method {method!r} couples all parameters and cannot stream; use merge()")
     if not paths:
         raise MergeflowError("merge needs at least one model")
     require_inputs(spec, {"base": base, "sizes": weights, "fishers": fishers})
-    parsed = validate_options(method, options)
+    parsed = parsed_options(spec, options, keywords)
     dtype = _parse_dtype(out_dtype)
     where = resolve_device(device) if isinstance(device, str) else device
     out = Path(out)
@@ -225,7 +226,8 @@ def merge_files(
         # closing(): on an error, stop the reader thread before the files close, not when the generator is collected.
         block = BLOCK if where.type == "cpu" else DEVICE_BLOCK
         items = list(_plan(spec, inputs, sink.order, block, stored=where.type == "cpu"))
-        merged = stack.enter_context(closing(_merged(items, inputs, layout, w, norms, parsed, where)))
+        code = implementations()
+        merged = stack.enter_context(closing(_merged(items, inputs, layout, w, norms, parsed, where, code)))
         for key, data in merged:
             sink.write(key, data)
         sink.finish()
@@ -323,8 +325,10 @@ def _merged(
     norms: Callable[[], torch.Tensor] | None,
     options: BaseModel,
     device: torch.device,
+    code: Callable[[MergeMethod], Implementation],
 ) -> Iterator[tuple[str, memoryview]]:
-    """Each item's merged bytes in the output dtype, in order; each view is valid until the next item."""
+    """Each item's merged bytes in the output dtype, in order; each view is valid until the next item.
+    ``code``: each method's function and masks function (``mergeflow.merge.engine.implementations``)."""
     count = len(inputs.models)
     capacity = max((item.count for item in items if not item.stored), default=0)
     blocks_only = all(item.method is None or item.method.elementwise for item in items)
@@ -350,7 +354,7 @@ def _merged(
         for k, fisher in enumerate(fishers or []):
             staging.read(fisher, item.key, item.start, n, buffers.fishers[k * n : (k + 1) * n])
 
-    masks = _Masks(inputs, items, options, device)
+    masks = _Masks(inputs, items, options, device, code)
     # a stored item's float64 result and scratch, made once: new ones per item cost a page fault per 4 KiB
     stored_size = max((item.count for item in items if item.stored), default=0)
     stored_out = functools.cache(lambda: torch.empty(stored_size, dtype=torch.float64, device=device))
@@ -385,10 +389,10 @@ def _merged(
                     into = target.view(dtype) if dtype in (torch.float32, torch.float64) else stored_out()[: item.count]
                     x = _stored_inputs(item, inputs, weights, norms, item_masks, into, scratch)
                     with _intra_op_threads(threads_before):
-                        result = item.method.fn(x, options)
+                        result = code(item.method).fn(x, options)
                 else:
                     x = _tensor_inputs(item, inputs, buffers, weights, norms, item_masks, grams.get(item.key))
-                    result = item.method.fn(x, options)
+                    result = code(item.method).fn(x, options)
                 flat = result.reshape(-1)
                 if flat.device != target.device:  # narrowed on the device: half the bytes come back
                     flat = flat.to(dtype)
@@ -453,10 +457,18 @@ class _Masks:
     float64 copies.
     """
 
-    def __init__(self, inputs: _Inputs, items: Sequence[_Item], options: BaseModel, device: torch.device) -> None:
+    def __init__(
+        self,
+        inputs: _Inputs,
+        items: Sequence[_Item],
+        options: BaseModel,
+        device: torch.device,
+        code: Callable[[MergeMethod], Implementation],
+    ) -> None:
         self._inputs = inputs
         self._options = options
         self._device = device
+        self._code = code
         self._capacity = max((math.prod(i.total) for i in items if i.method is not None and i.method.masks), default=0)
         self._current: torch.Tensor | None = None
 
@@ -483,7 +495,9 @@ class _Masks:
 
     def draw(self, item: _Item) -> None:
         """Draw the masks of ``item``'s tensor (its first block)."""
-        assert item.method is not None and item.method.masks is not None and self._inputs.base is not None
+        assert item.method is not None and self._inputs.base is not None
+        draw = self._code(item.method).masks
+        assert draw is not None  # drawn for a method with masks only
         shape, count, key = item.total, len(self._inputs.models), item.key
         n = math.prod(shape)
         base_dtype = self._inputs.base.entry(key).torch_dtype
@@ -515,7 +529,7 @@ class _Masks:
         dtypes = {base_dtype, *(model.entry(key).torch_dtype for model in self._inputs.models)}
         raw = self._device.type == "cpu" and len(dtypes) == 1 and base_dtype in (torch.float32, torch.float64)
         tasks = TaskVectors(count, task, self._device, operands=operands() if raw else None, out=masks)
-        for k, mask in enumerate(item.method.masks(tasks, shape, key, self._options)):
+        for k, mask in enumerate(draw(tasks, shape, key, self._options)):
             if mask.data_ptr() != masks[k].data_ptr():  # not written in place (``TaskVectors.out``)
                 masks[k].copy_(mask.reshape(-1))
         self._current = masks
@@ -578,7 +592,7 @@ def _stored_inputs(
     end = item.start + item.count
 
     def block(checkpoint: Checkpoint) -> torch.Tensor:
-        with warnings.catch_warnings():  # read-only memory, which a stored method never writes (merge_method)
+        with warnings.catch_warnings():  # read-only memory, which a stored method never writes (MergeMethod.stored)
             warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
             return torch.from_numpy(checkpoint.array(item.key)[item.start : end]).view(item.shape)
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from mergeflow.merge.registry import TensorInputs, merge_method
+from mergeflow.merge.engine import TensorInputs
 from mergeflow.merge.sums import running_sum
 from mergeflow.schema.merge import TaskArithmeticOptions
 
 
-@merge_method("task_arithmetic", elementwise=True)
 def task_arithmetic(x: TensorInputs, options: TaskArithmeticOptions) -> torch.Tensor:
     """base + λ·Σ_k (θ_k − base)."""
     assert x.base is not None  # needed, per mergeflow.schema.merge

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mergeflow.merge.registry import TensorInputs, merge_method
+from mergeflow.merge.engine import TensorInputs
 from mergeflow.merge.spectral import add_scaled, is_matrix, mean_task, orthogonalised, task_matrices
 from mergeflow.schema.merge import TsvOptions
 
@@ -42,7 +42,6 @@ def tsv_task_matrix(tasks: list[torch.Tensor], fraction: float) -> torch.Tensor:
     return (left * torch.cat(values)) @ right
 
 
-@merge_method("tsv")
 def tsv(x: TensorInputs, options: TsvOptions) -> torch.Tensor:
     """TSV-M: each task matrix's top singular vectors, whitened together, added as base + α·U⊥ΣV⊥ᵀ."""
     if not is_matrix(x):

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from mergeflow.merge.registry import TensorInputs, merge_method
+from mergeflow.merge.engine import TensorInputs
 from mergeflow.merge.sums import running_sum
 
 
-@merge_method("weighted", elementwise=True)
 def weighted(x: TensorInputs, options: object) -> torch.Tensor:
     """Weighted average Σ (n_k/N) θ_k."""
     return running_sum(x.tensors, x.weights)

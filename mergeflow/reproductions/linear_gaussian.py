@@ -22,9 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mergeflow.fisher import diagonal_fisher, fisher_factors
 from mergeflow.merge import run_merge
-from mergeflow.merge.registry import model_inputs, validate_options
+from mergeflow.merge.engine import model_inputs
 from mergeflow.merge.ssf import ssf_iterates
 from mergeflow.models import build_model
+from mergeflow.schema.merge import validate_options
 
 
 class LinearGaussianSettings(BaseModel):

@@ -1,10 +1,12 @@
-"""What params can say about each merge method: its options model and the inputs it needs.
+"""The merge methods' declarations: what params can say about each method and what the engine needs to run it.
 
 Torch-free on purpose: validating params (``mergeflow validate``, and every run before its heavy
-work) imports this module, not the methods' code. A built-in method is declared here and
-implemented in its own module with ``@merge_method`` (``mergeflow.merge.registry``), which takes
-the declaration; a method registered from a notebook declares itself through ``merge_method``'s
-``options``, ``needs`` and ``uses``.
+work) imports this module, not the methods' code. A method is one :class:`MergeMethod` declared in
+:data:`DECLARED` (its options model, the inputs it needs, how the engine may merge it, and its
+``implementation``, a ``"module:attr"`` reference to its function), plus that module: the engine
+(``mergeflow.merge.engine``) imports the module of the method it runs and no other, and a merge step is
+keyed by that module's import closure. A method from a notebook declares itself through
+``mergeflow.merge.merge_method``.
 
 Inputs a method can need besides the weights: ``"base"`` (the shared base model), ``"sizes"``
 (client data sizes), ``"fishers"`` (diagonal Fishers, one dict per client), ``"factors"``
@@ -15,22 +17,20 @@ scoring a whole state dict on held-out data, higher is better).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from mergeflow.errors import ConfigError, did_you_mean
+from mergeflow.errors import ConfigError
+from mergeflow.registry import Member, NoOptions, Registry
 
 NEEDS = ("base", "sizes", "fishers", "factors", "grams", "scorer")
+# The method that merges a floating tensor the given Fishers do not cover (``mergeflow.merge.engine.tensor_method``).
+UNCOVERED = "average"
 PriorMean = Literal["auto", "base", "zero"]
-
-
-class NoOptions(BaseModel):
-    """Options of a method that takes none."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 class TaskArithmeticOptions(BaseModel):
@@ -224,14 +224,83 @@ class IsoCtsOptions(BaseModel):
 
 
 @dataclass(frozen=True)
-class MethodDeclaration:
-    """A method's options model, the inputs it needs and those it uses when given (``uses`` ⊇ ``needs``),
-    and how many models it merges: ``models = (least, most)``, ``most`` None for no limit."""
+class MergeMethod(Member):
+    """A merge method: its ``name``, its ``implementation`` (``"module:attr"`` of its function), its ``Options``
+    model, the inputs it needs and those it uses when given (``uses`` ⊇ ``needs``), how many models it merges
+    (``models = (least, most)``, ``most`` None for no limit), and how the engine may merge it:
 
-    options: type[BaseModel]
-    needs: frozenset[str]
-    uses: frozenset[str]
+    - ``scope``: ``"tensor"``, a function ``fn(x: TensorInputs, options) -> tensor`` over the K clients'
+      copies of one tensor (merged the same in memory or streamed from files); ``"model"``, a function
+      ``fn(x: ModelInputs, options) -> MergeResult | dict`` over whole models, for a method that couples
+      all parameters (the exact Gaussian merge's one CG solve).
+    - ``elementwise``: output element i depends only on element i of each input, so a streamed merge takes
+      blocks of elements (tensor scope only).
+    - ``masks``: ``"module:attr"`` of a function drawing per-client masks from each whole task vector (TIES'
+      top magnitudes, DARE's draws), ``masks(tasks, shape, name, options) -> the K masks in order``; given
+      them (``TensorInputs.masks``), ``fn`` is elementwise, so a streamed merge holds one task vector and K
+      boolean masks of a tensor, never its K float64 copies.
+    - ``gram``: ``fn`` reads the whole tensor only through the K × K Gram matrix of its inputs (``"inputs"``)
+      or task vectors θ_k − base (``"tasks"``), ``TensorInputs.gram``, and is otherwise elementwise (Model
+      Stock's angle, SLERP's): a streamed merge sums the Gram over blocks in a first pass, then merges
+      blocks in a second.
+    - ``stored``: ``fn`` takes its tensors as stored (float32 or float64, one dtype for the clients) and
+      widens them itself, never writing them, so a streamed merge on the CPU may pass views of the files'
+      read-only memory maps instead of float64 copies (``sparsify.masked_merge`` does, and DELLA's compiled
+      kernel); blocks of them for an elementwise method, else whole tensors.
+    """
+
+    name: str
+    implementation: str
+    Options: type[BaseModel] = NoOptions
+    needs: AbstractSet[str] = frozenset()
+    uses: AbstractSet[str] = frozenset()
     models: tuple[int, int | None] = (1, None)
+    scope: Literal["tensor", "model"] = "tensor"
+    elementwise: bool = False
+    masks: str | None = None
+    gram: Literal["inputs", "tasks"] | None = None
+    stored: bool = False
+    aliases: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "needs", frozenset(self.needs))
+        object.__setattr__(self, "uses", frozenset(self.needs) | frozenset(self.uses))
+        object.__setattr__(self, "elementwise", self.elementwise or self.masks is not None or self.gram is not None)
+        problem = self._inconsistency()
+        if problem:
+            raise ValueError(f"merge method {self.name!r}: {problem}")
+
+    def _inconsistency(self) -> str | None:
+        unknown = self.uses - set(NEEDS)
+        if unknown:
+            return f"needs unknown inputs {sorted(unknown)}; known: {NEEDS}"
+        if self.scope != "tensor" and (self.elementwise or self.stored):
+            return "only a tensor-scope method can be elementwise or take its tensors as stored"
+        if (self.masks is not None or self.gram == "tasks") and "base" not in self.needs:
+            return "its masks or Gram are of task vectors, so it needs base"
+        return None
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The modules a merge with it runs (a merge step's :attr:`tasks.steps.Step.members`): its implementation's,
+        its masks', and for a tensor-scope method that uses Fishers, :data:`UNCOVERED`'s."""
+        references = [self.implementation, self.masks or ""]
+        if self.scope == "tensor" and "fishers" in self.uses and self.name != UNCOVERED:
+            references.append(DECLARED[UNCOVERED].implementation)
+        return tuple(dict.fromkeys(ref.partition(":")[0] for ref in references if ref))
+
+    def parse(self, options: Mapping[str, object] | BaseModel | None = None) -> BaseModel:
+        """The validated options model from ``merge.options.<name>`` (a mapping, a model or None).
+
+        Raises:
+            ConfigError: naming ``merge.options.<name>.<key>`` for an invalid key.
+        """
+        if isinstance(options, self.Options):
+            return options
+        try:
+            return self.Options.model_validate(dict(options or {}))
+        except ValidationError as error:
+            raise ConfigError.from_validation(f"merge.options.{self.name}", error) from None
 
     def model_count_problem(self, count: int) -> str | None:
         """Why ``count`` models do not suit this method (``"merges exactly 2 models"``), or None when they do."""
@@ -243,56 +312,49 @@ class MethodDeclaration:
         return f"merges at least {least} models" if most is None else f"merges {least} to {most} models"
 
 
-DECLARED: dict[str, MethodDeclaration] = {}
+def _sparsifying(name: str, module: str, options: type[BaseModel]) -> MergeMethod:
+    """A method of ``module`` (function ``name``) that merges the task vectors under the per-client masks that
+    the module's ``masks`` draws (``mergeflow.merge.sparsify``), taking its tensors as stored."""
+    return MergeMethod(name, f"{module}:{name}", options, {"base"}, masks=f"{module}:masks", stored=True)
 
 
-def declare(
-    name: str,
-    options: type[BaseModel] = NoOptions,
-    needs: Sequence[str] = (),
-    uses: Sequence[str] = (),
-    models: tuple[int, int | None] = (1, None),
-) -> MethodDeclaration:
-    """Declare method ``name``: its options model, required inputs, optional ones and how many models it merges."""
-    unknown = (set(needs) | set(uses)) - set(NEEDS)
-    if unknown:
-        raise ValueError(f"merge method {name!r} needs unknown inputs {sorted(unknown)}; known: {NEEDS}")
-    if name in DECLARED:
-        raise ValueError(f"merge method {name!r} is declared twice")
-    DECLARED[name] = MethodDeclaration(options, frozenset(needs), frozenset(needs) | frozenset(uses), models)
-    return DECLARED[name]
+DECLARED: Registry[MergeMethod] = Registry("merge method")
+declare = DECLARED.declare
+
+declare(MergeMethod("average", "mergeflow.merge.average:average", elementwise=True))
+declare(MergeMethod("weighted", "mergeflow.merge.weighted:weighted", needs={"sizes"}, elementwise=True))
+declare(
+    MergeMethod(
+        "task_arithmetic",
+        "mergeflow.merge.task_arithmetic:task_arithmetic",
+        TaskArithmeticOptions,
+        {"base"},
+        elementwise=True,
+    )
+)
+declare(MergeMethod("fisher", "mergeflow.merge.fisher:fisher", FisherOptions, {"fishers"}, elementwise=True))
+declare(_sparsifying("ties", "mergeflow.merge.ties", TiesOptions))
+declare(_sparsifying("dare_linear", "mergeflow.merge.dare", DareOptions))
+declare(_sparsifying("dare_ties", "mergeflow.merge.dare", DareOptions))
+declare(_sparsifying("breadcrumbs", "mergeflow.merge.breadcrumbs", BreadcrumbsOptions))
+declare(_sparsifying("breadcrumbs_ties", "mergeflow.merge.breadcrumbs", BreadcrumbsOptions))
+declare(MergeMethod("della", "mergeflow.merge.della:della", DellaOptions, {"base"}, stored=True))
+declare(MergeMethod("della_linear", "mergeflow.merge.della:della_linear", DellaOptions, {"base"}, stored=True))
+declare(MergeMethod("model_stock", "mergeflow.merge.model_stock:model_stock", needs={"base"}, gram="tasks"))
+declare(MergeMethod("slerp", "mergeflow.merge.slerp:slerp", SlerpOptions, models=(2, 2), gram="inputs"))
+declare(MergeMethod("regmean", "mergeflow.merge.regmean:regmean", RegMeanOptions, {"grams"}, scope="model"))
+declare(MergeMethod("greedy_soup", "mergeflow.merge.soup:greedy_soup", needs={"scorer"}, scope="model"))
+declare(
+    MergeMethod("exact", "mergeflow.merge.exact:exact", ExactOptions, {"fishers"}, {"factors", "base"}, scope="model")
+)
+declare(MergeMethod("ssf", "mergeflow.merge.ssf:ssf", SSFOptions, {"fishers"}, {"factors", "base"}, scope="model"))
+# Spectral and geometric merges
+declare(MergeMethod("karcher", "mergeflow.merge.karcher:karcher", KarcherOptions, gram="inputs"))
+declare(MergeMethod("tsv", "mergeflow.merge.tsv:tsv", TsvOptions, {"base"}))
+declare(MergeMethod("iso_c", "mergeflow.merge.isotropic:iso_c", IsoCOptions, {"base"}))
+declare(MergeMethod("iso_cts", "mergeflow.merge.isotropic:iso_cts", IsoCtsOptions, {"base"}, models=(2, None)))
 
 
-declare("average")
-declare("weighted", needs=("sizes",))
-declare("task_arithmetic", TaskArithmeticOptions, needs=("base",))
-declare("fisher", FisherOptions, needs=("fishers",))
-declare("ties", TiesOptions, needs=("base",))
-declare("dare_linear", DareOptions, needs=("base",))
-declare("dare_ties", DareOptions, needs=("base",))
-declare("breadcrumbs", BreadcrumbsOptions, needs=("base",))
-declare("breadcrumbs_ties", BreadcrumbsOptions, needs=("base",))
-declare("della", DellaOptions, needs=("base",))
-declare("della_linear", DellaOptions, needs=("base",))
-declare("model_stock", needs=("base",))
-declare("slerp", SlerpOptions, models=(2, 2))
-declare("regmean", RegMeanOptions, needs=("grams",))
-declare("greedy_soup", needs=("scorer",))
-declare("exact", ExactOptions, needs=("fishers",), uses=("factors", "base"))
-declare("ssf", SSFOptions, needs=("fishers",), uses=("factors", "base"))
-# Spectral and geometric merges (mergeflow.merge.karcher, .tsv, .isotropic)
-declare("karcher", KarcherOptions)
-declare("tsv", TsvOptions, needs=("base",))
-declare("iso_c", IsoCOptions, needs=("base",))
-declare("iso_cts", IsoCtsOptions, needs=("base",), models=(2, None))
-
-
-def validate_options(method: str, options: Mapping[str, object]) -> BaseModel:
-    """Parse a method's options, raising ConfigError that names the method and key."""
-    if method not in DECLARED:
-        hint = did_you_mean(method, DECLARED)
-        raise ConfigError([f"merge method {method!r} is unknown{hint}; known: {', '.join(DECLARED)}"])
-    try:
-        return DECLARED[method].options.model_validate(dict(options))
-    except ValidationError as error:
-        raise ConfigError.from_validation(f"merge.options.{method}", error) from None
+def validate_options(method: str, options: Mapping[str, object] | BaseModel | None = None) -> BaseModel:
+    """Parse a method's options (:meth:`MergeMethod.parse`), raising ConfigError that names the method and key."""
+    return DECLARED.lookup(method).parse(options)

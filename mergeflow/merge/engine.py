@@ -1,23 +1,22 @@
-"""The merge-method registry: a new method is one small module with one decorated function.
+"""The merge engine: runs a declared merge method on state dicts, importing only that method's module.
 
-Two scopes:
+A method is a declaration (``mergeflow.schema.merge.MergeMethod``, torch-free, so that params validate
+without torch) and a function in its own module, which the declaration names (``implementation``):
 
 - ``scope="tensor"`` (default): a function over the K clients' copies of one tensor
   (``TensorInputs``). The same code then merges in-memory state dicts or tensors streamed
-  one by one from safetensors files. ``elementwise=True`` declares that each output element
-  depends only on the same element of the inputs, so streaming merges such a method in blocks
-  of elements (``mergeflow.merge.streaming``).
+  one by one from safetensors files (``mergeflow.merge.streaming``), by the declaration's
+  ``elementwise``, ``masks``, ``gram`` and ``stored``.
 - ``scope="model"``: a function over whole models (``ModelInputs``), for methods that couple
   all parameters, such as the exact Gaussian merge (one CG solve over the flattened model).
 
-What a method needs besides the weights, and its options model, are its declaration
-(``mergeflow.schema.merge``, torch-free so that params validate without torch).
+A notebook declares and registers a method of its own in one go with :func:`merge_method`.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -28,7 +27,8 @@ from pydantic import BaseModel
 from mergeflow import cancel
 from mergeflow.errors import MergeflowError
 from mergeflow.merge.sums import mean
-from mergeflow.schema.merge import DECLARED, NoOptions, declare, validate_options
+from mergeflow.registry import NoOptions
+from mergeflow.schema.merge import DECLARED, UNCOVERED, MergeMethod
 
 State = Mapping[str, torch.Tensor]
 Scorer = Callable[[dict[str, torch.Tensor]], float]
@@ -40,13 +40,13 @@ class TensorInputs:
 
     For an elementwise method the streaming merge passes a block of the tensor's elements
     (flattened) instead of the whole tensor. Methods must not modify the tensors in place.
-    ``masks`` (``(K, ...)`` booleans) are the method's per-client masks (``merge_method(masks=...)``),
+    ``masks`` (``(K, ...)`` booleans) are the method's per-client masks (its declaration's ``masks``),
     drawn from the whole tensor and cut to the same block.
     ``fisher_norms`` (each client's global Fisher L2 norm) is computed on first use only: it
     takes a pass over every Fisher tensor, which most methods never need.
     ``gram`` (``(K, K)`` float64) is the Gram matrix of the whole tensor's K inputs or task vectors, for
-    a method registered with ``gram=`` (``merge_method``), whatever block is passed.
-    A method registered with ``stored=True`` may be given its tensors as stored (float32 or float64), and
+    a method declared with ``gram``, whatever block is passed.
+    A method declared ``stored`` may be given its tensors as stored (float32 or float64), and
     ``out``, a tensor of the block's shape that it may write its float64 result into, rounded once to
     ``out``'s dtype (float64, or float32: the streamed merge's output itself), and return.
     ``scratch(n)``, when given, is float64 working memory of ``n`` elements (1-D) that a streamed merge
@@ -191,90 +191,73 @@ MaskFunction = Callable[[TaskVectors, tuple[int, ...], str, Any], Iterator[torch
 
 
 @dataclass(frozen=True)
-class MergeMethod:
-    """A registered method: its function, scope, options model and the inputs it needs."""
+class Implementation:
+    """A method's code, imported when a merge runs it: its function and its masks function (if declared)."""
 
-    name: str
     fn: Callable[..., Any]
-    scope: Literal["tensor", "model"]
-    options: type[BaseModel]
-    needs: frozenset[str]
-    uses: frozenset[str]
-    summary: str
-    elementwise: bool = False
-    masks: MaskFunction | None = None
-    gram: Literal["inputs", "tasks"] | None = None
-    stored: bool = False
+    masks: MaskFunction | None
+
+    @classmethod
+    def of(cls, method: MergeMethod) -> Implementation:
+        """``method``'s code, its module imported now."""
+        return cls(method.load(), method.load(method.masks) if method.masks else None)
 
 
-METHODS: dict[str, MergeMethod] = {}
+def implementations() -> Callable[[MergeMethod], Implementation]:
+    """:meth:`Implementation.of`, remembered for one merge: each method's code is looked up once per merge,
+    never across merges (a notebook may register a method again after changing it)."""
+    return functools.cache(Implementation.of)
 
 
 def merge_method(
     name: str,
     *,
-    options: type[BaseModel] | None = None,
-    needs: Sequence[str] | None = None,
-    uses: Sequence[str] | None = None,
+    options: type[BaseModel] = NoOptions,
+    needs: Collection[str] = (),
+    uses: Collection[str] = (),
+    models: tuple[int, int | None] = (1, None),
     scope: Literal["tensor", "model"] = "tensor",
     elementwise: bool = False,
     masks: MaskFunction | None = None,
     gram: Literal["inputs", "tasks"] | None = None,
     stored: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register a merge method under ``name``.
+    """Declare and register a merge method of a notebook or a module of one's own, implemented by the decorated
+    function (and ``masks``), which must be defined at the top level of their module.
 
-    Tensor scope: ``fn(x: TensorInputs, options) -> tensor``. Model scope:
-    ``fn(x: ModelInputs, options) -> MergeResult | dict``. A built-in method's options model and
-    inputs are its declaration in ``mergeflow.schema.merge``; any other method declares
-    them here: ``options`` (a pydantic model, extra keys forbidden), ``needs`` (required inputs)
-    and ``uses`` (optional ones that the pipeline supplies when it has them, e.g. factors).
-    ``elementwise``: output element i depends only on element i of each input (tensor scope).
-    ``masks``: per-client masks that need each whole task vector (TIES' top magnitudes, DARE's
-    draws); given them (``TensorInputs.masks``), ``fn`` is elementwise, so a streamed merge holds
-    one task vector and K boolean masks of a tensor, never its K float64 copies.
-    ``gram``: ``fn`` reads the whole tensor only through the K × K Gram matrix of its inputs
-    (``"inputs"``) or task vectors θ_k − base (``"tasks"``), ``TensorInputs.gram``, and is otherwise
-    elementwise (Model Stock's angle, SLERP's): a streamed merge sums the Gram over blocks in a first
-    pass, then merges blocks in a second.
-    ``stored``: ``fn`` takes its tensors as stored (float32 or float64, one dtype for the clients) and
-    widens them itself, never writing them, so a streamed merge on the CPU may pass views of the files'
-    read-only memory maps instead of float64 copies (``sparsify.masked_merge`` does, and DELLA's
-    compiled kernel); blocks of them for an elementwise method, else whole tensors.
+    The arguments are those of its declaration (``mergeflow.schema.merge.MergeMethod``): ``options`` (a
+    pydantic model, extra keys forbidden), ``needs`` (required inputs), ``uses`` (optional ones that the
+    pipeline supplies when it has them, e.g. factors), ``models``, ``scope``, ``elementwise``, ``masks``,
+    ``gram`` and ``stored``. Tensor scope: ``fn(x: TensorInputs, options) -> tensor``. Model scope:
+    ``fn(x: ModelInputs, options) -> MergeResult | dict``. A built-in method is declared in
+    ``mergeflow.schema.merge`` instead.
     """
-    declared = name in DECLARED
-    if declared and (options, needs, uses) != (None, None, None):
-        raise ValueError(f"merge method {name!r} is declared in mergeflow.schema.merge; change it there")
-    if name in METHODS:
-        raise ValueError(f"merge method {name!r} is registered twice")
-    elementwise = elementwise or masks is not None or gram is not None
-    if elementwise and scope != "tensor":
-        raise ValueError(f"merge method {name!r}: only tensor-scope methods can be elementwise")
-    needed = DECLARED[name].needs if declared else frozenset(needs or ())
-    if stored and scope != "tensor":
-        raise ValueError(f"merge method {name!r}: only a tensor-scope method can take its tensors as stored")
-    if (masks is not None or gram == "tasks") and "base" not in needed:
-        raise ValueError(f"merge method {name!r}: its masks or Gram are of task vectors, so it needs base")
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        declaration = DECLARED[name] if declared else declare(name, options or NoOptions, needs or (), uses or ())
-        summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-        METHODS[name] = MergeMethod(
+        declaration = MergeMethod(
             name,
-            fn,
-            scope,
-            declaration.options,
-            declaration.needs,
-            declaration.uses,
-            summary,
-            elementwise,
-            masks,
-            gram,
-            stored,
+            _reference(fn),
+            Options=options,
+            needs=frozenset(needs),
+            uses=frozenset(uses),
+            models=models,
+            scope=scope,
+            elementwise=elementwise,
+            masks=_reference(masks) if masks is not None else None,
+            gram=gram,
+            stored=stored,
         )
+        DECLARED.declare(declaration)
         return fn
 
     return register
+
+
+def _reference(fn: Callable[..., Any]) -> str:
+    """``"module:attr"`` of a function defined at the top level of its module."""
+    if fn.__qualname__ != fn.__name__:
+        raise ValueError(f"merge method code must be defined at the top level of a module, not {fn.__qualname__}")
+    return f"{fn.__module__}:{fn.__name__}"
 
 
 def _check_compatible(states: Sequence[State]) -> None:
@@ -333,6 +316,7 @@ def merged_tensors(
     merges files with the same methods and rules (``tensor_method``) without loading them.
     """
     norms = fisher_norms(fishers) if fishers is not None else None
+    code = implementations()
     for key in states[0]:
         cancel.check()
         first = states[0][key]
@@ -343,7 +327,8 @@ def merged_tensors(
         tensors = [s[key].to(torch.float64) for s in states]
         base_tensor = base[key].to(torch.float64) if base is not None else None
         masks = None
-        if method.masks is not None:
+        draw = code(method).masks
+        if draw is not None:
             assert base_tensor is not None  # methods with masks need base
             tasks = TaskVectors(
                 len(tensors),
@@ -352,7 +337,7 @@ def merged_tensors(
                 together=functools.partial(task_vectors, tensors, base_tensor),
                 operands=TaskOperands.whole(tensors, base_tensor) if base_tensor.device.type == "cpu" else None,
             )
-            masks = torch.stack([m.view(first.shape) for m in method.masks(tasks, tuple(first.shape), key, options)])
+            masks = torch.stack([m.view(first.shape) for m in draw(tasks, tuple(first.shape), key, options)])
         inputs = TensorInputs(
             name=key,
             tensors=tensors,
@@ -363,7 +348,7 @@ def merged_tensors(
             masks=masks,
             gram=gram_matrix(torch.stack(tensors), base_tensor, method.gram) if method.gram else None,
         )
-        yield key, method.fn(inputs, options).to(first.dtype).contiguous()
+        yield key, code(method).fn(inputs, options).to(first.dtype).contiguous()
 
 
 def gram_matrix(stack: torch.Tensor, base: torch.Tensor | None, kind: str) -> torch.Tensor:
@@ -391,7 +376,7 @@ def tensor_method(spec: MergeMethod, floating: bool, has_fisher: bool) -> MergeM
     tensor, ``average`` for a floating one that the given Fishers do not cover, else ``spec``."""
     if not floating:
         return None
-    return spec if has_fisher else METHODS["average"]
+    return spec if has_fisher else DECLARED[UNCOVERED]
 
 
 def fisher_norms(fishers: Sequence[State]) -> Callable[[], torch.Tensor]:
@@ -456,17 +441,17 @@ def run_merge(
     factors: Sequence[torch.Tensor] | None = None,
     grams: Sequence[State] | None = None,
     scorer: Scorer | None = None,
-    **options: object,
+    options: BaseModel | None = None,
+    **keywords: object,
 ) -> MergeResult:
-    """Merge client state dicts with a registered method, returning its report too."""
+    """Merge client state dicts with a declared method, returning its report too. Its options are ``options``,
+    the method's validated options model (``mergeflow.schema.merge.MergeMethod.parse``), or ``keywords``."""
     if not states:
         raise MergeflowError("merge needs at least one model")
-    spec = METHODS.get(method)
-    if spec is None:
-        raise MergeflowError(f"unknown merge method {method!r}; known: {', '.join(METHODS)}")
+    spec = DECLARED.lookup(method)
     given = {"base": base, "sizes": weights, "fishers": fishers, "factors": factors, "grams": grams, "scorer": scorer}
     require_inputs(spec, given)
-    parsed = validate_options(method, options)
+    parsed = parsed_options(spec, options, keywords)
     if spec.scope == "tensor":
         _check_compatible([*states, base] if base is not None else states)
         w = normalized_weights(weights, len(states), states_device(states))
@@ -475,7 +460,7 @@ def run_merge(
     inputs = model_inputs(
         states, base=base, weights=weights, fishers=fishers, factors=factors, grams=grams, scorer=scorer
     )
-    result = spec.fn(inputs, parsed)
+    result = Implementation.of(spec).fn(inputs, parsed)
     if not isinstance(result, MergeResult):
         result = MergeResult(result)
     for key, first in states[0].items():  # untouched tensors (buffers, counters) follow the tensor rules
@@ -485,8 +470,15 @@ def run_merge(
     return result
 
 
+def parsed_options(spec: MergeMethod, options: BaseModel | None, keywords: Mapping[str, object]) -> BaseModel:
+    """The options of a merge: its validated model as given, or validated from ``keywords`` (a notebook's)."""
+    if options is not None and keywords:
+        raise MergeflowError(f"give the options of {spec.name!r} as a model (options=) or as keywords, not both")
+    return spec.parse(options if options is not None else keywords)
+
+
 def merge(method: str, states: Sequence[State], **inputs: Any) -> dict[str, torch.Tensor]:
-    """Merge client state dicts with a registered method; see ``run_merge`` for the inputs.
+    """Merge client state dicts with a declared method; see ``run_merge`` for the inputs.
 
     Example: ``merge("task_arithmetic", [sd1, sd2], base=sd0, scaling=0.5)``.
     Tensors are combined in float64 and cast back to each tensor's dtype; non-float

@@ -1,0 +1,69 @@
+"""Adding a merge method is one declaration plus one implementation module: shown on a copy of the code tree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+from test_import_graph import _copy_code
+
+DECLARATION = 'declare(MergeMethod("median", "mergeflow.merge.median:median", elementwise=True))\n'
+IMPLEMENTATION = '''"""The elementwise median of the clients' tensors."""
+
+import torch
+
+from mergeflow.merge.engine import TensorInputs
+
+
+def median(x: TensorInputs, options: object) -> torch.Tensor:
+    """Elementwise median of the K clients' tensors (the lower of the middle two for an even K)."""
+    return torch.stack(x.tensors).median(dim=0).values
+'''
+
+# Run on the copy: params validate without importing the method's code, and the merge runs it.
+CHECK = """
+import sys
+import torch
+from mergeflow.config import validate_params
+from mergeflow.errors import ConfigError
+from mergeflow.merge import merge
+from mergeflow.stages import get_stage
+from tasks.merging import plan_merge
+
+params = validate_params({"merge": {"methods": ["average", "median"]}})
+assert "mergeflow.merge.median" not in sys.modules
+try:
+    validate_params({"merge": {"methods": ["median"], "options": {"median": {"bogus": 1}}}})
+    raise AssertionError("an unknown option of the new method passed")
+except ConfigError as error:
+    assert "median" in str(error) and "bogus" in str(error), error
+[median] = [step for wave in plan_merge(params) for step in wave if step.name == "merge/median"]
+assert median.members == ("mergeflow.merge.median",) and "mergeflow/merge/median.py" in median.code
+assert "mergeflow/merge/median.py" in get_stage("merge").code  # dvc.yaml's deps, once regenerated
+states = [{"w": torch.tensor([1.0, 9.0])}, {"w": torch.tensor([5.0, 2.0])}, {"w": torch.tensor([3.0, 4.0])}]
+assert merge("median", states)["w"].tolist() == [3.0, 4.0]
+"""
+
+
+def _contents(root: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(root)): path.read_bytes() for path in root.rglob("*.py")}
+
+
+def test_a_new_method_is_one_declaration_line_and_one_module(tmp_path):
+    code = _copy_code(tmp_path / "code")
+    before = _contents(code)
+    with open(code / "mergeflow/schema/merge.py", "a") as declarations:
+        declarations.write(DECLARATION)
+    (code / "mergeflow/merge/median.py").write_text(IMPLEMENTATION)
+    after = _contents(code)
+    edited = {path for path in after if before.get(path) != after[path]}
+    assert edited == {"mergeflow/schema/merge.py", "mergeflow/merge/median.py"}
+    assert after["mergeflow/schema/merge.py"] == before["mergeflow/schema/merge.py"] + DECLARATION.encode()
+
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    done = subprocess.run([sys.executable, "-c", CHECK], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (ROOT / "mergeflow/merge/median.py").exists()  # the checkout is untouched
