@@ -33,6 +33,7 @@ def _add_params_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
+    from flows.reproduction_registry import REPRODUCTIONS
     from mergeflow.stages import STAGE_NAMES
 
     parser = argparse.ArgumentParser(prog="mergeflow", description="Federated model merging pipeline.")
@@ -72,13 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     best.add_argument("--all-data", action="store_true", help="rank all data together (default: the latest run's)")
     _add_params_options(best)
     reproduce = commands.add_parser("reproduce", help="run a paper reproduction (results/NAME.md)")
-    reproduce.add_argument(
-        "name",
-        choices=(
-            *("linear-gaussian", "pinwheel", "alignment", "federated", "participation", "merges", "averaging-laws"),
-            *("robustness", "privacy"),
-        ),
-    )
+    reproduce.add_argument("name", choices=tuple(REPRODUCTIONS))
     reproduce.add_argument("--preset", help="experiment preset (default: experiments/<name>.yaml)")
     return parser
 
@@ -141,8 +136,8 @@ def _ui(args: argparse.Namespace) -> int:
 
     from flows.ui import base_url, serve_ui
     from mergeflow.config import load_params
+    from tasks.mlflow_queries import runs_url
     from tasks.mlflow_store import tracking_uri
-    from tasks.tracking import runs_url
 
     experiment = load_params(args.params).tracking.experiment if Path(args.params).is_file() else "mergeflow"
     page_url = partial(runs_url, Path.cwd(), experiment)
@@ -223,7 +218,7 @@ def _best(args: argparse.Namespace) -> int:
     from flows.environment import configure
 
     configure()
-    from tasks.best_models import best_runs
+    from tasks.mlflow_queries import best_runs
 
     ranking = best_runs(Path.cwd(), experiment, args.metric, args.top, args.all_data)
     if ranking.left_out:

@@ -1,25 +1,6 @@
-"""Reproductions of the papers' experiments, each an experiment preset under ``experiments/``.
-
-``mergeflow reproduce NAME`` runs one and writes ``results/NAME.json`` and ``results/NAME.md``.
-
-- ``linear-gaussian``: SSF §3.1 in closed form (``mergeflow.reproductions.linear_gaussian``).
-  Its per-step SSF curves go to MLflow as step metrics.
-- ``pinwheel``: SSF Table 1 through the real pipeline, once per point of the preset's
-  ``sweep`` (number of clients × seeds), in a workspace of its own under ``results/``;
-  every pipeline run is logged to MLflow as usual.
-- ``alignment``: independently initialised digits MLPs, barriers and merges with and without
-  weight or activation matching.
-- ``federated`` and ``participation``: the federated algorithms under label skew, and FedAvg
-  with partial against full participation.
-- ``merges``: every merge method beside the best client, the ensemble and the centralized oracle,
-  each searched option chosen on the validation split (``experiments/merges.yaml``: independent
-  inits, K = 2…5, aligned and not; ``experiments/merges_digits.yaml``: the default digits setting).
-- ``averaging-laws``: FedAvg's accuracy gain over centralized training against each transformer's
-  compute budget, IID and non-IID (one domain per client), full and partial participation, and
-  seen against unseen domains (:mod:`mergeflow.reproductions.averaging_laws`).
-- ``robustness``: each aggregator against 0–3 attackers of each kind, and the adaptive server
-  optimizers against FedAvg; ``privacy``: DP-FedAvg's accuracy against ε
-  (:mod:`mergeflow.reproductions.robustness`).
+"""The paper reproductions' runners: ``mergeflow reproduce NAME`` runs one and writes ``results/NAME.json`` and
+``results/NAME.md``. Each is declared, with its default preset and what it reproduces, in
+:mod:`flows.reproduction_registry`; the analyses are :mod:`mergeflow.reproductions`'.
 """
 
 from __future__ import annotations
@@ -33,24 +14,13 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from flows.reproduction_registry import REPRODUCTIONS
 from mergeflow.config import apply_overrides, validate_params
 from mergeflow.errors import ConfigError
 from mergeflow.files import write_json
 from mergeflow.preflight import check_model, check_paths
 from mergeflow.reproductions.tables import markdown_table, mean_std_cell
 from tasks.layout import SELECTION
-
-PRESETS = {
-    "linear-gaussian": "experiments/linear_gaussian.yaml",
-    "pinwheel": "experiments/pinwheel.yaml",
-    "alignment": "experiments/alignment.yaml",
-    "federated": "experiments/federated.yaml",
-    "participation": "experiments/participation.yaml",
-    "merges": "experiments/merges.yaml",
-    "averaging-laws": "experiments/averaging_laws.yaml",
-    "robustness": "experiments/robustness.yaml",
-    "privacy": "experiments/privacy.yaml",
-}
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -71,8 +41,8 @@ def _write(root: Path, name: str, data: dict[str, Any], table: str) -> Path:
 
 def linear_gaussian(preset: Path, root: Path) -> Path:
     """Closed-form linear-Gaussian merges; one results table per case in the preset."""
+    from flows.reproduction_logging import log_reproduction
     from mergeflow.reproductions.linear_gaussian import LinearGaussianSettings, run_linear_gaussian
-    from tasks.tracking import log_reproduction
 
     cases = _read_yaml(preset)
     results, text = {}, ""
@@ -329,15 +299,16 @@ def _drop_bulky_blobs(workspace: Path, outcomes: list[dict[str, Any]], prefixes:
         store.blob(digest).unlink(missing_ok=True)
 
 
-def _code_fingerprint() -> str:
-    """sha256 over the library's and tasks' source files: a run record is reused only with the same code."""
-    import hashlib
-
+def _code_hashes() -> dict[str, str]:
+    """The code a sweep run's record comes from, by file (sha256), as the cache keys see code: every stage's
+    (:attr:`mergeflow.stages.Stage.code`, the import closures of its steps' modules) and the import closure of
+    this module, which reads the record from the run's outputs. A record is reused only with the same code."""
+    from mergeflow.stages import STAGES
+    from tasks.steps import code_closure, project_root_of_code
     from tasks.store import hash_paths
 
-    project = Path(__file__).resolve().parent.parent
-    hashes = hash_paths(project, ["mergeflow", "tasks"])
-    return hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()
+    files = {*code_closure((__name__,)), *(path for stage in STAGES for path in stage.code)}
+    return hash_paths(project_root_of_code(), sorted(files))
 
 
 def _package_model(module: str) -> str | None:
@@ -364,7 +335,7 @@ def _laws_run(
     check_model(params, f"{preset}: {' '.join(point)}")
     if "fedavg" not in params.federated.algorithms:
         raise ConfigError([f"{preset}: federated.algorithms: the averaging laws are FedAvg's; list fedavg"])
-    identity = json.dumps({"params": params.model_dump(mode="json"), "code": _code_fingerprint()}, sort_keys=True)
+    identity = json.dumps({"params": params.model_dump(mode="json"), "code": _code_hashes()}, sort_keys=True)
     path = workspace / _LAWS_RECORDS / f"{hashlib.sha256(identity.encode()).hexdigest()}.json"
     if path.is_file():
         saved = json.loads(path.read_text())
@@ -521,17 +492,5 @@ def privacy(preset: Path, root: Path) -> Path:
 
 def reproduce(name: str, root: Path, preset: str | None = None) -> Path:
     """Run one reproduction by name; return the path of its markdown table."""
-    runners = {
-        "linear-gaussian": linear_gaussian,
-        "pinwheel": pinwheel,
-        "alignment": alignment,
-        "federated": federated,
-        "participation": federated,
-        "merges": merges,
-        "averaging-laws": averaging_laws,
-        "robustness": robustness,
-        "privacy": privacy,
-    }
-    if name not in runners:
-        raise ConfigError([f"reproduce: unknown experiment {name!r}; known: {', '.join(runners)}"])
-    return runners[name](Path(preset or root / PRESETS[name]), root)
+    reproduction = REPRODUCTIONS.lookup(name)
+    return reproduction.load()(Path(preset or root / reproduction.preset), root)

@@ -31,7 +31,7 @@ def workspace_lock(root: Path) -> Iterator[None]:
     Runs share the content-addressed store safely, but each one materialises its outputs at
     the same paths that the other's steps read; a second run waits here, then finds the
     first one's work in the cache. The lock file says who holds it and since when (``pid``, ``started`` in
-    epoch seconds): the MLflow pipeline run starts then (:func:`tasks.tracking.run_started`).
+    epoch seconds): the MLflow pipeline run starts then (:func:`tasks.provenance.run_started`).
     """
     path = root / STATE_DIR / "pipeline.lock"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from mergeflow.metric_direction import lower_is_better
 from mergeflow.objectives import Objective, get_objective
 
 
@@ -32,9 +33,9 @@ def best_model(metrics: dict[str, dict], *, task: str | Objective) -> str:
     token NLL); ties go to the alphabetically first name."""
     if not metrics:
         raise ValueError("best_model needs at least one model")
-    declaration = get_objective(task).declaration
-    sign = 1.0 if declaration.lower_is_better else -1.0
-    return min(metrics, key=lambda name: (sign * metrics[name][declaration.rank_by], name))
+    rank_by = get_objective(task).declaration.rank_by
+    sign = 1.0 if lower_is_better(rank_by) else -1.0
+    return min(metrics, key=lambda name: (sign * metrics[name][rank_by], name))
 
 
 def sanity_check(

@@ -17,9 +17,10 @@ from mergeflow.checkpoints import checkpoint_header, load_checkpoint, load_check
 from mergeflow.config import Params
 from mergeflow.merge.engine import Scorer, run_merge
 from mergeflow.merge.streaming import merge_files
+from mergeflow.metric_direction import lower_is_better
 from mergeflow.models import family_of, parameter_names
 from mergeflow.schema.merge import DECLARED
-from mergeflow.schema.search import HIGHER_IS_BETTER, candidate_id, choose, search_grid, searched_keys
+from mergeflow.schema.search import candidate_id, choose, search_grid, searched_keys
 from tasks.layout import (
     BASE,
     EXTRA_INPUTS,
@@ -184,7 +185,7 @@ def _streams(params: dict[str, Any], settings: dict[str, Any], root: Path, clien
 def _validation_scorer(params: dict[str, Any], root: Path, spec: dict[str, Any]) -> Scorer:
     """A state dict's validation score by ``select_by``, signed so that higher is better."""
     metric = params["select_by"]
-    sign = 1.0 if HIGHER_IS_BETTER[metric] else -1.0
+    sign = -1.0 if lower_is_better(metric) else 1.0
 
     def score(state: dict[str, Any]) -> float:
         return sign * split_metrics(root, "validation", spec, state, params["noise_std"])[metric]

@@ -61,25 +61,14 @@ def _without_unset(node: Any) -> Any:
     return {key: value for key, value in kept.items() if value is not None and value != {}}
 
 
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested params as ``a.b.c`` keys with string values, for ``log_params``."""
-    flat: dict[str, str] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{name}."))
-        else:
-            flat[name] = json.dumps(value) if not isinstance(value, str) else value
-    return flat
-
-
 _RUN_LISTS = {"merge": "merge.methods", "federated": "federated.algorithms"}  # whose entries have options
 
 
 def changed_params(mine: dict[str, str], before: dict[str, str]) -> dict[str, str]:
-    """The flat params (:func:`flatten`) of ``mine`` that ``before`` had with another value or lacked, then those
-    ``before`` had and ``mine`` lacks (``unset``); but for the options of a merge or algorithm that the other
-    run did not run (they come with the changed ``merge.methods`` or ``federated.algorithms``)."""
+    """The flat params (:func:`tasks.mlflow_logging.flatten`) of ``mine`` that ``before`` had with another value
+    or lacked, then those ``before`` had and ``mine`` lacks (``unset``); but for the options of a merge or
+    algorithm that the other run did not run (they come with the changed ``merge.methods`` or
+    ``federated.algorithms``)."""
 
     def explained(key: str, other: dict[str, str]) -> bool:
         section, _, rest = key.partition(".options.")
@@ -114,9 +103,3 @@ def _short(key: str) -> str:
 def _cut(value: str, width: int = 32) -> str:
     value = value.replace('"', "").replace(", ", ",")  # JSON lists as [a,b]
     return value if len(value) <= width else value[: width - 1] + "…"
-
-
-def registered_model_name(experiment: str, data: str, merge: str) -> str:
-    """The Model Registry name of one merge entry: one registered model per experiment, data and merge, so that
-    the versions of a name take the same inputs (another table's model is another model, not a new version)."""
-    return f"{experiment}.{data}.{merge}"

@@ -92,3 +92,12 @@ def test_best_reads_mlflow_without_importing_torch(experiment, tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
+def test_which_way_a_metric_improves_is_read_from_its_name():
+    from mergeflow.metric_direction import lower_is_better
+
+    lower = ("test_nll", "test_perplexity", "round_train_loss", "barrier_before_mean", "cg_relative_residual", "mae")
+    higher = ("test_accuracy", "test_accuracy_gain", "test_loss_group_accuracy", "soup_score", "cg_iterations")
+    assert all(lower_is_better(metric) for metric in lower)
+    assert not any(lower_is_better(metric) for metric in higher)

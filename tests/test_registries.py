@@ -57,9 +57,7 @@ def bilinear():
 def absolute():
     """An objective declared and registered here: regression with a Laplace likelihood (mean absolute error)."""
     objectives.declare_objective(
-        objectives.ObjectiveDeclaration(
-            "absolute", rank_by="mae", lower_is_better=True, headline="mae", select_by=("nll",)
-        )
+        objectives.ObjectiveDeclaration("absolute", rank_by="mae", headline="mae", select_by=("nll",))
     )
 
     @register_objective

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from mergeflow.config import apply_overrides, validate_params
-from tasks.tracking_params import data_label, flatten, params_in_use, run_name
+from tasks.mlflow_logging import flatten
+from tasks.tracking_params import data_label, params_in_use, run_name
 
 TABLE = ["data.source=table", "data.table.path=csv"]
 
@@ -71,19 +72,19 @@ def test_a_run_is_named_by_its_data_and_what_changed_since_the_last_run_on_it():
 def test_a_model_of_another_signature_is_not_registered_as_a_new_version(tmp_path):
     import mlflow
 
-    from tasks.tracking import _register
+    from tasks.model_registry import register
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     source = (tmp_path / "model").as_uri()
-    first, refused = _register(
+    first, refused = register(
         mlflow, source, "e.iris.average", {"mergeflow.checkpoint_sha256": "a", "mergeflow.signature": "s1"}
     )
     assert first == "e.iris.average version 1" and refused is None
-    again, refused = _register(
+    again, refused = register(
         mlflow, source, "e.iris.average", {"mergeflow.checkpoint_sha256": "a", "mergeflow.signature": "s1"}
     )
     assert again is None and refused is None  # the same checkpoint: no new version
-    other, refused = _register(
+    other, refused = register(
         mlflow, source, "e.iris.average", {"mergeflow.checkpoint_sha256": "b", "mergeflow.signature": "s2"}
     )
     assert other is None and refused.startswith("e.iris.average: its versions take other inputs")

@@ -20,7 +20,8 @@ class ObjectiveDeclaration:
 
     Attributes:
         name: the objective's name (``Params.task``, ``info["task"]``).
-        rank_by: the test metric that ranks models (best client), and ``lower_is_better`` its sense.
+        rank_by: the test metric that ranks models (best client); which way it improves is
+            :func:`mergeflow.metric_direction.lower_is_better`'s.
         headline: the metric plotted beside the NLL in the comparison plot.
         select_by: the validation metrics ``merge.select_by`` may choose on; the first is ``auto``'s.
         fisher_kinds: the ``fisher.kind`` values it supports.
@@ -32,7 +33,6 @@ class ObjectiveDeclaration:
 
     name: str
     rank_by: str
-    lower_is_better: bool
     headline: str
     select_by: tuple[str, ...]
     fisher_kinds: tuple[str, ...] = ("empirical", "sampled", "exact")
@@ -59,18 +59,13 @@ def declared_objective(name: str) -> ObjectiveDeclaration:
 
 
 declare_objective(
-    ObjectiveDeclaration(
-        "classification", rank_by="accuracy", lower_is_better=False, headline="accuracy", select_by=("accuracy", "nll")
-    )
+    ObjectiveDeclaration("classification", rank_by="accuracy", headline="accuracy", select_by=("accuracy", "nll"))
 )
-declare_objective(
-    ObjectiveDeclaration("regression", rank_by="mse", lower_is_better=True, headline="mse", select_by=("nll", "mse"))
-)
+declare_objective(ObjectiveDeclaration("regression", rank_by="mse", headline="mse", select_by=("nll", "mse")))
 declare_objective(
     ObjectiveDeclaration(
         "causal_lm",
         rank_by="nll",
-        lower_is_better=True,
         headline="perplexity",
         select_by=("nll",),
         fisher_kinds=("empirical", "sampled"),  # exact sums over the vocabulary at every position

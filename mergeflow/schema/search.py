@@ -13,9 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mergeflow.errors import ConfigError
-
-# What "best" means for each selection metric.
-HIGHER_IS_BETTER = {"accuracy": True, "nll": False, "mse": False}
+from mergeflow.metric_direction import lower_is_better
 
 
 def _is_search(value: Any) -> bool:
@@ -47,7 +45,5 @@ def candidate_id(options: Mapping[str, Any]) -> str:
 
 def choose(scores: Sequence[Mapping[str, float]], select_by: str) -> int:
     """The index of the best candidate by ``select_by`` (a key of each score dict); ties go to the first."""
-    if select_by not in HIGHER_IS_BETTER:
-        raise ValueError(f"select_by must be one of {', '.join(HIGHER_IS_BETTER)}, got {select_by!r}")
-    sign = -1.0 if HIGHER_IS_BETTER[select_by] else 1.0
+    sign = 1.0 if lower_is_better(select_by) else -1.0
     return min(range(len(scores)), key=lambda i: (sign * scores[i][select_by], i))

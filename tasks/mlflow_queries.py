@@ -1,5 +1,6 @@
-"""``mergeflow best``: an experiment's best merged and federated models, ranked among models scored on the
-same test split, from MLflow's records only (no torch)."""
+"""What the read-only commands ask MLflow, from its records only (no torch): ``mergeflow best``, an experiment's
+best merged and federated models ranked among models scored on the same test split, and ``mergeflow ui``'s page
+of an experiment's runs."""
 
 from __future__ import annotations
 
@@ -8,12 +9,30 @@ from pathlib import Path
 from typing import Any
 
 from mergeflow.errors import MergeflowError
-from tasks.mlflow_store import require_store
-from tasks.tracking_params import registered_model_name
+from mergeflow.metric_direction import lower_is_better
+from tasks.mlflow_store import require_store, store_exists, tracking_uri
+from tasks.model_registry import registered_model_name
 
-_LOWER_IS_BETTER = ("nll", "ece", "mse", "loss", "residual", "barrier")
 _UNSET = ("{}", "[]", "null", "None", "")  # a logged value that means no setting, as an absent param does
 _UNKNOWN = "?"  # the data of a run logged before runs named it
+
+
+def runs_url(root: Path, experiment: str, base: str) -> str:
+    """The MLflow UI page of ``experiment``'s runs under ``base`` (e.g. ``http://127.0.0.1:5000``).
+
+    MLflow 3's UI opens an experiment on its GenAI overview unless the browser chose otherwise (the
+    choice lives in the browser's local storage, not on the server); ``workflowType=machine_learning``
+    in the URL opens the runs table. The experiment list when the experiment does not exist yet (nor the
+    store: this creates none).
+    """
+    if not store_exists(root):
+        return f"{base}/#/experiments"
+    from mlflow.tracking import MlflowClient
+
+    found = MlflowClient(tracking_uri(root)).get_experiment_by_name(experiment)
+    if found is None:
+        return f"{base}/#/experiments"
+    return f"{base}/#/experiments/{found.experiment_id}/runs?workflowType=machine_learning"
 
 
 @dataclass
@@ -28,7 +47,8 @@ class Ranking:
 
 
 def best_runs(root: Path, experiment: str, metric: str, top: int = 5, all_data: bool = False) -> Ranking:
-    """The best merged and federated models of an experiment by ``metric`` (NLL-like: lowest first).
+    """The best merged and federated models of an experiment by ``metric`` (lowest first where lower is better:
+    :func:`mergeflow.metric_direction.lower_is_better`).
 
     Only models scored on the same test split compare: by default those of the data of the latest pipeline
     run (``all_data`` ranks every model). Each model (by checkpoint sha256) counts once, with the run that
@@ -43,7 +63,7 @@ def best_runs(root: Path, experiment: str, metric: str, top: int = 5, all_data: 
     mlflow.set_tracking_uri(uri)
     if mlflow.get_experiment_by_name(experiment) is None:
         raise MergeflowError(f"tracking.experiment: no MLflow experiment {experiment!r} at {uri}")
-    ascending = any(word in metric for word in _LOWER_IS_BETTER)
+    ascending = lower_is_better(metric)
     every = mlflow.search_runs(experiment_names=[experiment])
     column = f"metrics.{metric}"
     if every.empty or column not in every.columns:
