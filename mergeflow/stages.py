@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mergeflow.import_graph import import_closure
 from mergeflow.schema.families import DECLARED as FAMILIES
+from mergeflow.schema.sources import SOURCES
 
 _ROOT = Path(__file__).resolve().parent.parent  # the repository: mergeflow/, tasks/, flows/
 
@@ -26,8 +27,9 @@ class Stage:
     ``files`` other output files (details, such as per-client curves), ``metrics`` the files of the
     numbers people compare across experiments (DVC's metrics: ``dvc exp show``'s columns), ``plots``
     images; all of them are cached DVC outputs. ``phases`` run one after another; the steps inside one
-    phase may run in parallel. Its code (a DVC dependency, and part of every step's cache key) is
-    derived, never listed: :attr:`code`.
+    phase may run in parallel. ``members`` are the modules of every registered member its steps may run
+    (imported by name, :attr:`tasks.steps.Step.members`). Its code (a DVC dependency, and part of every
+    step's cache key) is derived, never listed: :attr:`code`.
     """
 
     name: str
@@ -39,12 +41,13 @@ class Stage:
     files: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ()
     plots: tuple[str, ...] = ()
+    members: tuple[str, ...] = ()
 
     @property
     def code(self) -> tuple[str, ...]:
-        """Every source file of this repository that the stage's phase modules import, transitively
-        (the union of its steps' :attr:`tasks.steps.Step.code`)."""
-        modules = dict.fromkeys(phase.partition(":")[0] for phase in self.phases)
+        """Every source file of this repository that the stage's phase modules and members import,
+        transitively (the union of its steps' :attr:`tasks.steps.Step.code`, whichever members they run)."""
+        modules = dict.fromkeys((*(phase.partition(":")[0] for phase in self.phases), *self.members))
         return tuple(sorted({path for module in modules for path in import_closure(module, _ROOT)}))
 
     @property
@@ -65,6 +68,9 @@ _CENTRALIZED_PARAMS = tuple(
 
 # A pretrained model's tokenizer tokenizes the text (every family that can start from one).
 _PRETRAINED_KEYS = tuple(family.pretrained_key for family in FAMILIES.values() if family.pretrained_key)
+# The prepare step reads the chosen source only (its declaration and loader: DataSource.modules); DVC's deps
+# are static, so the stage depends on every source's.
+_SOURCE_MODULES = tuple(dict.fromkeys(module for source in SOURCES.values() for module in source.modules))
 # The merge methods decide which statistics the fisher and align stages compute (tasks.fisher.statistics_read).
 # Not merge.options: tuning a merge must not re-run them under DVC (a variant's `method` is read there too,
 # and a variant is added to merge.methods by name).
@@ -82,6 +88,7 @@ STAGES: tuple[Stage, ...] = (
         params=("seed", "data", *_PRETRAINED_KEYS),
         outs=("data/prepared",),
         files=("metrics/data.json",),
+        members=_SOURCE_MODULES,
     ),
     Stage(
         name="partition",
