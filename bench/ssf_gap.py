@@ -57,7 +57,7 @@ def linear_gaussian(case: str) -> Setting:
 def pinwheel_workspace(root: Path) -> Setting:
     """Inputs, test NLL of a flat θ, SSF options and δ from a pinwheel pipeline workspace."""
     from mergeflow.checkpoints import load_checkpoint
-    from mergeflow.data import load_dataset_file, to_arrays
+    from mergeflow.data.storage import load_dataset_file, to_arrays
     from mergeflow.models import build_from_spec, parameter_names
 
     _, meta = load_checkpoint(root / "models/base/base.safetensors")

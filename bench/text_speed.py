@@ -26,8 +26,8 @@ import torch
 from fisher_speed import best_of, loop_fisher  # bench/ is the script's folder
 
 from mergeflow.data.storage import to_arrays
-from mergeflow.data.text import load_wordnet_source
 from mergeflow.data.tokenize import encode_dataset, train_tokenizer, training_texts
+from mergeflow.data.wordnet import load_wordnet_source
 from mergeflow.fisher import diagonal_fisher
 from mergeflow.models.hf import build_base
 from mergeflow.training import minibatches, token_lengths, train

@@ -29,7 +29,6 @@ from mergeflow.schema.federated import (
     ServerOptimizerOptions,
     participants_per_round,
 )
-from mergeflow.schema.sources import ALIASES as SOURCE_ALIASES
 from mergeflow.schema.sources import SOURCES, DataSource, canonical_name
 
 
@@ -51,8 +50,9 @@ class TokenizerConfig(_Section):
 
 class DataConfig(_Section):
     """The data source (``source``, any registered one: :mod:`mergeflow.schema.sources`), its splits and
-    feature policies. Every registered source has its options section ``data.<name>``, validated by its
-    options model; the chosen source's is :attr:`options`."""
+    feature policies. A source's options are the section ``data.<name>``, validated by its options model;
+    the chosen source's (its defaults when left out) is :attr:`options`. Other sources' sections are kept
+    only where given, so registering a source changes no params."""
 
     model_config = ConfigDict(extra="allow")  # the sources' sections, each checked by _source_sections
     source: str = "digits"
@@ -67,14 +67,14 @@ class DataConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _source_sections(cls, raw: Any) -> Any:
-        """Old names to new ones (an old section's keys over the new one's), unknown keys refused, and every
-        source's section as its options model."""
+        """Old names to new ones (an old section's keys over the new one's), unknown keys refused, and the
+        chosen source's section and every one given as its options model."""
         if not isinstance(raw, dict):
             return raw
         raw = dict(raw)
-        if isinstance(raw.get("source"), str) and raw["source"] in SOURCE_ALIASES:
+        if isinstance(raw.get("source"), str) and raw["source"] in SOURCES.aliases:
             raw["source"] = canonical_name(raw["source"])
-        for old in [key for key in raw if key in SOURCE_ALIASES]:
+        for old in [key for key in raw if key in SOURCES.aliases]:
             new, section = canonical_name(old), raw.pop(old)
             if isinstance(section, dict) and isinstance(raw.get(new), dict):
                 section = raw[new] | section  # `-S data.hf.path=…` over a params file that says data.table
@@ -82,7 +82,17 @@ class DataConfig(_Section):
         for key in raw:
             if key not in cls.model_fields and key not in SOURCES:
                 raise ValueError(f"{key}: unknown key")
-        return raw | {name: source.parse(raw.get(name)) for name, source in SOURCES.items()}
+        chosen = raw.get("source", cls.model_fields["source"].default)
+        return raw | {name: source.parse(raw.get(name)) for name, source in SOURCES.items() if name in (*raw, chosen)}
+
+    def for_prepare(self) -> dict[str, Any]:
+        """The section as the prepare step reads it, as JSON: the chosen source's options, the split fractions
+        and, unless the source is text (tokenized, not encoded), the feature policies; no other source's
+        options and no tokenizer (the tokenize step's)."""
+        unread = {"tokenizer", *(name for name in SOURCES if name != self.source)}
+        if self.is_text:
+            unread |= {"standardize", "categorical", "missing"}
+        return self.model_dump(mode="json", exclude=unread)
 
     @property
     def spec(self) -> DataSource:
@@ -922,8 +932,8 @@ def _keys_below(parts: list[str], raw: Any) -> list[str]:
             return [*extra, *declared[kind].model_fields] if kind in declared else list(extra)
     if parts == ["data"]:
         return [*DataConfig.model_fields, *SOURCES]
-    if len(parts) == 2 and parts[0] == "data" and parts[1] in (*SOURCES, *SOURCE_ALIASES):
-        return list(SOURCES[SOURCE_ALIASES.get(parts[1], parts[1])].Options.model_fields)
+    if len(parts) == 2 and parts[0] == "data" and parts[1] in (*SOURCES, *SOURCES.aliases):
+        return list(SOURCES[SOURCES.aliases.get(parts[1], parts[1])].Options.model_fields)
     if len(parts) == 4 and parts[:2] == ["federated", "options"] and parts[3] == "local":
         return list(TrainOverride.model_fields)
     node: Any = Params

@@ -6,10 +6,10 @@ transitively, re-runs it, and editing one it does not import re-runs nothing. No
 statement anywhere in it, function-level and ``if TYPE_CHECKING:`` ones included, without running
 anything), follows each import that resolves to a file under the root, and repeats. Importing
 ``a.b.c`` runs ``a/__init__.py`` and ``a/b/__init__.py`` too, so those count. A name that a
-package serves lazily (PEP 562 ``__getattr__``, e.g. ``from mergeflow.data import load_source``)
+package serves lazily (PEP 562 ``__getattr__``, e.g. ``from pkg import served_lazily``)
 is not bound in the package's ``__init__.py``, so the walk cannot tell which submodule holds it
 and counts every module of that package; so does any import of a package whose ``__init__.py``
-defines ``__getattr__`` (``from mergeflow import data``, ``import pkg as p``, a star import), as
+defines ``__getattr__`` (``from pkg import sub``, ``import pkg as p``, a star import), as
 its attributes may then reach any of them. A missed file would be a stale result, an extra one
 only an extra re-run. The parsed files are kept for the life of the process: a long-running
 process follows an import added after its first keying only once restarted. Imports of

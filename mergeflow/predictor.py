@@ -13,7 +13,7 @@ import torch
 
 from mergeflow.checkpoints import load_model
 from mergeflow.data.features import FeatureEncoder
-from mergeflow.data.sources import _list_array
+from mergeflow.data.rows import list_array
 from mergeflow.errors import MergeflowError
 from mergeflow.objectives import get_objective
 from mergeflow.training import predict
@@ -53,7 +53,7 @@ class TablePredictor:
         array = array.reshape(len(array), -1)
         names = [c.name for c in self.encoder.columns]
         if names == ["x"]:
-            return pa.table({"x": _list_array(array)})
+            return pa.table({"x": list_array(array)})
         if array.shape[1] != len(names) or any(c.width != 1 or c.kind != "numeric" for c in self.encoder.columns):
             raise MergeflowError(f"pass a DataFrame with the feature columns {names}, not an array")
         return pa.table({name: array[:, i] for i, name in enumerate(names)})

@@ -67,12 +67,14 @@ M = TypeVar("M", bound=Named)
 class Registry(dict[str, T], Generic[T]):
     """Members by name; ``kind`` names them in errors (``"merge method"``), ``key`` is the params key that
     names one (``"merge.methods"``), for the error lines. Aliases resolve to their member with a one-line
-    deprecation notice; an unknown name gets "did you mean" and the known names."""
+    deprecation notice, ``notice`` formatted with ``key``, ``old`` and ``new``; an unknown name gets "did
+    you mean" and the known names."""
 
-    def __init__(self, kind: str, key: str | None = None) -> None:
+    def __init__(self, kind: str, key: str | None = None, notice: str = "{key} {old!r} is now {new!r}") -> None:
         super().__init__()
         self.kind = kind
         self.key = key
+        self.notice = notice
         self.aliases: dict[str, str] = {}
 
     def add(self, name: str, member: T, aliases: Iterable[str] = ()) -> T:
@@ -108,7 +110,7 @@ class Registry(dict[str, T], Generic[T]):
         if name in self.aliases:
             from mergeflow.schema.deprecation import deprecated
 
-            deprecated(f"{self.key or self.kind} {name!r} is now {self.aliases[name]!r}")
+            deprecated(self.notice.format(key=self.key or self.kind, old=name, new=self.aliases[name]))
             return self.aliases[name]
         where = f"{self.key}: " if self.key else ""
         hint = did_you_mean(name, self)

@@ -14,6 +14,7 @@ from pathlib import Path
 from mergeflow.import_graph import import_closure
 from mergeflow.schema.families import DECLARED as FAMILIES
 from mergeflow.schema.merge import DECLARED as MERGE_METHODS
+from mergeflow.schema.sources import SOURCES
 
 _ROOT = Path(__file__).resolve().parent.parent  # the repository: mergeflow/, tasks/, flows/
 
@@ -68,6 +69,9 @@ _CENTRALIZED_PARAMS = tuple(
 
 # A pretrained model's tokenizer tokenizes the text (every family that can start from one).
 _PRETRAINED_KEYS = tuple(family.pretrained_key for family in FAMILIES.values() if family.pretrained_key)
+# The prepare step reads the chosen source only (its declaration and loader: DataSource.modules); DVC's deps
+# are static, so the stage depends on every source's.
+_SOURCE_MODULES = tuple(dict.fromkeys(module for source in SOURCES.values() for module in source.modules))
 # The merge methods decide which statistics the fisher and align stages compute
 # (tasks.merge_statistics.statistics_read). Not merge.options: tuning a merge must not re-run them under DVC
 # (a variant's `method` is read there too, and a variant is added to merge.methods by name).
@@ -87,6 +91,7 @@ STAGES: tuple[Stage, ...] = (
         params=("seed", "data", *_PRETRAINED_KEYS),
         outs=("data/prepared",),
         files=("metrics/data.json",),
+        members=_SOURCE_MODULES,
     ),
     Stage(
         name="partition",

@@ -32,7 +32,7 @@ def check_data(params: Params, root: Path) -> None:
 
     from mergeflow.data.check import check_inputs
 
-    data = params.section("data")
+    data = params.data.for_prepare()
     table = params.data.spec.user_table
     pretrained = params.pretrained
     if not table and not pretrained:

@@ -9,17 +9,11 @@ from typing import Any
 import numpy as np
 
 from mergeflow.config import Params
-from mergeflow.data import (
-    load_dataset_file,
-    partition_dataset,
-    partition_stats,
-    plot_partition_stats,
-    save_dataset,
-    split_dataset,
-    to_arrays,
-)
 from mergeflow.data.encode import encode_splits
-from mergeflow.data.text import make_text_dataset
+from mergeflow.data.partition import partition_dataset, partition_stats, plot_partition_stats
+from mergeflow.data.rows import make_text_dataset
+from mergeflow.data.split import split_dataset
+from mergeflow.data.storage import load_dataset_file, save_dataset, to_arrays
 from mergeflow.data.tokenize import (
     check_vocabulary,
     encode_dataset,
@@ -47,13 +41,15 @@ from tasks.steps import Step
 
 
 def plan_prepare(params: Params) -> list[Step]:
-    """One step: build the dataset and its splits (keyed also by the content of local data files)."""
+    """One step: build the dataset and its splits (keyed also by the content of local data files, and by the
+    chosen source's modules only: another source's code or a new source re-keys nothing)."""
     return [
         Step(
             "prepare",
             "tasks.data:prepare",
-            {"seed": params.seed, "data": params.section("data")},
+            {"seed": params.seed, "data": params.data.for_prepare()},
             inputs=local_data_files(params),
+            members=params.data.spec.modules,
         )
     ]
 
@@ -66,19 +62,19 @@ def prepare(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, 
     """
     data = params["data"]
     source = get_source(data["source"])
-    options = data[source.name]
+    options, loader = source.parse(data[source.name]), source.loader
     fractions = {key: data[key] for key in ("test_fraction", "server_fraction", "validation_fraction")}
-    if source.modality(source.parse(options)) == "tokens":
-        dataset, info = source.load(options, seed=params["seed"], data=data)
+    if source.modality(options) == "tokens":
+        dataset, info = loader.load(options, seed=params["seed"], data=data)
         splits = split_dataset(dataset, info, **fractions, seed=params["seed"])
-        corpus = source.corpus(options, seed=params["seed"])
+        corpus = loader.corpus(options, seed=params["seed"])
         if corpus:  # unlabelled (y = -1): read only by the tokenizer and language-model pre-training
             splits[CORPUS] = make_text_dataset(corpus, np.full(len(corpus), -1, dtype=np.int64))
         directory = out / TEXT
         write_json(out / DATA_METRICS, {"source": info["source"], "standardized": False, "tokenized": True})
     else:
         policies = {"missing": data["missing"], "categorical": data["categorical"]}
-        raw = source.load_raw(options, seed=params["seed"], data=data)
+        raw = loader.load_raw(options, seed=params["seed"], data=data)
         splits, info = encode_splits(raw, **fractions, seed=params["seed"], standardize=data["standardize"], **policies)
         directory = out / PREPARED
         write_json(out / DATA_METRICS, feature_report(info, data))

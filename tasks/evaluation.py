@@ -15,7 +15,6 @@ from mergeflow.evaluation import best_model, sanity_check
 from mergeflow.files import write_json
 from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_comparison, plot_selection
-from mergeflow.schema.sources import SOURCES
 from mergeflow.training import predict
 from tasks.layout import (
     BASE,
@@ -48,6 +47,8 @@ def plan_evaluate(params: Params) -> list[Step]:
         "num_clients": len(clients),
         "methods": list(params.merge.methods),
         "federated": federated,
+        # the source's hints for the sanity warning: in the params, as the step does not import the source
+        "likely_causes": list(params.data.spec.likely_causes),
     }
     return [
         Step(
@@ -127,7 +128,8 @@ def evaluate(params: dict[str, Any], root: Path, out: Path, settings: dict[str, 
         metrics[name] = result | objective.versus(result, metrics["centralized"])
     train = read_arrays(root / PREPARED / "train.parquet", info)
     y_train, y_blind = objective.baseline_targets(train, (X, y), info)
-    sanity = sanity_check(predictions, y_train, y_blind, task=objective, hints=_likely_causes(info))
+    hints = _likely_causes(info, params["likely_causes"])
+    sanity = sanity_check(predictions, y_train, y_blind, task=objective, hints=hints)
     plot_comparison(metrics, out / PLOT, task=objective.name)
     splits = {"models": "test", SANITY: "test", "selection": "validation"}  # where each number comes from
     write_json(out / METRICS, {**metrics, SANITY: sanity, "splits": splits})
@@ -161,11 +163,11 @@ def _selections(root: Path, methods: list[str]) -> dict[str, dict]:
     return {name: meta["selection"] for name, meta in metas.items() if "selection" in meta}
 
 
-def _likely_causes(info: dict[str, Any]) -> str:
-    """What most often keeps a model at the input-blind baseline, for this kind of data."""
+def _likely_causes(info: dict[str, Any], source_causes: list[str]) -> str:
+    """What most often keeps a model at the input-blind baseline, for this kind of data (``source_causes``:
+    its source's own)."""
     causes = ["too high a learning rate (finetune.lr, pretrain.lr)", "too few epochs"]
     if "features" in info and info["features"]["mean"] is None:
         causes.insert(0, "unscaled features (data.standardize)")
-    source = SOURCES.get(info["source"].split(":", 1)[0])
-    causes += source.likely_causes if source is not None else ()
+    causes += source_causes
     return ", ".join(causes) + "."

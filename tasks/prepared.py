@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mergeflow.data import load_dataset_file, to_arrays
+from mergeflow.data.storage import load_dataset_file, to_arrays
 from tasks.layout import PREPARED
 from tasks.store import file_signature
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from conftest import ROOT
-from test_import_graph import _copy_code
+from test_import_graph import copy_code
 
 DECLARATION = 'declare(MergeMethod("median", "mergeflow.merge.median:median", elementwise=True))\n'
 IMPLEMENTATION = '''"""The elementwise median of the clients' tensors."""
@@ -53,7 +53,7 @@ def _contents(root: Path) -> dict[str, bytes]:
 
 
 def test_a_new_method_is_one_declaration_line_and_one_module(tmp_path):
-    code = _copy_code(tmp_path / "code")
+    code = copy_code(tmp_path / "code")
     before = _contents(code)
     with open(code / "mergeflow/schema/merge.py", "a") as declarations:
         declarations.write(DECLARATION)

@@ -169,7 +169,7 @@ def test_the_centralized_model_is_its_best_validation_epoch(smoke):
 
 
 def test_wordnet_kinds_of_text_are_domains_in_equal_shares_each_synset_once(tmp_path):
-    from mergeflow.data.text import load_wordnet_source
+    from mergeflow.data.wordnet import load_wordnet_source
 
     root = write_wordnet(tmp_path / "wordnet")
     ds, info = load_wordnet_source(str(root), texts=["definition", "synonyms"], group="text")
@@ -211,7 +211,7 @@ def test_gain_seen_unseen_and_correlations_match_hand_computations():
 
 
 def test_the_wordnet_corpus_holds_the_definitions_of_synsets_outside_the_task(tmp_path):
-    from mergeflow.data.text import load_wordnet_corpus, load_wordnet_source
+    from mergeflow.data.wordnet import load_wordnet_corpus, load_wordnet_source
     from mergeflow.schema.sources import get_source
 
     options = {"root": str(write_wordnet(tmp_path / "wordnet")), "texts": ["synonyms"], "max_examples": 3}
@@ -219,7 +219,8 @@ def test_the_wordnet_corpus_holds_the_definitions_of_synsets_outside_the_task(tm
     corpus = load_wordnet_corpus(10, **options, seed=1)
     gloss_of = {word: gloss for entries in WORDNET_ENTRIES.values() for _, word, gloss in entries}
     assert sorted(corpus) == sorted(gloss for word, gloss in gloss_of.items() if word not in task["text"])
-    assert len(corpus) == 3 and get_source("wordnet").corpus({"root": options["root"]}, seed=1) == []
+    wordnet = get_source("wordnet")
+    assert len(corpus) == 3 and wordnet.loader.corpus(wordnet.parse({"root": options["root"]}), seed=1) == []
 
 
 def test_corpus_pretraining_and_best_epoch_need_what_they_read(tmp_path):

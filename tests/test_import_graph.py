@@ -14,7 +14,8 @@ from mergeflow.import_graph import import_closure, third_party_versions
 from mergeflow.stages import STAGES
 
 
-def _copy_code(target: Path) -> Path:
+def copy_code(target: Path) -> Path:
+    """A copy of the repository's tracked code (``mergeflow``, ``tasks``) under ``target``."""
     names = subprocess.run(["git", "ls-files", "mergeflow", "tasks"], cwd=ROOT, capture_output=True, text=True)
     for name in names.stdout.split():
         (target / name).parent.mkdir(parents=True, exist_ok=True)
@@ -30,16 +31,22 @@ MORE_MERGES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def planned():
-    from mergeflow.config import apply_overrides, validate_params
+def _plan(raw: dict) -> list:
+    from mergeflow.config import validate_params
     from tasks.runner import _waves
     from tasks.steps import resolve
 
-    params = validate_params(apply_overrides(pipeline_params(), MORE_MERGES))
+    params = validate_params(raw)
     return [
         step for stage in STAGES for phase in stage.phases for wave in _waves(resolve(phase)(params)) for step in wave
     ]
+
+
+@pytest.fixture(scope="module")
+def planned():
+    from mergeflow.config import apply_overrides
+
+    return _plan(apply_overrides(pipeline_params(), MORE_MERGES))
 
 
 def _keys(steps, code_root: Path, workspace: Path, monkeypatch) -> dict[str, str]:
@@ -69,22 +76,58 @@ def _edit(path: Path) -> None:
         ("mergeflow/merge/ties.py", {"merge"}, {"ties"}),
         ("mergeflow/merge/sparsify.py", {"merge"}, {"ties", "della", "della_search"}),
         ("mergeflow/merge/average.py", {"merge"}, {"average", "fisher"}),  # fisher averages what it does not cover
+        # a source's declaration and loader key the prepare step of its runs only
+        ("mergeflow/data/digits.py", {"prepare"}, None),
+        ("mergeflow/schema/sources/digits.py", {"prepare"}, None),
+        ("mergeflow/data/text.py", set(), None),
+        ("mergeflow/data/table.py", set(), None),
+        ("mergeflow/schema/sources/wordnet.py", set(), None),
     ],
 )
 def test_an_edit_re_keys_exactly_the_steps_that_import_it(module, stages, merges, planned, tmp_path, monkeypatch):
-    code_root = _copy_code(tmp_path / "code")
+    code_root = copy_code(tmp_path / "code")
     before = _keys(planned, code_root, tmp_path, monkeypatch)
     _edit(code_root / module)
     after = _keys(planned, code_root, tmp_path, monkeypatch)
     changed = {name for name in before if before[name] != after[name]}
     importers = {step.name for step in planned if module in step.code}
-    assert changed == importers and changed  # every importer, transitively, and nothing else
-    if stages is not None:
-        assert {name.split("/")[0] for name in changed} == stages
+    assert changed == importers  # every importer, transitively, and nothing else
+    assert {name.split("/")[0] for name in changed} == stages if stages is not None else changed
     if merges is not None:  # every step that runs the method: a search's candidates, not the choice among them
         assert {name.split("/")[1] for name in changed} == merges and "merge/della_search" not in changed
     if module == "mergeflow/training.py":  # every federated client update and every Fisher
         assert {s.name for s in planned if s.name.startswith(("federated/", "fisher/"))} <= changed
+
+
+def test_adding_a_source_re_keys_no_step_of_the_default_pipeline(tmp_path, monkeypatch):
+    from blobs_source import DECLARATION, FILES, add_blobs
+
+    from mergeflow.schema.sources import SOURCES
+
+    code_root = copy_code(tmp_path / "code")
+    before = _keys(_plan(pipeline_params()), code_root, tmp_path, monkeypatch)
+    add_blobs(code_root)  # its two modules in the tree, and its declaration registered here, as it would be
+    exec(compile(FILES[DECLARATION], DECLARATION, "exec"), {"__name__": "mergeflow.schema.sources.blobs"})
+    try:
+        assert "blobs" in SOURCES
+        assert _keys(_plan(pipeline_params()), code_root, tmp_path, monkeypatch) == before
+    finally:
+        SOURCES.pop("blobs")
+
+
+def test_a_run_on_one_source_is_keyed_by_its_loader_and_options_not_by_the_others():
+    from mergeflow.config import validate_params
+    from tasks.data import plan_prepare
+
+    table = {"data": {"source": "table", "table": {"path": "csv", "data_files": "t.csv"}}}
+    text = {"data": {"source": "text", "text": {"path": "csv"}}, "model": {"arch": "transformers"}}
+    for raw, reads in ((table, {"table"}), (text, {"table", "text"})):  # the text source reads a table
+        (prepare,) = plan_prepare(validate_params(raw))
+        loaders = {path.removeprefix("mergeflow/data/").removesuffix(".py") for path in prepare.code}
+        assert loaders & {"digits", "wine", "pinwheel", "linreg", "table", "text", "wordnet"} == reads
+        keys = set(prepare.params["data"])
+        assert raw["data"]["source"] in keys and not keys & {"digits", "wordnet", "tokenizer"}
+        assert ("standardize" in keys) == (raw is table)  # text is tokenized: the feature policies go unread
 
 
 def test_steps_that_an_edit_of_seeding_leaves_alone_never_derive_a_seed(planned):
@@ -167,3 +210,11 @@ def test_import_cycles_are_the_strongly_connected_modules(tmp_path):
     (tmp_path / "pkg/e.py").write_text("from pkg.d import x\n")
     (tmp_path / "pkg/f.py").write_text("import pkg.a\n")
     assert import_cycles(tmp_path, ("pkg",)) == [("pkg.a", "pkg.b", "pkg.c"), ("pkg.d", "pkg.e")]
+
+
+def test_the_data_sources_are_in_no_import_circle():
+    from mergeflow.import_graph import import_cycles
+
+    axis = ("mergeflow.data", "mergeflow.schema.sources", "mergeflow.schema.data_source")
+    cycles = import_cycles(ROOT, ("mergeflow", "tasks", "flows"))
+    assert not [cycle for cycle in cycles if any(module.startswith(axis) for module in cycle)]

@@ -14,10 +14,10 @@ import pytest
 from conftest import fast_params, make_workspace, run_cli
 
 from flows.cli import main
-from mergeflow.data import DataError
 from mergeflow.data.encode import encode_splits
+from mergeflow.data.errors import DataError
 from mergeflow.data.features import FeatureEncoder, fit_encoder
-from mergeflow.data.sources import load_table_raw
+from mergeflow.data.table import load_table_raw
 from mergeflow.evaluation import sanity_check
 from mergeflow.schema.sources import get_source
 
@@ -87,13 +87,14 @@ def test_missing_values_error_drop_rows_or_training_mean(tmp_path):
     frame = pd.DataFrame({"a": np.arange(30.0), "b": np.ones(30), "y": [0, 1, 2] * 10})
     frame.loc[[4, 9], "a"] = np.nan
     frame.to_csv(tmp_path / "t.csv", index=False)
-    options = {"path": "csv", "data_files": str(tmp_path / "t.csv"), "label_column": "y"}
+    table = get_source("table")
+    options = table.parse({"path": "csv", "data_files": str(tmp_path / "t.csv"), "label_column": "y"})
     with pytest.raises(DataError, match=r"column 'a' has 2 missing value\(s\) in 30 rows; set data.missing"):
-        get_source("table").load_raw(options)
-    dropped = get_source("table").load_raw(options, data={"missing": "drop_rows"})
+        table.loader.load_raw(options)
+    dropped = table.loader.load_raw(options, data={"missing": "drop_rows"})
     assert dropped.features.num_rows == 28 and dropped.info["dropped_rows"] == 2
     assert 4 not in dropped.source_rows and 9 not in dropped.source_rows
-    raw = get_source("table").load_raw(options, data={"missing": "mean"})
+    raw = table.loader.load_raw(options, data={"missing": "mean"})
     splits, info = encode_splits(raw, test_fraction=0.3, seed=0, missing="mean", standardize=False)
     train_rows = [r for r in splits["train"]["row"] if r not in (4, 9)]
     mean = frame["a"][train_rows].mean()
@@ -230,7 +231,7 @@ def test_the_registered_model_predicts_from_raw_rows_as_the_checkpoint_does(tabl
     import mlflow
 
     from mergeflow.checkpoints import load_model
-    from mergeflow.data import load_dataset_file, to_arrays
+    from mergeflow.data.storage import load_dataset_file, to_arrays
     from mergeflow.metrics import softmax
     from mergeflow.training import predict
 

@@ -11,18 +11,34 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import mergeflow.schema.deprecation
 from mergeflow.config import validate_params
+from mergeflow.data.loader import SourceLoader
+from mergeflow.data.rows import make_dataset
 from mergeflow.errors import ConfigError
 from mergeflow.schema.sources import SOURCES, DataSource, get_source, register_source
 
 
+class CirclesOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    n: int = Field(200, ge=10)
+    noise: float = Field(0.05, ge=0)
+
+
+class CirclesLoader(SourceLoader):
+    """Two noisy concentric circles, as a loader module of its own would read them."""
+
+    def load(self, options: CirclesOptions, *, seed=0, data=None):
+        rng = np.random.default_rng(seed)
+        y = np.arange(options.n) % 2
+        angle = rng.uniform(0, 2 * np.pi, options.n)
+        x = np.stack([np.cos(angle), np.sin(angle)], 1) * (1 + y)[:, None]
+        x += options.noise * rng.standard_normal(x.shape)
+        info = {"source": self.source.name, "task": "classification", "num_classes": 2, "input_shape": [2]}
+        return make_dataset(x, y.astype(np.int64)), info | {"class_names": None}
+
+
 @pytest.fixture()
 def circles():
-    """A source declared and registered here, as a module of its own would: options, facts and loader."""
-
-    class CirclesOptions(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        n: int = Field(200, ge=10)
-        noise: float = Field(0.05, ge=0)
+    """A source declared and registered here, as a module of its own would: options, facts and its loader."""
 
     @register_source
     class Circles(DataSource):
@@ -30,21 +46,10 @@ def circles():
 
         name = "circles"
         Options = CirclesOptions
+        implementation = f"{__name__}:CirclesLoader"
 
         def known_rows(self, options: CirclesOptions) -> int:
             return options.n
-
-        def load(self, options, *, seed=0, data=None):
-            from mergeflow.data.sources import make_dataset
-
-            chosen = self.parse(options)
-            rng = np.random.default_rng(seed)
-            y = np.arange(chosen.n) % 2
-            angle = rng.uniform(0, 2 * np.pi, chosen.n)
-            x = np.stack([np.cos(angle), np.sin(angle)], 1) * (1 + y)[:, None]
-            x += chosen.noise * rng.standard_normal(x.shape)
-            info = {"source": self.name, "task": "classification", "num_classes": 2, "input_shape": [2]}
-            return make_dataset(x, y.astype(np.int64)), info | {"class_names": None}
 
     yield Circles
     SOURCES.pop("circles")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mergeflow.data import save_dataset
+from mergeflow.data.storage import save_dataset
 from mergeflow.errors import MergeflowError
 from tasks.execution import run_steps
 from tasks.steps import Step

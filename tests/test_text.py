@@ -9,10 +9,11 @@ import pytest
 import torch
 from text_fixtures import TINY, tiny_transformer, tokenized_topics, write_topic_csv, write_wordnet
 
-from mergeflow.data import DataError
+from mergeflow.data.errors import DataError
 from mergeflow.data.storage import to_arrays
-from mergeflow.data.text import load_text_source, load_wordnet_source
+from mergeflow.data.text import load_text_source
 from mergeflow.data.tokenize import encode_dataset, train_tokenizer, training_texts
+from mergeflow.data.wordnet import load_wordnet_source
 from mergeflow.fisher import diagonal_fisher
 from mergeflow.merge import merge
 from mergeflow.models import build_from_spec

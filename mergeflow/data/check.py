@@ -12,8 +12,9 @@ def check_source(data: dict[str, Any], seed: int = 0) -> None:
     """Read the user's table (a source with ``user_table``) as the prepare step will, and raise its
     ``DataError`` now.
 
-    ``data`` is the params' ``data`` section. Other sources (built-in sets, WordNet: checked by the
-    pre-flight) are skipped: they are not the user's table.
+    ``data`` is the params' ``data`` section as the prepare step reads it
+    (:meth:`mergeflow.config.DataConfig.for_prepare`). Other sources (built-in sets, WordNet: checked by
+    the pre-flight) are skipped: they are not the user's table.
     """
     source = get_source(data["source"])
     if not source.user_table:
@@ -23,7 +24,7 @@ def check_source(data: dict[str, Any], seed: int = 0) -> None:
     shown = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # a bad table gets one line, not progress bars before it
     try:
-        source.check(data[source.name], seed=seed, data=data)
+        source.loader.check(source.parse(data[source.name]), seed=seed, data=data)
     finally:
         if shown:
             datasets.enable_progress_bars()
@@ -32,7 +33,7 @@ def check_source(data: dict[str, Any], seed: int = 0) -> None:
 def check_inputs(params: Any) -> None:
     """Every pre-flight check that reads the user's files: the table (``check_source``), and for a pretrained
     transformer its tokenizer against its embeddings (``check_vocabulary``). ``params``: validated Params."""
-    check_source(params.section("data"), params.seed)
+    check_source(params.data.for_prepare(), params.seed)
     if params.pretrained:  # a pretrained model's family is one over token ids
         from mergeflow.data.tokenize import check_vocabulary, load_tokenizer
 

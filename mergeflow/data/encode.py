@@ -8,7 +8,7 @@ import numpy as np
 
 from mergeflow.data.errors import DataError
 from mergeflow.data.features import Categorical, Missing, Standardize, fit_encoder, missing_rows, standardization
-from mergeflow.data.sources import RawData, make_dataset
+from mergeflow.data.rows import RawData, make_dataset
 from mergeflow.data.split import split_indices
 
 if TYPE_CHECKING:  # datasets loads where it is used: planning a run does not need it

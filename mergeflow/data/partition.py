@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mergeflow.data.sources import DataError
+from mergeflow.data.errors import DataError
 from mergeflow.data.storage import arrow_table
 
 if TYPE_CHECKING:  # flwr-datasets and matplotlib load where they are used: planning a run needs neither

@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mergeflow.data.errors import DataError
 from mergeflow.data.features import fit_encoder
-from mergeflow.data.sources import DataError, _list_array, wrap_table
+from mergeflow.data.rows import list_array, wrap_table
 from mergeflow.data.storage import arrow_table
 
 if TYPE_CHECKING:  # datasets loads where it is used: planning a run does not need it
@@ -104,5 +105,5 @@ def standardize(
     for name, ds in splits.items():
         table = arrow_table(ds)
         column = table.schema.get_field_index("x")
-        out[name] = wrap_table(table.set_column(column, "x", _list_array(encoder.transform(table))))
+        out[name] = wrap_table(table.set_column(column, "x", list_array(encoder.transform(table))))
     return out, {"mean": encoder.mean, "std": encoder.std}

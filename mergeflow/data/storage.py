@@ -11,7 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mergeflow.data.sources import DataError, wrap_table
+from mergeflow.data.errors import DataError
+from mergeflow.data.rows import wrap_table
 
 if TYPE_CHECKING:  # datasets loads where it is used: planning a run does not need it
     import datasets
