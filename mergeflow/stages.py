@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow.import_graph import import_closure
+from mergeflow.lazy_imports import closure_with_members
 from mergeflow.schema.families import DECLARED as FAMILIES
 
 _ROOT = Path(__file__).resolve().parent.parent  # the repository: mergeflow/, tasks/, flows/
@@ -43,9 +43,8 @@ class Stage:
     @property
     def code(self) -> tuple[str, ...]:
         """Every source file of this repository that the stage's phase modules import, transitively
-        (the union of its steps' :attr:`tasks.steps.Step.code`)."""
-        modules = dict.fromkeys(phase.partition(":")[0] for phase in self.phases)
-        return tuple(sorted({path for module in modules for path in import_closure(module, _ROOT)}))
+        (the union of its steps' :attr:`tasks.steps.Step.code`), every member its loaders may import included."""
+        return closure_with_members(tuple(dict.fromkeys(phase.partition(":")[0] for phase in self.phases)), _ROOT)
 
     @property
     def records(self) -> str:
