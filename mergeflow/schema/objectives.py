@@ -54,36 +54,18 @@ def declared_objective(name: str) -> ObjectiveDeclaration:
     return DECLARED.lookup(name)
 
 
-DECLARED.declare(
-    ObjectiveDeclaration(
-        "classification",
-        rank_by="accuracy",
-        lower_is_better=False,
-        headline="accuracy",
-        select_by=("accuracy", "nll"),
-        implementation="mergeflow.objectives.classification:Classification",
-    )
-)
-DECLARED.declare(
-    ObjectiveDeclaration(
-        "regression",
-        rank_by="mse",
-        lower_is_better=True,
-        headline="mse",
-        select_by=("nll", "mse"),
-        implementation="mergeflow.objectives.regression:Regression",
-    )
-)
-DECLARED.declare(
-    ObjectiveDeclaration(
-        "causal_lm",
-        rank_by="nll",
-        lower_is_better=True,
-        headline="perplexity",
-        select_by=("nll",),
-        fisher_kinds=("empirical", "sampled"),  # exact sums over the vocabulary at every position
-        ensembles=False,  # its outputs are per-row NLLs, not token distributions
-        trains_language_model=True,
-        implementation="mergeflow.objectives.causal_lm:CausalLM",
-    )
-)
+DECLARED.declare(ObjectiveDeclaration(
+    "classification", rank_by="accuracy", lower_is_better=False, headline="accuracy", select_by=("accuracy", "nll"),
+    implementation="mergeflow.objectives.classification:Classification",
+))  # fmt: skip
+DECLARED.declare(ObjectiveDeclaration(
+    "regression", rank_by="mse", lower_is_better=True, headline="mse", select_by=("nll", "mse"),
+    implementation="mergeflow.objectives.regression:Regression",
+))  # fmt: skip
+DECLARED.declare(ObjectiveDeclaration(
+    "causal_lm", rank_by="nll", lower_is_better=True, headline="perplexity", select_by=("nll",),
+    fisher_kinds=("empirical", "sampled"),  # exact sums over the vocabulary at every position
+    ensembles=False,  # its outputs are per-row NLLs, not token distributions
+    trains_language_model=True,
+    implementation="mergeflow.objectives.causal_lm:CausalLM",
+))  # fmt: skip
