@@ -22,7 +22,7 @@ import torch
 from sklearn.datasets import load_digits
 
 from mergeflow.align import activation_matching, permutation_spec, weight_matching
-from mergeflow.models import build_model
+from mergeflow.models.sequential import build_model
 
 N_INPUTS = 512
 

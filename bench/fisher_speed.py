@@ -21,7 +21,7 @@ import torch
 from sklearn.datasets import load_digits
 
 from mergeflow.fisher import diagonal_fisher
-from mergeflow.models import build_model
+from mergeflow.models.sequential import build_model
 from mergeflow.training import train
 
 N = 2048

@@ -14,7 +14,7 @@ from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from mergeflow.device import device_setting_problem
 from mergeflow.errors import ConfigError, closest, did_you_mean, first_problem
@@ -153,54 +153,10 @@ class PartitionConfig(_Section):
     min_partition_size: int = Field(10, ge=0)
 
 
-# A from-config model when model.transformers.config is not given: a 2-layer BERT, hidden 64 (about 0.6M parameters).
-DEFAULT_HF_CONFIG = {
-    "model_type": "bert",
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "intermediate_size": 128,
-}
-
-
-class TransformersConfig(_Section):
-    """A Hugging Face transformers model (``model.arch: transformers``).
-
-    ``pretrained``: a local model directory or a hub name (downloaded only when online); its own
-    tokenizer is used and ``config`` (if given) overrides fields of its config. Without it, a model
-    is built from ``config``: ``model_type`` (``bert``, ``gpt2``, ``roberta``, …) and its sizes
-    (default :data:`DEFAULT_HF_CONFIG`), with a tokenizer trained on the training split
-    (``data.tokenizer``). ``dropout`` sets every dropout
-    probability of the config; dropout draws from torch's global RNG, so runs are bit-reproducible
-    with it only when steps run one at a time (``orchestration.max_workers: 1``).
-    """
-
-    pretrained: str | None = None
-    config: dict[str, Any] | None = None
-    task: Literal["sequence_classification", "causal_lm"] = "sequence_classification"
-    dropout: float = Field(0.0, ge=0, lt=1)
-
-    def model_config_fields(self) -> dict[str, Any]:
-        """The config to build from (a small BERT by default), or the overrides of a pretrained config."""
-        if self.config is not None:
-            return dict(self.config)
-        return {} if self.pretrained else dict(DEFAULT_HF_CONFIG)
-
-    @model_validator(mode="after")
-    def _model_source(self) -> TransformersConfig:
-        if not self.pretrained and "model_type" not in self.model_config_fields():
-            raise ValueError("config.model_type: needed without a pretrained model (e.g. bert or gpt2)")
-        self.config = self.model_config_fields()  # what the steps build from, resolved once
-        return self
-
-
-class ModelConfig(_Section):
+class _ModelSection(_Section):
     """The model: ``arch`` names a member of a registered family (:mod:`mergeflow.schema.families`)."""
 
     arch: str = "mlp"
-    widths: list[int] = [64]
-    activation: Literal["relu", "tanh"] = "relu"
-    transformers: TransformersConfig = TransformersConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -239,12 +195,28 @@ class ModelConfig(_Section):
         """The declaration of the family that builds ``arch``."""
         return family_of_arch(self.arch)
 
-    @field_validator("widths")
-    @classmethod
-    def _positive_widths(cls, widths: list[int]) -> list[int]:
-        if any(w < 1 for w in widths):
-            raise ValueError("every width must be >= 1")
-        return widths
+    @property
+    def options(self) -> BaseModel:
+        """The chosen family's options (section ``model.<family>``, or keys of ``model`` itself)."""
+        return self.family.options(self)
+
+
+def _model_config() -> type[_ModelSection]:
+    """The ``model`` section: ``arch``, the keys of a family declared with ``inline_options`` (the MLPs'
+    ``widths``), and a section ``model.<name>`` per other family with options, each its ``Options``."""
+    inline = tuple(family.Options for family in FAMILY_DECLARATIONS.values() if family.inline_options)
+    sections = {
+        family.name: (family.Options, family.Options())
+        for family in FAMILY_DECLARATIONS.values()
+        if not family.inline_options and family.Options.model_fields
+    }
+    # The inline options' classes first: pydantic orders the fields from the last base, so ``arch`` leads.
+    return create_model(
+        "ModelConfig", __base__=(*inline, _ModelSection), __module__=__name__, __doc__=_ModelSection.__doc__, **sections
+    )
+
+
+ModelConfig = _model_config()
 
 
 class TrainOverride(_Section):
@@ -670,7 +642,15 @@ class Params(_Section):
     def task(self) -> str:
         """The objective the models learn: the one the model family's options choose (a causal LM), else
         the data's task."""
-        return self.model.family.objective(self.model) or self.data.task
+        return self.model.family.objective(self.model.options) or self.data.task
+
+    @property
+    def model_members(self) -> tuple[str, ...]:
+        """The modules of the model family and of the objective the run's models use: the members
+        (:attr:`tasks.steps.Step.members`) of the steps that build, train or score them."""
+        from mergeflow.schema.objectives import declared_objective
+
+        return tuple(m for m in (self.model.family.module, declared_objective(self.task).module) if m)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Params:
@@ -703,8 +683,6 @@ class Params(_Section):
                 "pretrain.enabled: pre-training needs a server split; set data.server_fraction > 0 "
                 "or pretrain.enabled: false for a shared random init"
             )
-        if self.model.arch == "cnn" and self.data.modality != "image" and self.data.spec.shape_option is None:
-            raise ValueError(f"model.arch: 'cnn' needs image-shaped data, and data.source {self.data.source!r} is not")
         if self.centralized.keep == "best_validation" and self.data.validation_fraction == 0:
             raise ValueError(
                 "centralized.keep: best_validation chooses the epoch on the validation split; "

@@ -48,10 +48,22 @@ class Member:
         module, _, attr = (reference or self.implementation).partition(":")
         if not module or not attr:
             raise ImportError(f"{type(self).__name__} {self.name!r} has no implementation ('module:attr')")
-        try:
-            return getattr(importlib.import_module(module), attr)
-        except AttributeError:
-            raise ImportError(f"{self.name!r}: {module} has no {attr!r} ({reference or self.implementation})") from None
+        return imported(reference or self.implementation, owner=repr(self.name))
+
+
+def imported(reference: str, owner: str = "") -> Any:
+    """The object a ``"module:attr"`` reference names, its module imported now; ``owner`` (who holds the
+    reference) prefixes the error.
+
+    Raises:
+        ImportError: when the module has no such attribute (and as ``import`` does for a missing module).
+    """
+    module, _, attr = reference.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except AttributeError:
+        where = f"{owner}: " if owner else ""
+        raise ImportError(f"{where}{module} has no {attr!r} ({reference})") from None
 
 
 class Named(Protocol):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow.import_graph import import_closure
+from mergeflow.lazy_imports import closure_with_members
 from mergeflow.schema.families import DECLARED as FAMILIES
 from mergeflow.schema.merge import DECLARED as MERGE_METHODS
 from mergeflow.schema.sources import SOURCES
@@ -47,9 +47,10 @@ class Stage:
     @property
     def code(self) -> tuple[str, ...]:
         """Every source file of this repository that the stage's phase modules and its members' modules import,
-        transitively (the union of the code of every step it may plan, :attr:`tasks.steps.Step.code`)."""
+        transitively (the union of the code of every step it may plan, :attr:`tasks.steps.Step.code`), every
+        member their loaders may import included (:func:`mergeflow.lazy_imports.closure_with_members`)."""
         modules = dict.fromkeys([*(phase.partition(":")[0] for phase in self.phases), *self.members])
-        return tuple(sorted({path for module in modules for path in import_closure(module, _ROOT)}))
+        return closure_with_members(tuple(modules), _ROOT)
 
     @property
     def records(self) -> str:

@@ -44,10 +44,10 @@ def log_model(mlflow: Any, root: Path, name: str, path: Path, example, tags: dic
     """Log a merged model in its family's flavour (:data:`FLAVOURS`), named after its merge, with ``tags``."""
     import torch
 
-    from mergeflow.models import family_of  # torch: only when a model is logged
+    from mergeflow.schema.families import family_of_arch
 
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
-    flavour = family_of(load_checkpoint_meta(path)["spec"]["arch"]).declaration.flavour
+    flavour = family_of_arch(load_checkpoint_meta(path)["spec"]["arch"]).flavour
     return FLAVOURS[flavour](mlflow, root, name, path, example, requirements, tags)
 
 

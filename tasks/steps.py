@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mergeflow.errors import MergeflowError
-from mergeflow.import_graph import import_closure
+from mergeflow.lazy_imports import closure_with_members
 from tasks.store import hash_paths
 
 StepFunction = Callable[[dict[str, Any], Path, Path, dict[str, Any]], dict[str, Any]]
@@ -93,9 +93,9 @@ def project_root_of_code() -> Path:
 
 @functools.cache
 def code_closure(modules: tuple[str, ...]) -> tuple[str, ...]:
-    """The sorted union of ``modules``' import closures in this repository."""
-    root = project_root_of_code()
-    return tuple(sorted({path for module in modules for path in import_closure(module, root)}))
+    """The sorted union of ``modules``' import closures in this repository, with the members' modules that
+    their loaders import by name (:func:`mergeflow.lazy_imports.closure_with_members`)."""
+    return closure_with_members(modules, project_root_of_code())
 
 
 CodeHashes = dict[tuple[str, ...], dict[str, str]]

@@ -49,7 +49,14 @@ def plan_pretrain(params: Params) -> list[Step]:
     """One step: the shared base model."""
     step_params = {"seed": params.seed, "model": params.section("model"), "pretrain": params.section("pretrain")}
     return [
-        Step("pretrain", "tasks.training:pretrain", step_params, inputs=(PREPARED,), settings=device_settings(params))
+        Step(
+            "pretrain",
+            "tasks.training:pretrain",
+            step_params,
+            inputs=(PREPARED,),
+            settings=device_settings(params),
+            members=params.model_members,
+        )
     ]
 
 
@@ -136,6 +143,7 @@ def plan_finetune(params: Params) -> list[Step]:
             },
             inputs=(BASE, client_file(client), f"{PARTITIONS}/info.json"),
             settings=device_settings(params),
+            members=params.model_members,
         )
         for client in range(params.partition.num_clients)
     ]
@@ -231,6 +239,7 @@ def plan_centralized(params: Params) -> list[Step]:
             step_params,
             inputs=(BASE, f"{PARTITIONS}/info.json", *files, *validation),
             settings=device_settings(params),
+            members=params.model_members,
         )
     ]
 

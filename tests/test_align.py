@@ -35,7 +35,7 @@ from mergeflow.align import (
 )
 from mergeflow.align.matching import _record
 from mergeflow.fisher import diagonal_fisher, fisher_factors
-from mergeflow.models import build_model
+from mergeflow.models.sequential import build_model
 from mergeflow.training import train
 
 CNN = {"arch": "cnn", "input_shape": [1, 8, 8], "output_dim": 10, "channels": [4, 8], "cnn_hidden": 16}

@@ -17,7 +17,7 @@ from conftest import BIN, fast_params, make_workspace, ran_steps, run_cli
 
 from mergeflow import cancel
 from mergeflow.errors import Cancelled
-from mergeflow.models import build_model
+from mergeflow.models.sequential import build_model
 from mergeflow.training import train
 
 

@@ -32,7 +32,7 @@ from mergeflow.federated import (
 from mergeflow.federated.local import local_train
 from mergeflow.federated.quadratic_loss import QuadraticProblem
 from mergeflow.metrics import softmax
-from mergeflow.models import build_model
+from mergeflow.models.sequential import build_model
 from mergeflow.schema.federated import DECLARED
 from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError, predict

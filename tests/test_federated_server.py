@@ -16,7 +16,7 @@ from mergeflow.federated.privacy import clip_update, private_average
 from mergeflow.federated.robust import aggregate, krum_scores
 from mergeflow.federated.server_opt import server_optimizer_step
 from mergeflow.federated.server_plan import ServerPlan, planned_server_update
-from mergeflow.models import build_model
+from mergeflow.models.sequential import build_model
 from mergeflow.schema.federated import AggregatorOptions, AttackOptions, DPOptions, ServerOptimizerOptions
 
 # ----------------------------------------------------------------------------- server optimizers

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mergeflow.fisher import diagonal_fisher, fisher_factors, flatten_parameters
-from mergeflow.models import build_model
+from mergeflow.models.sequential import build_model
 
 
 def _data(n=64, d=5, classes=3, seed=0):

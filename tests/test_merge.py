@@ -439,7 +439,8 @@ def test_merge_step_orders_factor_columns_like_the_model_not_like_the_file(tmp_p
 
     from mergeflow.checkpoints import load_checkpoint, save_checkpoint
     from mergeflow.fisher import diagonal_fisher, fisher_factors
-    from mergeflow.models import build_from_spec, model_spec, parameter_names
+    from mergeflow.models import build_from_spec, parameter_names
+    from mergeflow.models.sequential import model_spec
     from tasks.layout import BASE, aligned_checkpoint, aligned_factors, aligned_fisher, merged_checkpoint
     from tasks.merging import merge_clients
 

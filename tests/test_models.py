@@ -6,13 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from mergeflow.models import (
-    ARCHITECTURES,
-    build_from_spec,
-    build_model,
-    count_parameters,
-    model_spec,
-)
+from mergeflow.models import build_from_spec, count_parameters
+from mergeflow.models.sequential import ARCHITECTURES, build_model, model_spec
 
 DIGITS_SHAPE = (1, 8, 8)
 

@@ -1,4 +1,4 @@
-"""A model family and an objective are each one declaration plus one registered class: params validate,
+"""A model family and an objective are each one declaration plus one implementation class: params validate,
 stages build and train through them, and nothing else changes."""
 
 from __future__ import annotations
@@ -11,81 +11,78 @@ from torch import nn
 from mergeflow.config import validate_params
 from mergeflow.errors import ConfigError
 from mergeflow.evaluation import best_model, evaluate_outputs
-from mergeflow.models import FAMILIES, ModelFamily, build_from_spec, register_family
-from mergeflow.objectives import OBJECTIVES, Baseline, Objective, register_objective
+from mergeflow.models import ModelFamily, build_from_spec
+from mergeflow.objectives import Baseline, Objective
 from mergeflow.schema import families, objectives
 from mergeflow.training import predict, train
 
 
+class Bilinear(ModelFamily):
+    """A product of two linear maps, as a family's own module would define it."""
+
+    def build_base(self, model, info, output_dim, seed):
+        spec = {"arch": "bilinear", "inputs": int(np.prod(info["input_shape"])), "outputs": output_dim, "seed": seed}
+        return self.from_spec(spec), spec
+
+    def from_spec(self, spec):
+        generator = torch.Generator().manual_seed(spec["seed"])
+        model = nn.Sequential(nn.Flatten(), nn.Linear(spec["inputs"], 3), nn.Linear(3, spec["outputs"]))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(0.3 * torch.randn(p.shape, generator=generator))
+        return model
+
+
+class Absolute(Objective):
+    """Regression with a Laplace likelihood (mean absolute error)."""
+
+    def targets(self, y, inputs, model):
+        return torch.as_tensor(y).to(torch.float32).reshape(-1)
+
+    def loss(self, outputs, targets):
+        return (outputs[:, 0] - targets).abs().mean()
+
+    def metrics(self, outputs, y, *, n_bins, noise_std):
+        error = np.abs(np.asarray(outputs)[:, 0] - y)
+        return {"mae": float(error.mean()), "nll": float((np.log(2 * noise_std) + error / noise_std).mean())}
+
+    def ensemble(self, outputs_list):
+        return np.median(np.stack(outputs_list), axis=0)
+
+    def baseline(self, y_train, y_test, predictions):
+        scores = -np.abs(y_test - np.median(y_train))
+        return Baseline(scores, {"baseline": "training median"}, "the training median", lambda s: f"{-s:.3g}")
+
+    def row_scores(self, predicted, y_test):
+        return -np.abs(np.asarray(predicted).reshape(len(y_test), -1)[:, 0] - y_test)
+
+
 @pytest.fixture()
 def bilinear():
-    """A family declared and registered here, as a module of its own would: a product of two linear maps."""
-    families.declare_family(
-        families.FamilyDeclaration(
-            "bilinear", archs=("bilinear",), inputs="features", aligns=False, backpack=True,
-            language_models=False, flavour="pyfunc",
-        )
-    )  # fmt: skip
+    """A family declared here, its implementation the class above (a notebook's or a module's own)."""
 
-    @register_family
-    class Bilinear(ModelFamily):
+    @families.declare_family
+    class BilinearDeclaration(families.FamilyDeclaration):
         name = "bilinear"
+        archs = ("bilinear",)
+        implementation = f"{__name__}:Bilinear"
+        inputs = "features"
+        backpack = True
+        language_models = False
+        flavour = "pyfunc"
 
-        def build_base(self, model, info, output_dim, seed):
-            spec = {
-                "arch": "bilinear",
-                "inputs": int(np.prod(info["input_shape"])),
-                "outputs": output_dim,
-                "seed": seed,
-            }
-            return self.from_spec(spec), spec
-
-        def from_spec(self, spec):
-            generator = torch.Generator().manual_seed(spec["seed"])
-            model = nn.Sequential(nn.Flatten(), nn.Linear(spec["inputs"], 3), nn.Linear(3, spec["outputs"]))
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.copy_(0.3 * torch.randn(p.shape, generator=generator))
-            return model
-
-    yield Bilinear
-    FAMILIES.pop("bilinear")
+    yield BilinearDeclaration
     families.DECLARED.pop("bilinear")
 
 
 @pytest.fixture()
 def absolute():
-    """An objective declared and registered here: regression with a Laplace likelihood (mean absolute error)."""
-    objectives.declare_objective(
-        objectives.ObjectiveDeclaration("absolute", rank_by="mae", headline="mae", select_by=("nll",))
-    )
-
-    @register_objective
-    class Absolute(Objective):
-        name = "absolute"
-
-        def targets(self, y, inputs, model):
-            return torch.as_tensor(y).to(torch.float32).reshape(-1)
-
-        def loss(self, outputs, targets):
-            return (outputs[:, 0] - targets).abs().mean()
-
-        def metrics(self, outputs, y, *, n_bins, noise_std):
-            error = np.abs(np.asarray(outputs)[:, 0] - y)
-            return {"mae": float(error.mean()), "nll": float((np.log(2 * noise_std) + error / noise_std).mean())}
-
-        def ensemble(self, outputs_list):
-            return np.median(np.stack(outputs_list), axis=0)
-
-        def baseline(self, y_train, y_test, predictions):
-            scores = -np.abs(y_test - np.median(y_train))
-            return Baseline(scores, {"baseline": "training median"}, "the training median", lambda s: f"{-s:.3g}")
-
-        def row_scores(self, predicted, y_test):
-            return -np.abs(np.asarray(predicted).reshape(len(y_test), -1)[:, 0] - y_test)
-
-    yield Absolute
-    OBJECTIVES.pop("absolute")
+    """An objective declared here, its implementation the class above."""
+    declaration = objectives.ObjectiveDeclaration(
+        "absolute", rank_by="mae", headline="mae", select_by=("nll",),
+        implementation=f"{__name__}:Absolute",
+    )  # fmt: skip
+    yield objectives.DECLARED.declare(declaration)
     objectives.DECLARED.pop("absolute")
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mergeflow.errors import MergeflowError
-from mergeflow.models import build_model
+from mergeflow.models.sequential import build_model
 from mergeflow.training import (
     DivergenceError,
     TrainResult,

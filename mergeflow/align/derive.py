@@ -1,13 +1,12 @@
-"""The permutation spec of a checkpoint's model, whatever its family: one derivation per family that aligns.
+"""The permutation spec of a checkpoint's model, whatever its family: each family that aligns names the
+function that derives it in its declaration (``permutation_spec``, :mod:`mergeflow.schema.families`).
 
 The families' own modules do not import the alignment code (their steps' cache keys would then follow
-it); the derivations live here, keyed by the family's name, and every family declared with ``aligns``
-(:mod:`mergeflow.schema.families`) has one (a test checks it).
+it): the built-in families' derivations live here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -15,14 +14,18 @@ from torch import nn
 from mergeflow.align.spec import PermutationSpec
 from mergeflow.align.trace import permutation_spec
 from mergeflow.align.transformer_spec import transformer_spec
+from mergeflow.registry import imported
 from mergeflow.schema.families import family_of_arch
 
-SpecDerivation = Callable[[nn.Module, dict[str, Any]], PermutationSpec]
 
-DERIVATIONS: dict[str, SpecDerivation] = {
-    "sequential": lambda model, spec: permutation_spec(model, spec["input_shape"]),
-    "transformers": lambda model, spec: transformer_spec(model),
-}
+def traced_spec(model: nn.Module, spec: dict[str, Any]) -> PermutationSpec:
+    """The spec of a plain ``nn.Sequential``, traced through one input of the spec's ``input_shape``."""
+    return permutation_spec(model, spec["input_shape"])
+
+
+def transformers_spec(model: nn.Module, spec: dict[str, Any]) -> PermutationSpec:
+    """The spec of a BERT- or GPT-2-style transformer (MLP units, whole attention heads, the residual stream)."""
+    return transformer_spec(model)
 
 
 def model_permutation_spec(model: nn.Module, spec: dict[str, Any]) -> PermutationSpec:
@@ -30,10 +33,10 @@ def model_permutation_spec(model: nn.Module, spec: dict[str, Any]) -> Permutatio
     names the family).
 
     Raises:
-        ValueError: when the family has no derivation, or the model none (a transformers model type
-            without a spec).
+        ValueError: when the family does not align, or the model has no spec (a transformers model type
+            without one).
     """
     family = family_of_arch(spec["arch"])
-    if family.name not in DERIVATIONS:
+    if family.permutation_spec is None:
         raise ValueError(f"model family {family.name!r} has no permutation spec: alignment does not apply to it")
-    return DERIVATIONS[family.name](model, spec)
+    return imported(family.permutation_spec, owner=f"model family {family.name!r}")(model, spec)

@@ -1,9 +1,10 @@
-"""Models: one family per module, each registered with :func:`~mergeflow.models.family.register_family`:
+"""Models: one family per module, each named by its declaration (:mod:`mergeflow.schema.families`):
 plain ``nn.Sequential`` MLPs/CNNs (:mod:`~mergeflow.models.sequential`) and Hugging Face transformers
 (:mod:`~mergeflow.models.hf`, which imports ``transformers`` only when it builds one).
 
 Every checkpoint carries a JSON spec; :func:`build_from_spec` rebuilds its architecture through the
-family of its ``arch``, so the trainers, Fishers, merges and federated rounds never ask which one it is.
+family of its ``arch``, importing that family's module only, so the trainers, Fishers, merges and
+federated rounds never ask which one it is.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from mergeflow.models import hf, sequential  # noqa: F401  (registers the families)
-from mergeflow.models.family import FAMILIES, ModelFamily, family_of, register_family
-from mergeflow.models.sequential import ARCHITECTURES, DEFAULT_CNN_HIDDEN, build_model, model_spec
+from mergeflow.models.family import ModelFamily, family_of
 
 
 def build_from_spec(spec: dict[str, Any]) -> nn.Module:
@@ -36,16 +35,4 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = [
-    "ARCHITECTURES",
-    "DEFAULT_CNN_HIDDEN",
-    "FAMILIES",
-    "ModelFamily",
-    "build_from_spec",
-    "build_model",
-    "count_parameters",
-    "family_of",
-    "model_spec",
-    "parameter_names",
-    "register_family",
-]
+__all__ = ["ModelFamily", "build_from_spec", "count_parameters", "family_of", "parameter_names"]

@@ -1,36 +1,37 @@
-"""The model-family interface and its registry: building, reloading and exporting one kind of model.
+"""The model-family interface: building, reloading and exporting one kind of model.
 
 A family owns everything that differs between plain ``nn.Sequential`` models and transformers:
 building the base model from the params and the data's description, rebuilding a checkpoint's
 architecture from its spec, and exporting a merged model as a directory its own ecosystem loads.
 What it supports (alignment, BackPACK, language models, its MLflow flavour, the extra inputs of its
-steps) is its torch-free declaration (:mod:`mergeflow.schema.families`). Stage code asks the
-family of ``model.arch`` or of a spec's ``arch``; none of it tests an arch's name.
+steps) is its torch-free declaration (:mod:`mergeflow.schema.families`), whose ``implementation``
+names the family's class. Stage code asks the family of ``model.arch`` or of a spec's ``arch``; none
+of it tests an arch's name.
 """
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
-from mergeflow.errors import ConfigError
-from mergeflow.registry import Registry
-from mergeflow.schema.families import DECLARED, FamilyDeclaration, family_of_arch
+from mergeflow.schema.families import FamilyDeclaration, family_of_arch
 
 
 class ModelFamily(ABC):
-    """Interface of a model family; members subclass it and are registered with :func:`register_family`."""
+    """Interface of a model family; a declaration's ``implementation`` names a subclass."""
 
-    name: ClassVar[str]
+    def __init__(self, declaration: FamilyDeclaration) -> None:
+        self.declaration = declaration
 
     @property
-    def declaration(self) -> FamilyDeclaration:
-        """The torch-free declaration (archs, inputs, what the family supports)."""
-        return DECLARED[self.name]
+    def name(self) -> str:
+        """The family's declared name."""
+        return self.declaration.name
 
     @abstractmethod
     def build_base(
@@ -57,17 +58,12 @@ class ModelFamily(ABC):
         raise TypeError(f"model family {self.name!r} is not declared with exports: its checkpoint is the model")
 
 
-FAMILIES: Registry[ModelFamily] = Registry("model family")
-
-
-def register_family(cls: type[ModelFamily]) -> type[ModelFamily]:
-    """Class decorator: register one instance of ``cls`` under ``cls.name`` (it must be declared)."""
-    if cls.name not in DECLARED:
-        raise ConfigError([f"model family {cls.name!r} has no declaration (mergeflow.schema.families)"])
-    FAMILIES.add(cls.name, cls())
-    return cls
-
-
 def family_of(arch: str) -> ModelFamily:
-    """The registered family that builds ``arch`` (``model.arch``, or a checkpoint spec's ``arch``)."""
-    return FAMILIES[family_of_arch(arch).name]
+    """The family that builds ``arch`` (``model.arch``, or a checkpoint spec's ``arch``): its module, and
+    no other family's, imported now."""
+    return _implementation(family_of_arch(arch))
+
+
+@functools.cache
+def _implementation(declaration: FamilyDeclaration) -> ModelFamily:
+    return declaration.load()(declaration)

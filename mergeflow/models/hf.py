@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mergeflow.models.family import ModelFamily, register_family
+from mergeflow.models.family import ModelFamily
 from mergeflow.models.token_model import TokenModel
+from mergeflow.schema.families import is_causal
 
 HF_TASKS = ("sequence_classification", "causal_lm")
 # Config fields that hold a dropout probability, across BERT-, RoBERTa-, DistilBERT- and GPT-2-style configs.
@@ -196,13 +197,6 @@ def build_from_hf_spec(spec: dict[str, Any]) -> TokenModel:
     return _wrapper(task)(model.float(), spec["pad_token_id"], spec["sep_token_id"], spec["causal"])
 
 
-def is_causal(model_type: str) -> bool:
-    """Whether a model type attends only to the left (GPT-2, Llama, …): every type with no masked-LM head."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
-
-    return model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
-
-
 def transformers_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A :class:`TokenModel` state dict with transformers' own key names."""
     return {key.removeprefix("model."): value for key, value in state.items()}
@@ -225,12 +219,9 @@ def save_pretrained(
         AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(directory)
 
 
-@register_family
 class TransformersFamily(ModelFamily):
     """Hugging Face transformers over token ids (``model.arch: transformers``): a sequence classifier or a causal LM,
     exported as a directory that ``from_pretrained`` reloads, with its tokenizer."""
-
-    name = "transformers"
 
     def build_base(
         self, model: dict[str, Any], info: dict[str, Any], output_dim: int, seed: int

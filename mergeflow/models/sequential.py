@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mergeflow.models.family import ModelFamily, register_family
+from mergeflow.models.family import ModelFamily
 
 ARCHITECTURES = ("linear", "mlp", "cnn")
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
@@ -161,11 +161,8 @@ def build_sequential_from_spec(spec: dict[str, Any]) -> nn.Sequential:
     return build_model(spec["arch"], spec["input_shape"], spec["output_dim"], **options)
 
 
-@register_family
 class SequentialFamily(ModelFamily):
     """Linear, MLP and CNN models as plain ``nn.Sequential`` (``model.arch``: linear, mlp, cnn)."""
-
-    name = "sequential"
 
     def build_base(
         self, model: dict[str, Any], info: dict[str, Any], output_dim: int, seed: int

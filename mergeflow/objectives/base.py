@@ -1,24 +1,26 @@
-"""The objective interface and its registry: what a model is trained for, from targets to metrics.
+"""The objective interface: what a model is trained for, from targets to metrics.
 
 An objective owns everything that differs between classification, regression and a causal LM:
 the training targets and loss, what prediction returns, the test metrics and how they rank models,
 the output ensemble, the input-blind baseline of the sanity check, and the Fisher's targets. Stage
 code, the trainers, the Fishers and the barrier ask the objective; none of them tests its name.
+:func:`get_objective` imports the module its declaration (:mod:`mergeflow.schema.objectives`) names,
+and no other objective's.
 """
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Generator, Tensor, nn
 
 from mergeflow.device import host_tensor
-from mergeflow.registry import Registry
 from mergeflow.schema.objectives import ObjectiveDeclaration, declared_objective
 
 FisherTarget = tuple[torch.Tensor, torch.Tensor]  # (target, weight per example)
@@ -42,18 +44,20 @@ class Baseline:
 
 
 class Objective(ABC):
-    """Interface of an objective; members subclass it and are registered with :func:`register_objective`.
+    """Interface of an objective; a declaration's ``implementation`` names a subclass.
 
     Tensor methods get tensors on the model's device; array methods get float64 numpy arrays of
-    :meth:`outputs`, as :func:`mergeflow.training.predict` returns them.
+    :meth:`outputs`, as :func:`mergeflow.training.predict` returns them. ``declaration`` is its
+    torch-free declaration (metrics, selection, Fisher kinds).
     """
 
-    name: ClassVar[str]
+    def __init__(self, declaration: ObjectiveDeclaration) -> None:
+        self.declaration = declaration
 
     @property
-    def declaration(self) -> ObjectiveDeclaration:
-        """The torch-free declaration (metrics, selection, Fisher kinds)."""
-        return declared_objective(self.name)
+    def name(self) -> str:
+        """The objective's declared name."""
+        return self.declaration.name
 
     # Training.
     @abstractmethod
@@ -144,20 +148,15 @@ class Objective(ABC):
         return 1.0
 
 
-OBJECTIVES: Registry[Objective] = Registry("objective")
-
-
-def register_objective(cls: type[Objective]) -> type[Objective]:
-    """Class decorator: register one instance of ``cls`` under ``cls.name`` (it must be declared)."""
-    declared_objective(cls.name)
-    OBJECTIVES.add(cls.name, cls())
-    return cls
-
-
 def get_objective(name: str | Objective) -> Objective:
-    """The registered objective ``name`` (an objective is returned as is).
+    """The declared objective ``name``, its module imported now (an objective is returned as is).
 
     Raises:
         ConfigError: naming the known objectives.
     """
-    return name if isinstance(name, Objective) else OBJECTIVES.lookup(name)
+    return name if isinstance(name, Objective) else _implementation(declared_objective(name))
+
+
+@functools.cache
+def _implementation(declaration: ObjectiveDeclaration) -> Objective:
+    return declaration.load()(declaration)

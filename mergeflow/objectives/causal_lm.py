@@ -16,7 +16,7 @@ from torch import Generator, Tensor, nn
 
 from mergeflow.metrics import language_model_metrics, unigram_row_nll
 from mergeflow.models.token_model import TokenModel
-from mergeflow.objectives.base import Baseline, Objective, register_objective
+from mergeflow.objectives.base import Baseline, Objective
 
 IGNORE_INDEX = -100  # positions a token loss skips (padding, and the last position of a text)
 _ROWS = 64  # rows per forward when scoring: the logits are rows × length × vocabulary
@@ -53,11 +53,8 @@ def _padding(model: nn.Module) -> int:
     return model.pad_token_id
 
 
-@register_objective
 class CausalLM(Objective):
     """Next-token prediction of a :class:`~mergeflow.models.token_model.TokenModel`."""
-
-    name = "causal_lm"
 
     def targets(self, y, inputs: torch.Tensor, model: nn.Module) -> torch.Tensor:
         return next_token_labels(inputs, _padding(model))

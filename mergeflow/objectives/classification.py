@@ -10,14 +10,11 @@ import torch.nn.functional as F
 from torch import Generator, Tensor, nn
 
 from mergeflow.metrics import classification_metrics, log_mean_softmax, softmax
-from mergeflow.objectives.base import Baseline, FisherTarget, Objective, register_objective
+from mergeflow.objectives.base import Baseline, FisherTarget, Objective
 
 
-@register_objective
 class Classification(Objective):
     """Class ids as targets, ``(N, C)`` logits as outputs."""
-
-    name = "classification"
 
     def targets(self, y, inputs: torch.Tensor, model: nn.Module) -> torch.Tensor:
         return torch.as_tensor(y, device=inputs.device).to(torch.long).reshape(-1)

@@ -11,7 +11,7 @@ from torch import Generator, Tensor, nn
 
 from mergeflow.device import host_tensor
 from mergeflow.metrics import regression_metrics
-from mergeflow.objectives.base import Baseline, FisherTarget, Objective, register_objective
+from mergeflow.objectives.base import Baseline, FisherTarget, Objective
 
 
 def _column(outputs: np.ndarray) -> np.ndarray:
@@ -20,11 +20,8 @@ def _column(outputs: np.ndarray) -> np.ndarray:
     return outputs[:, 0] if outputs.ndim == 2 else outputs
 
 
-@register_objective
 class Regression(Objective):
     """Float targets, ``(N, 1)`` predictions; training minimises ``0.5 · mean((out[:, 0] − y)²)``."""
-
-    name = "regression"
 
     def targets(self, y, inputs: torch.Tensor, model: nn.Module) -> torch.Tensor:
         return torch.as_tensor(y, device=inputs.device).to(torch.float32).reshape(-1)

@@ -24,7 +24,7 @@ from mergeflow.fisher import diagonal_fisher, fisher_factors
 from mergeflow.merge import run_merge
 from mergeflow.merge.engine import model_inputs
 from mergeflow.merge.ssf import ssf_iterates
-from mergeflow.models import build_model
+from mergeflow.models.sequential import build_model
 from mergeflow.schema.merge import validate_options
 
 

@@ -2,20 +2,20 @@
 that span sections.
 
 Torch-free on purpose, like :mod:`mergeflow.schema.merge`: the params schema imports these
-declarations, never the objectives' code (``mergeflow.objectives``), which imports torch. A new
-objective is one declaration here and one module there, registered with
-:func:`mergeflow.objectives.register_objective`.
+declarations, never the objectives' code (``mergeflow.objectives``), which imports torch. An
+objective is one declaration here plus the module its ``implementation`` names (an
+:class:`~mergeflow.objectives.base.Objective`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mergeflow.registry import Registry
+from mergeflow.registry import Member, Registry
 
 
 @dataclass(frozen=True)
-class ObjectiveDeclaration:
+class ObjectiveDeclaration(Member):
     """An objective as the params see it.
 
     Attributes:
@@ -29,24 +29,20 @@ class ObjectiveDeclaration:
             model average over posterior draws).
         trains_language_model: whether the pretrain step already trains a language model (so
             ``pretrain.language_model`` would repeat it).
+        implementation: its :class:`~mergeflow.objectives.base.Objective` class, as ``"module:attr"``.
     """
 
     name: str
     rank_by: str
     headline: str
     select_by: tuple[str, ...]
+    implementation: str = ""
     fisher_kinds: tuple[str, ...] = ("empirical", "sampled", "exact")
     ensembles: bool = True
     trains_language_model: bool = False
 
 
 DECLARED: Registry[ObjectiveDeclaration] = Registry("objective")
-
-
-def declare_objective(declaration: ObjectiveDeclaration) -> ObjectiveDeclaration:
-    """Add an objective's declaration (one per name)."""
-    DECLARED.add(declaration.name, declaration)
-    return declaration
 
 
 def declared_objective(name: str) -> ObjectiveDeclaration:
@@ -58,18 +54,18 @@ def declared_objective(name: str) -> ObjectiveDeclaration:
     return DECLARED.lookup(name)
 
 
-declare_objective(
-    ObjectiveDeclaration("classification", rank_by="accuracy", headline="accuracy", select_by=("accuracy", "nll"))
-)
-declare_objective(ObjectiveDeclaration("regression", rank_by="mse", headline="mse", select_by=("nll", "mse")))
-declare_objective(
-    ObjectiveDeclaration(
-        "causal_lm",
-        rank_by="nll",
-        headline="perplexity",
-        select_by=("nll",),
-        fisher_kinds=("empirical", "sampled"),  # exact sums over the vocabulary at every position
-        ensembles=False,  # its outputs are per-row NLLs, not token distributions
-        trains_language_model=True,
-    )
-)
+DECLARED.declare(ObjectiveDeclaration(
+    "classification", rank_by="accuracy", headline="accuracy", select_by=("accuracy", "nll"),
+    implementation="mergeflow.objectives.classification:Classification",
+))  # fmt: skip
+DECLARED.declare(ObjectiveDeclaration(
+    "regression", rank_by="mse", headline="mse", select_by=("nll", "mse"),
+    implementation="mergeflow.objectives.regression:Regression",
+))  # fmt: skip
+DECLARED.declare(ObjectiveDeclaration(
+    "causal_lm", rank_by="nll", headline="perplexity", select_by=("nll",),
+    fisher_kinds=("empirical", "sampled"),  # exact sums over the vocabulary at every position
+    ensembles=False,  # its outputs are per-row NLLs, not token distributions
+    trains_language_model=True,
+    implementation="mergeflow.objectives.causal_lm:CausalLM",
+))  # fmt: skip
