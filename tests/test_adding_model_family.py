@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 from conftest import ROOT
-from test_import_graph import _copy_code
+from test_import_graph import copy_code
 
 from mergeflow.import_graph import import_cycles
 
@@ -106,7 +106,7 @@ def _digests(root: Path) -> dict[str, str]:
 
 
 def test_a_new_family_is_one_declaration_and_one_module(tmp_path):
-    code = _copy_code(tmp_path / "code")
+    code = copy_code(tmp_path / "code")
     before = _digests(code)
     families = code / "mergeflow/schema/families.py"
     families.write_text(families.read_text() + DECLARATION)
