@@ -76,7 +76,14 @@ def plan_align(params: Params) -> list[Step]:
         "seed": params.seed,
     }
     return [
-        Step("align", "tasks.align:align_clients", step_params, inputs=tuple(inputs), settings=device_settings(params))
+        Step(
+            "align",
+            "tasks.align:align_clients",
+            step_params,
+            inputs=tuple(inputs),
+            settings=device_settings(params),
+            members=params.model_members,
+        )
     ]
 
 

@@ -66,6 +66,7 @@ def plan_evaluate(params: Params) -> list[Step]:
                 *federated.values(),
             ),
             settings=device_settings(params),
+            members=params.model_members,
         )
     ]
 

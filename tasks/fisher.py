@@ -46,6 +46,7 @@ def plan_fisher(params: Params) -> list[Step]:
             {**settings, "client": client},
             inputs=(client_checkpoint(client), client_file(client), f"{PARTITIONS}/info.json"),
             settings=device_settings(params),
+            members=params.model_members,
         )
         for client in range(params.partition.num_clients)
     ]

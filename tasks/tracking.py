@@ -79,7 +79,17 @@ def plan_track(params: Params) -> list[Step]:
     # A hit only while the store still holds the logged runs: a pulled clone's or an emptied store is filled.
     # The record of a run logged to a server travels with the data: a clone that logs there too finds it.
     holds, local = "tasks.mlflow_store:holds_logged_run", not is_remote(step_params["uri"])
-    return [Step("track", "tasks.tracking:track", step_params, inputs=inputs, holds=holds, local=local)]
+    return [
+        Step(
+            "track",
+            "tasks.tracking:track",
+            step_params,
+            inputs=inputs,
+            holds=holds,
+            local=local,
+            members=params.model_members,
+        )
+    ]
 
 
 def track(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
