@@ -73,10 +73,10 @@ def _merge_step(params: Params, name: str, method: str, options: dict[str, Any],
     settings = {"stream_above_mb": params.merge.stream_above_mb} | device_settings(params)
     members = (*spec.modules, *params.model_members)  # the method's code, and the models' for a scored merge
     if not candidate:
-        return Step(f"merge/{name}", "tasks.merging:merge_clients", step_params, inputs, settings, members)
+        return Step(f"merge/{name}", "tasks.merging:merge_clients", step_params, inputs, settings, members=members)
     step_params["path"] = candidate_checkpoint(name, candidate_id(options))
     step_name = f"merge/{name}/{candidate_id(options)}"
-    return Step(step_name, "tasks.merging:merge_candidate", step_params, inputs, settings, members)
+    return Step(step_name, "tasks.merging:merge_candidate", step_params, inputs, settings, members=members)
 
 
 def plan_merge(params: Params) -> list[list[Step]]:
