@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mergeflow.import_graph import import_closure
 from mergeflow.schema.families import DECLARED as FAMILIES
+from mergeflow.schema.federated import member_modules as federated_member_modules
 
 _ROOT = Path(__file__).resolve().parent.parent  # the repository: mergeflow/, tasks/, flows/
 
@@ -26,8 +27,9 @@ class Stage:
     ``files`` other output files (details, such as per-client curves), ``metrics`` the files of the
     numbers people compare across experiments (DVC's metrics: ``dvc exp show``'s columns), ``plots``
     images; all of them are cached DVC outputs. ``phases`` run one after another; the steps inside one
-    phase may run in parallel. Its code (a DVC dependency, and part of every step's cache key) is
-    derived, never listed: :attr:`code`.
+    phase may run in parallel. ``members`` are the modules of the registered members its steps may run
+    (each step names its own: :attr:`tasks.steps.Step.members`). Its code (a DVC dependency, and part of
+    every step's cache key) is derived, never listed: :attr:`code`.
     """
 
     name: str
@@ -39,12 +41,13 @@ class Stage:
     files: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ()
     plots: tuple[str, ...] = ()
+    members: tuple[str, ...] = ()
 
     @property
     def code(self) -> tuple[str, ...]:
-        """Every source file of this repository that the stage's phase modules import, transitively
-        (the union of its steps' :attr:`tasks.steps.Step.code`)."""
-        modules = dict.fromkeys(phase.partition(":")[0] for phase in self.phases)
+        """Every source file of this repository that the stage's phase modules and its members' modules import,
+        transitively (the union of the code of every step it may plan, :attr:`tasks.steps.Step.code`)."""
+        modules = dict.fromkeys([*(phase.partition(":")[0] for phase in self.phases), *self.members])
         return tuple(sorted({path for module in modules for path in import_closure(module, _ROOT)}))
 
     @property
@@ -153,6 +156,7 @@ STAGES: tuple[Stage, ...] = (
         outs=("models/federated",),
         files=("metrics/federated.json",),
         plots=("plots/federated.png",),
+        members=federated_member_modules(),  # every algorithm's, aggregator's, …: dvc.yaml is static
     ),
     Stage(
         name="evaluate",

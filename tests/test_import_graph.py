@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, pipeline_params
+from conftest import PIPELINE, ROOT, pipeline_params
 
 from mergeflow.import_graph import import_closure, third_party_versions
 from mergeflow.stages import STAGES
@@ -22,13 +22,22 @@ def _copy_code(target: Path) -> Path:
     return target
 
 
+# The tests' pipeline with the federated stage's other axes: an entry with a robust rule and a server optimizer,
+# and a label-flipping attacker (a data attack: its client updates run the attack).
+MORE_FEDERATED = [
+    f"federated.algorithms=[{','.join([*PIPELINE['federated']['algorithms'], 'fedavg_robust'])}]",
+    "federated.options.fedavg_robust={algorithm: fedavg, aggregator: median, server: {optimizer: adam, lr: 0.1}}",
+    "federated.attack={clients: 1, kind: label_flip}",
+]
+
+
 @pytest.fixture(scope="module")
 def planned():
-    from mergeflow.config import validate_params
+    from mergeflow.config import apply_overrides, validate_params
     from tasks.runner import _waves
     from tasks.steps import resolve
 
-    params = validate_params(pipeline_params())
+    params = validate_params(apply_overrides(pipeline_params(), MORE_FEDERATED))
     return [
         step for stage in STAGES for phase in stage.phases for wave in _waves(resolve(phase)(params)) for step in wave
     ]
@@ -45,21 +54,35 @@ def _edit(path: Path) -> None:
     path.write_text(path.read_text() + "\n# an edit\n")
 
 
+ALL_ENTRIES = {*PIPELINE["federated"]["algorithms"], "fedavg_robust", "summary"}
+
+
 @pytest.mark.parametrize(
-    "module, stages",
+    "module, stages, members",
     [
         # the holes of the hand-kept lists: federated training, Fisher's training and models, seeds, track
-        ("mergeflow/training.py", None),
-        ("mergeflow/federated/local.py", {"federated", "evaluate", "track"}),
+        ("mergeflow/training.py", None, None),
+        ("mergeflow/federated/local.py", {"federated"}, ALL_ENTRIES),
         (
             "mergeflow/seeding.py",
             {"pretrain", "finetune", "centralized", "fisher", "align", "merge", "federated", "evaluate", "track"},
+            None,
         ),
-        ("tasks/tracking.py", {"track"}),
-        ("mergeflow/merge/sparsify.py", {"merge", "evaluate", "track"}),
+        ("tasks/tracking.py", {"track"}, None),
+        ("mergeflow/merge/sparsify.py", {"merge", "evaluate", "track"}, None),
+        # keys per member: an algorithm's module re-keys its rounds only (and the summary, which asks every
+        # algorithm for its stability warning); evaluate and track then re-run on the files they read
+        ("mergeflow/federated/fedprox.py", {"federated"}, {"fedprox", "summary"}),
+        ("mergeflow/federated/bayes_admm.py", {"federated"}, {"bayes_admm", "summary"}),
+        ("mergeflow/federated/fedavg.py", {"federated"}, {"fedavg", "fedprox", "fedavg_robust", "summary"}),
+        # the server-side members: the robust rule and the server optimizer of the entry that runs them
+        ("mergeflow/federated/robust.py", {"federated"}, {"fedavg_robust"}),
+        ("mergeflow/federated/server_opt.py", {"federated"}, {"fedavg_robust"}),
+        # a data attack: every entry's client updates of the attacker
+        ("mergeflow/federated/attacks.py", {"federated"}, ALL_ENTRIES - {"summary"}),
     ],
 )
-def test_an_edit_re_keys_exactly_the_steps_that_import_it(module, stages, planned, tmp_path, monkeypatch):
+def test_an_edit_re_keys_exactly_the_steps_that_import_it(module, stages, members, planned, tmp_path, monkeypatch):
     code_root = _copy_code(tmp_path / "code")
     before = _keys(planned, code_root, tmp_path, monkeypatch)
     _edit(code_root / module)
@@ -69,6 +92,14 @@ def test_an_edit_re_keys_exactly_the_steps_that_import_it(module, stages, planne
     assert changed == importers and changed  # every importer, transitively, and nothing else
     if stages is not None:
         assert {name.split("/")[0] for name in changed} == stages
+    if members is not None:  # the second part of a step's name: the entry (federated) whose steps run it
+        assert {name.split("/")[1] for name in changed} == members
+    # the server-side members run in the server steps alone, a data attack in its attacker's client updates
+    kinds = {name.rpartition("/")[2] for name in changed}
+    if module.endswith(("/robust.py", "/server_opt.py")):
+        assert kinds == {"server"}
+    if module.endswith("/attacks.py"):
+        assert len(kinds) == 1 and kinds.pop().startswith("client_")
     if module == "mergeflow/training.py":  # every federated client update and every Fisher
         assert {s.name for s in planned if s.name.startswith(("federated/", "fisher/"))} <= changed
 
