@@ -48,8 +48,10 @@ def stored_plan(root: Path, digest: str) -> Plan | None:
     except (OSError, ValueError):
         return None
     os.utime(path)  # recently used: kept when older plans are dropped
+    tuples = ("inputs", "members")  # JSON gives lists
     return [
-        [[Step(**{**step, "inputs": tuple(step["inputs"])}) for step in wave] for wave in stage] for stage in stored
+        [[Step(**{**step, **{key: tuple(step[key]) for key in tuples}}) for step in wave] for wave in stage]
+        for stage in stored
     ]
 
 
