@@ -42,7 +42,7 @@ from mergeflow.files import atomic_path, write_json
 from mergeflow.models import build_from_spec
 from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_rounds
-from mergeflow.schema.federated import ALGORITHMS, ATTACKS, server_step_members
+from mergeflow.schema.federated import ALGORITHMS, ATTACKS, Attack, server_step_members
 from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError
 from tasks.data import PARTITIONS, PREPARED, client_file, read_arrays, read_info
@@ -191,14 +191,12 @@ def _server_plan(params: dict[str, Any], num_classes: int | None = None) -> Serv
     )
 
 
-def _data_attack(params: Params, client: int) -> dict[str, Any]:
-    """A data-poisoning attacker's step setting (the attack it trains under); nothing for other clients."""
+def _data_attack(params: Params, client: int) -> Attack | None:
+    """The data attack that client ``client`` trains under (a data-poisoning attacker's), or None."""
     attack = params.federated.attack
     if attack is None or not attack.poisons_data:
-        return {}
-    if client not in attackers(params.partition.num_clients, attack, params.seed):
-        return {}
-    return {"attack": attack.kind}
+        return None
+    return attack.declaration if client in attackers(params.partition.num_clients, attack, params.seed) else None
 
 
 def _members(params: Params, name: str) -> tuple[str, ...]:
@@ -260,8 +258,9 @@ def plan_federated(params: Params) -> list[list[Step]]:
                     f"{PARTITIONS}/info.json",
                 )
                 step_params = {**settings, "round": r, "client": k, "state_round": step.state_rounds[k]}
-                step_params |= _data_attack(params, k)
-                attack = (ATTACKS[step_params["attack"]].module,) if "attack" in step_params else ()
+                members = _members(params, name)
+                if poison := _data_attack(params, k):
+                    step_params, members = step_params | {"attack": poison.name}, members + (poison.module,)
                 clients.append(
                     Step(
                         f"federated/{name}/r{r:03d}/client_{k:03d}",
@@ -269,7 +268,7 @@ def plan_federated(params: Params) -> list[list[Step]]:
                         step_params,
                         inputs,
                         settings=device_settings(params),
-                        members=_members(params, name) + attack,
+                        members=members,
                     )
                 )
             messages = tuple(message_file(name, r, k) for k in step.participants)

@@ -22,7 +22,13 @@ from mergeflow.federated.server_plan import (
     server_optimizer_step,
 )
 from mergeflow.models import build_model
-from mergeflow.schema.federated import AggregatorOptions, AttackOptions, DPOptions, ServerOptimizerOptions
+from mergeflow.schema.federated import (
+    AggregatorOptions,
+    AttackOptions,
+    DPOptions,
+    ServerOptimizerOptions,
+    server_step_members,
+)
 
 # ----------------------------------------------------------------------------- server optimizers
 
@@ -134,6 +140,24 @@ def test_krum_multikrum_and_bulyan_keep_the_planted_honest_cluster():
 def test_rules_refuse_too_few_messages(options, n, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         _run(stack=torch.zeros(n, 2, dtype=torch.float64), **options)
+
+
+# ----------------------------------------------------------------------------- members a server step runs
+
+
+def test_a_server_step_runs_the_members_that_change_it_and_only_those():
+    plain = server_step_members(ServerOptimizerOptions(), AggregatorOptions(), AttackOptions(clients=0))
+    assert plain == ()  # plain averaging, no attacker: the algorithm's own step alone
+    chosen = (ServerOptimizerOptions(optimizer="yogi"), AggregatorOptions(name="krum"), AttackOptions(kind="gaussian"))
+    assert [member.name for member in server_step_members(*chosen)] == ["yogi", "krum", "gaussian"]
+    assert [member.module for member in server_step_members(*chosen)] == [
+        "mergeflow.federated.server_opt",
+        "mergeflow.federated.robust",
+        "mergeflow.federated.attacks",
+    ]
+    data_attack = AttackOptions(kind="label_flip")  # acts on the attackers' training, not at the server
+    only = server_step_members(ServerOptimizerOptions(lr=0.5), AggregatorOptions(), data_attack)
+    assert [member.name for member in only] == ["sgd"]
 
 
 # ----------------------------------------------------------------------------- attacks

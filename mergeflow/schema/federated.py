@@ -37,11 +37,8 @@ def _registered(registry: Registry[Any], name: str) -> str:
         raise ValueError(error.lines[0]) from None
 
 
-# ----------------------------------------------------------------------------- algorithms
-
-
 @dataclass(frozen=True)
-class Declared(Member):
+class FederatedMember(Member):
     """A member of a federated axis: its ``name``, ``implementation`` (``"module:attr"``) and older ``aliases``."""
 
     name: str
@@ -49,8 +46,11 @@ class Declared(Member):
     aliases: tuple[str, ...] = field(default=(), kw_only=True)
 
 
+# ----------------------------------------------------------------------------- algorithms
+
+
 @dataclass(frozen=True)
-class Algorithm(Declared):
+class Algorithm(FederatedMember):
     """A federated algorithm: ``implementation`` names its ``mergeflow.federated.base.FederatedAlgorithm``
     subclass, ``Options`` the model of ``federated.options.<name>``.
 
@@ -172,7 +172,7 @@ def participants_per_round(num_clients: int, fraction: float) -> int:
 
 
 @dataclass(frozen=True)
-class ServerOptimizer(Declared):
+class ServerOptimizer(FederatedMember):
     """A server optimizer: ``implementation`` names its step on one parameter,
     ``fn(server, name, target, options, lr) -> entries``: the server state's new entries for parameter
     ``name`` (θ̄ under ``mean.<name>``, and its moments) from the aggregate ``target`` and the step size.
@@ -238,7 +238,7 @@ class ServerOptimizerOptions(FederatedOptions):
 
 
 @dataclass(frozen=True)
-class Aggregator(Declared):
+class Aggregator(FederatedMember):
     """An aggregation rule: ``implementation`` names ``fn(stack, weights, options) -> (aggregate, kept)`` over the
     ``(n, P)`` stack of the n messages (:mod:`mergeflow.federated.robust`). ``identity``: it is the
     algorithm's own average, so no rule replaces the algorithm's server step; ``least_messages`` (a, b): it
@@ -309,7 +309,7 @@ class AggregatorOptions(FederatedOptions):
 
 
 @dataclass(frozen=True)
-class Attack(Declared):
+class Attack(FederatedMember):
     """A Byzantine attack. ``poisons_data``: a data attack, whose ``implementation`` is
     ``fn(data, num_classes) -> data``, the attacker's poisoned training data (its message is then honest
     training on them); otherwise a model attack, ``fn(anchor, theta, options, generator) -> tensor``: what the
