@@ -136,7 +136,7 @@ def robust_mergeflow(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     import torch
 
     from mergeflow.federated.base import flat, unflat
-    from mergeflow.federated.robust import aggregate
+    from mergeflow.federated.server_plan import aggregate
     from mergeflow.schema.federated import AggregatorOptions
 
     like = {n: torch.zeros(shape, dtype=torch.float64) for n, shape in SHAPES.items()}

@@ -72,12 +72,12 @@ def render_methods() -> str:
 
 
 def render_algorithms() -> str:
-    """Every registered federated algorithm (imports the algorithms, hence torch)."""
+    """Every declared federated algorithm (imports the algorithms' modules, hence torch)."""
     from mergeflow.federated import ALGORITHMS
 
     blocks = []
     for name in sorted(ALGORITHMS):
         algorithm = ALGORITHMS[name]
         details = {"options": option_defaults(algorithm.Options)}
-        blocks.append(render_block(name, first_sentence(type(algorithm).__doc__), details))
+        blocks.append(render_block(name, first_sentence(algorithm.load().__doc__), details))
     return "\n\n".join(blocks) + "\n"

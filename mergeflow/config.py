@@ -508,7 +508,7 @@ class FederatedConfig(_Section):
 
     @model_validator(mode="after")
     def _known_algorithms_and_options(self) -> FederatedConfig:
-        from mergeflow.schema.federated import DECLARED, validate_options
+        from mergeflow.schema.federated import ALGORITHMS, validate_options
 
         for name, chosen in self.options.items():
             for key, model in (("local", TrainOverride), *_ENTRY_SECTIONS.items()):
@@ -524,7 +524,7 @@ class FederatedConfig(_Section):
             },
             list_key="algorithms",
             kind_key="algorithm",
-            known=DECLARED,
+            known=ALGORITHMS,
             validate=validate_options,
             error_prefix="federated.options",
         )
@@ -729,7 +729,7 @@ class Params(_Section):
 
     def _check_federated(self) -> None:
         """Server optimizers, aggregators, attacks and DP: what each entry's maths allows, and sizes."""
-        from mergeflow.schema.federated import DECLARED
+        from mergeflow.schema.federated import ALGORITHMS
 
         federated, clients = self.federated, self.partition.num_clients
         attack, dp = federated.attack, federated.dp
@@ -742,14 +742,14 @@ class Params(_Section):
         n = participants_per_round(clients, federated.fraction)
         for name in federated.algorithms:
             algorithm = federated.resolve(name)[0]
-            declared = DECLARED[algorithm]
+            declared = ALGORITHMS[algorithm]
             server, aggregator = federated.server_for(name), federated.aggregator_for(name)
-            if not server.is_identity and not getattr(declared, "point_estimate", False):
+            if not server.is_identity and not declared.point_estimate:
                 raise ValueError(
                     f"federated.server: {name!r} ({algorithm}) has no point-estimate global model to step on "
                     "(its server step is in natural parameters); use optimizer: sgd, lr: 1"
                 )
-            averages = getattr(declared, "averages_messages", False)
+            averages = declared.averages_messages
             if not aggregator.is_identity and not averages:
                 raise ValueError(
                     f"federated.aggregator: {name!r} ({algorithm}) does not average the clients' messages "
@@ -952,9 +952,9 @@ def _declared_options(kinds: str) -> dict[str, type[BaseModel]]:
         from mergeflow.schema.merge import DECLARED
 
         return {name: declaration.Options for name, declaration in DECLARED.items()}
-    from mergeflow.schema.federated import DECLARED as ALGORITHMS
+    from mergeflow.schema.federated import ALGORITHMS
 
-    return dict(ALGORITHMS)
+    return {name: declaration.Options for name, declaration in ALGORITHMS.items()}
 
 
 def validate_params(raw: dict[str, Any], source: str = "params", overrides: list[str] | None = None) -> Params:

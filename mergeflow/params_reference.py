@@ -177,9 +177,9 @@ def _federated_algorithms() -> list[str]:
         "`federated.options.<name>` takes the algorithm's options below, and `local`: changes to "
         "`federated.local` for that entry only (the keys of [`finetune.clients.N`](#finetuneclientsn)).\n",
     ]
-    for name, options in federated.DECLARED.items():
+    for name, declaration in federated.ALGORITHMS.items():
         parts.append(f"### `federated.options.{name}`\n")
-        parts += _options(options)
+        parts += _options(declaration.Options)
     return parts
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mergeflow.lazy_imports import closure_with_members
 from mergeflow.schema.families import DECLARED as FAMILIES
+from mergeflow.schema.federated import member_modules as federated_member_modules
 from mergeflow.schema.merge import DECLARED as MERGE_METHODS
 from mergeflow.schema.sources import SOURCES
 
@@ -165,6 +166,7 @@ STAGES: tuple[Stage, ...] = (
         outs=("models/federated",),
         files=("metrics/federated.json",),
         plots=("plots/federated.png",),
+        members=federated_member_modules(),  # every algorithm's, aggregator's, …: dvc.yaml is static
     ),
     Stage(
         name="evaluate",

@@ -35,14 +35,14 @@ from mergeflow.federated import (
     load_parameters,
     model_parameters,
 )
-from mergeflow.federated.attacks import attackers, flip_labels
 from mergeflow.federated.loop import global_scores
 from mergeflow.federated.rounds import client_step, round_schedule, server_step
-from mergeflow.federated.server_plan import ServerPlan
+from mergeflow.federated.server_plan import ServerPlan, attackers
 from mergeflow.files import atomic_path, write_json
 from mergeflow.models import build_from_spec
 from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_rounds
+from mergeflow.schema.federated import ALGORITHMS, ATTACKS, Attack, server_step_members
 from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError
 from tasks.layout import (
@@ -165,14 +165,25 @@ def _server_plan(params: dict[str, Any], num_classes: int | None = None) -> Serv
     )
 
 
-def _label_flip(params: Params, client: int) -> dict[str, Any]:
-    """A label-flipping attacker's step setting (its number of classes); nothing for other clients."""
+def _data_attack(params: Params, client: int) -> Attack | None:
+    """The data attack that client ``client`` trains under (a data-poisoning attacker's), or None."""
     attack = params.federated.attack
     if attack is None or not attack.poisons_data:
-        return {}
-    if client not in attackers(params.partition.num_clients, attack, params.seed):
-        return {}
-    return {"label_flip": True}
+        return None
+    return attack.declaration if client in attackers(params.partition.num_clients, attack, params.seed) else None
+
+
+def _members(params: Params, name: str) -> tuple[str, ...]:
+    """The module of entry ``name``'s algorithm, which its steps run (:attr:`tasks.steps.Step.members`)."""
+    return (ALGORITHMS.lookup(params.federated.resolve(name)[0]).module,)
+
+
+def _server_members(params: Params, name: str) -> tuple[str, ...]:
+    """The modules entry ``name``'s server step runs: its algorithm's, and those of the server optimizer,
+    aggregator and attack it runs around the algorithm's own step."""
+    federated = params.federated
+    around = server_step_members(federated.server_for(name), federated.aggregator_for(name), federated.attack)
+    return _members(params, name) + tuple(member.module for member in around)
 
 
 def _evaluation_settings(params: Params) -> dict[str, Any]:
@@ -198,6 +209,7 @@ def plan_federated(params: Params) -> list[list[Step]]:
                 {**_settings(params, name), **_evaluation_settings(params)},
                 evaluation,
                 settings=device_settings(params),
+                members=_members(params, name),
             )
             for name in names
         ]
@@ -220,7 +232,9 @@ def plan_federated(params: Params) -> list[list[Step]]:
                     f"{PARTITIONS}/info.json",
                 )
                 step_params = {**settings, "round": r, "client": k, "state_round": step.state_rounds[k]}
-                step_params |= _label_flip(params, k)
+                members = _members(params, name)
+                if poison := _data_attack(params, k):
+                    step_params, members = step_params | {"attack": poison.name}, members + (poison.module,)
                 clients.append(
                     Step(
                         f"federated/{name}/r{r:03d}/client_{k:03d}",
@@ -228,6 +242,7 @@ def plan_federated(params: Params) -> list[list[Step]]:
                         step_params,
                         inputs,
                         settings=device_settings(params),
+                        members=members,
                     )
                 )
             messages = tuple(message_file(name, r, k) for k in step.participants)
@@ -244,6 +259,7 @@ def plan_federated(params: Params) -> list[list[Step]]:
                     },
                     (*evaluation, server_file(name, r - 1), PARTITION_METRICS, *messages),
                     settings=device_settings(params),
+                    members=_server_members(params, name),
                 )
             )
         waves += [clients, servers]
@@ -253,7 +269,8 @@ def plan_federated(params: Params) -> list[list[Step]]:
     }
     summary = {"algorithms": list(names), "rounds": params.federated.rounds, "settings": settings}
     inputs = (*metrics, PARTITION_METRICS)
-    waves.append([Step("federated/summary", "tasks.federated:summarise_rounds", summary, inputs)])
+    members = tuple(dict.fromkeys(module for name in names for module in _members(params, name)))
+    waves.append([Step("federated/summary", "tasks.federated:summarise_rounds", summary, inputs, members=members)])
     return waves
 
 
@@ -350,8 +367,8 @@ def client_round(params: dict[str, Any], root: Path, out: Path, settings: dict[s
     X, y = read_arrays(root / client_file(k), info)
     device = step_device(settings)  # the model, server and client states on it; the data move by batches
     data = ClientData(torch.as_tensor(X), torch.as_tensor(y), info["task"])
-    if params.get("label_flip"):
-        data = flip_labels(data, int(info["num_classes"]))
+    if params.get("attack"):
+        data = ATTACKS.lookup(params["attack"]).load()(data, int(info["num_classes"]))
     message, state, metrics = client_step(
         algorithm,
         federated_model(root, params).to(device),

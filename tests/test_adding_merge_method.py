@@ -41,7 +41,7 @@ try:
 except ConfigError as error:
     assert "median" in str(error) and "bogus" in str(error), error
 [median] = [step for wave in plan_merge(params) for step in wave if step.name == "merge/median"]
-assert median.members == ("mergeflow.merge.median",) and "mergeflow/merge/median.py" in median.code
+assert median.members[0] == "mergeflow.merge.median" and "mergeflow/merge/median.py" in median.code
 assert "mergeflow/merge/median.py" in get_stage("merge").code  # dvc.yaml's deps, once regenerated
 states = [{"w": torch.tensor([1.0, 9.0])}, {"w": torch.tensor([5.0, 2.0])}, {"w": torch.tensor([3.0, 4.0])}]
 assert merge("median", states)["w"].tolist() == [3.0, 4.0]

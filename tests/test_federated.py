@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import ivon
 import pytest
@@ -15,7 +17,6 @@ from mergeflow.errors import ConfigError
 from mergeflow.federated import (
     ALGORITHMS,
     ClientData,
-    IVONWithPrior,
     LocalTraining,
     client_drift,
     client_generator,
@@ -24,16 +25,20 @@ from mergeflow.federated import (
     linear_gaussian_problem,
     load_parameters,
     model_parameters,
+    register_algorithm,
     run_quadratic_rounds,
     run_rounds,
     sample_participants,
     scalar_problem,
 )
+from mergeflow.federated.fedavg import FedAvg
+from mergeflow.federated.ivon_prior import IVONWithPrior
 from mergeflow.federated.local import local_train
 from mergeflow.federated.quadratic_loss import QuadraticProblem
 from mergeflow.metrics import softmax
 from mergeflow.models.sequential import build_model
-from mergeflow.schema.federated import DECLARED
+from mergeflow.schema import federated
+from mergeflow.schema.federated import FedAvgOptions
 from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError, predict
 from mergeflow.training import train as central_train
@@ -208,15 +213,56 @@ def test_fedprox_large_mu_keeps_clients_at_the_global_model() -> None:
     assert drifts == sorted(drifts, reverse=True) and drifts[-1] < 1e-5
 
 
-def test_options_are_validated_and_every_algorithm_is_registered() -> None:
+def test_options_are_validated_and_every_algorithm_is_declared() -> None:
     assert {"fedavg", "fedprox", "fedadmm", "bayes_admm"} <= set(ALGORITHMS)
-    assert all(DECLARED[name] is algorithm.Options for name, algorithm in ALGORITHMS.items())
+    assert ALGORITHMS is federated.ALGORITHMS
+    assert all(get_algorithm(name).declaration is declaration for name, declaration in ALGORITHMS.items())
     with pytest.raises(ConfigError, match="federated.options.fedprox.nu"):
         get_algorithm("fedprox").parse_options({"nu": 1.0})
     with pytest.raises(ConfigError, match="rho"):
         get_algorithm("bayes_admm").parse_options({"rho": -1.0})
     with pytest.raises(ConfigError, match="unknown"):
         get_algorithm("fedsgd")
+
+
+def test_the_declarations_are_torch_free_and_a_round_imports_its_algorithms_module_only() -> None:
+    # In a fresh process: validating names every member without torch; the package imports no algorithm's
+    # module, and asking for one imports its module (and what it imports), no other algorithm's.
+    code = (
+        "import sys; from mergeflow.schema import federated; assert 'torch' not in sys.modules; "
+        "members = [m for axis in federated.AXES for m in axis.values()]; "
+        "import mergeflow.federated; loaded = lambda: {m.module for m in members} & set(sys.modules); "
+        "assert not loaded(), loaded(); mergeflow.federated.get_algorithm('fedprox'); "
+        "assert loaded() == {'mergeflow.federated.fedprox', 'mergeflow.federated.fedavg'}, loaded()"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+class NotebookFedAvg(FedAvg):
+    """FedAvg, as a notebook would register its own algorithm."""
+
+    name = "notebook_fedavg"
+    Options = FedAvgOptions
+
+
+def test_a_notebook_registers_its_own_algorithm() -> None:
+    register_algorithm(averages_messages=True, point_estimate=True)(NotebookFedAvg)
+    try:
+        declaration = ALGORITHMS["notebook_fedavg"]
+        assert declaration.implementation == f"{__name__}:NotebookFedAvg" and declaration.point_estimate
+        mine, builtin = run_quadratic_rounds("notebook_fedavg", _toy(), 3), run_quadratic_rounds("fedavg", _toy(), 3)
+        assert _track(mine, "mean.theta") == _track(builtin, "mean.theta")
+        with pytest.raises(ValueError, match="registered twice"):
+            register_algorithm(NotebookFedAvg)
+    finally:
+        del ALGORITHMS["notebook_fedavg"]
+    with pytest.raises(ValueError, match="top level of a module"):
+
+        @register_algorithm
+        class Local(FedAvg):
+            name = "local"
+            Options = FedAvgOptions
 
 
 # ----------------------------------------------------------------------------- IVON with a prior

@@ -11,13 +11,24 @@ from sklearn.datasets import load_digits
 
 from mergeflow.accounting import epsilon, mechanism, noise_for_target
 from mergeflow.federated import ClientData, LocalTraining, get_algorithm, run_rounds
-from mergeflow.federated.attacks import attack_message, attackers
 from mergeflow.federated.privacy import clip_update, private_average
-from mergeflow.federated.robust import aggregate, krum_scores
-from mergeflow.federated.server_opt import server_optimizer_step
-from mergeflow.federated.server_plan import ServerPlan, planned_server_update
+from mergeflow.federated.robust import krum_scores
+from mergeflow.federated.server_plan import (
+    ServerPlan,
+    aggregate,
+    attack_message,
+    attackers,
+    planned_server_update,
+    server_optimizer_step,
+)
 from mergeflow.models.sequential import build_model
-from mergeflow.schema.federated import AggregatorOptions, AttackOptions, DPOptions, ServerOptimizerOptions
+from mergeflow.schema.federated import (
+    AggregatorOptions,
+    AttackOptions,
+    DPOptions,
+    ServerOptimizerOptions,
+    server_step_members,
+)
 
 # ----------------------------------------------------------------------------- server optimizers
 
@@ -124,11 +135,29 @@ def test_krum_multikrum_and_bulyan_keep_the_planted_honest_cluster():
 
 @pytest.mark.parametrize(
     ("options", "n", "needle"),
-    [({"name": "krum", "f": 2}, 6, "n > 2f + 2"), ({"name": "bulyan", "f": 1}, 6, "n ≥ 4f + 3")],
+    [({"name": "krum", "f": 2}, 6, "n ≥ 2f + 3"), ({"name": "bulyan", "f": 1}, 6, "n ≥ 4f + 3")],
 )
 def test_rules_refuse_too_few_messages(options, n, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         _run(stack=torch.zeros(n, 2, dtype=torch.float64), **options)
+
+
+# ----------------------------------------------------------------------------- members a server step runs
+
+
+def test_a_server_step_runs_the_members_that_change_it_and_only_those():
+    plain = server_step_members(ServerOptimizerOptions(), AggregatorOptions(), AttackOptions(clients=0))
+    assert plain == ()  # plain averaging, no attacker: the algorithm's own step alone
+    chosen = (ServerOptimizerOptions(optimizer="yogi"), AggregatorOptions(name="krum"), AttackOptions(kind="gaussian"))
+    assert [member.name for member in server_step_members(*chosen)] == ["yogi", "krum", "gaussian"]
+    assert [member.module for member in server_step_members(*chosen)] == [
+        "mergeflow.federated.server_opt",
+        "mergeflow.federated.robust",
+        "mergeflow.federated.attacks",
+    ]
+    data_attack = AttackOptions(kind="label_flip")  # acts on the attackers' training, not at the server
+    only = server_step_members(ServerOptimizerOptions(lr=0.5), AggregatorOptions(), data_attack)
+    assert [member.name for member in only] == ["sgd"]
 
 
 # ----------------------------------------------------------------------------- attacks

@@ -29,6 +29,13 @@ MORE_MERGES = [
     "merge.options.della_search={method: della, density: [0.3, 0.5]}",
     "data.validation_fraction=0.2",
 ]
+# ... and the federated stage's other axes: an entry with a robust rule and a server optimizer, and a
+# label-flipping attacker (a data attack: its client updates run the attack).
+MORE_FEDERATED = [
+    f"federated.algorithms=[{','.join([*PIPELINE['federated']['algorithms'], 'fedavg_robust'])}]",
+    "federated.options.fedavg_robust={algorithm: fedavg, aggregator: median, server: {optimizer: adam, lr: 0.1}}",
+    "federated.attack={clients: 1, kind: label_flip}",
+]
 
 
 def _plan(raw: dict) -> list:
@@ -46,7 +53,7 @@ def _plan(raw: dict) -> list:
 def planned():
     from mergeflow.config import apply_overrides
 
-    return _plan(apply_overrides(pipeline_params(), MORE_MERGES))
+    return _plan(apply_overrides(pipeline_params(), MORE_MERGES + MORE_FEDERATED))
 
 
 def _keys(steps, code_root: Path, workspace: Path, monkeypatch) -> dict[str, str]:
@@ -60,14 +67,17 @@ def _edit(path: Path) -> None:
     path.write_text(path.read_text() + "\n# an edit\n")
 
 
+ALL_ENTRIES = {*PIPELINE["federated"]["algorithms"], "fedavg_robust", "summary"}
+
+
 @pytest.mark.parametrize(
-    "module, stages, merges",
+    "module, stages, members",
     [
         # the holes of the hand-kept lists: federated training, Fisher's training and models, seeds, track
         ("mergeflow/training.py", None, None),
         # a step module reads its siblings' outputs through tasks/layout.py, not their code: evaluate and track
         # import no merge and no federated algorithm, align and merge no training step
-        ("mergeflow/federated/local.py", {"federated"}, None),
+        ("mergeflow/federated/local.py", {"federated"}, ALL_ENTRIES),
         ("mergeflow/seeding.py", {"pretrain", "finetune", "centralized", "fisher", "federated"}, None),
         ("tasks/tracking.py", {"track"}, None),
         # keys per member: a method's module re-keys its merges only (evaluate and track then re-run on the
@@ -76,6 +86,16 @@ def _edit(path: Path) -> None:
         ("mergeflow/merge/ties.py", {"merge"}, {"ties"}),
         ("mergeflow/merge/sparsify.py", {"merge"}, {"ties", "della", "della_search"}),
         ("mergeflow/merge/average.py", {"merge"}, {"average", "fisher"}),  # fisher averages what it does not cover
+        # an algorithm's module re-keys its rounds only (and the summary, which asks every algorithm for its
+        # stability warning); evaluate and track then re-run on the files they read
+        ("mergeflow/federated/fedprox.py", {"federated"}, {"fedprox", "summary"}),
+        ("mergeflow/federated/bayes_admm.py", {"federated"}, {"bayes_admm", "summary"}),
+        ("mergeflow/federated/fedavg.py", {"federated"}, {"fedavg", "fedprox", "fedavg_robust", "summary"}),
+        # the server-side members: the robust rule and the server optimizer of the entry that runs them
+        ("mergeflow/federated/robust.py", {"federated"}, {"fedavg_robust"}),
+        ("mergeflow/federated/server_opt.py", {"federated"}, {"fedavg_robust"}),
+        # a data attack: every entry's client updates of the attacker
+        ("mergeflow/federated/attacks.py", {"federated"}, ALL_ENTRIES - {"summary"}),
         # a source's declaration and loader key the prepare step of its runs only
         ("mergeflow/data/digits.py", {"prepare"}, None),
         ("mergeflow/schema/sources/digits.py", {"prepare"}, None),
@@ -84,7 +104,7 @@ def _edit(path: Path) -> None:
         ("mergeflow/schema/sources/wordnet.py", set(), None),
     ],
 )
-def test_an_edit_re_keys_exactly_the_steps_that_import_it(module, stages, merges, planned, tmp_path, monkeypatch):
+def test_an_edit_re_keys_exactly_the_steps_that_import_it(module, stages, members, planned, tmp_path, monkeypatch):
     code_root = copy_code(tmp_path / "code")
     before = _keys(planned, code_root, tmp_path, monkeypatch)
     _edit(code_root / module)
@@ -93,8 +113,16 @@ def test_an_edit_re_keys_exactly_the_steps_that_import_it(module, stages, merges
     importers = {step.name for step in planned if module in step.code}
     assert changed == importers  # every importer, transitively, and nothing else
     assert {name.split("/")[0] for name in changed} == stages if stages is not None else changed
-    if merges is not None:  # every step that runs the method: a search's candidates, not the choice among them
-        assert {name.split("/")[1] for name in changed} == merges and "merge/della_search" not in changed
+    if members is not None:  # the second part of a step's name: the merge or federated entry whose steps run it
+        assert {name.split("/")[1] for name in changed} == members
+    if module.startswith("mergeflow/merge/"):  # a search's candidates run the method, not the choice among them
+        assert "merge/della_search" not in changed
+    # the server-side members run in the server steps alone, a data attack in its attacker's client updates
+    kinds = {name.rpartition("/")[2] for name in changed}
+    if module.endswith(("/robust.py", "/server_opt.py")):
+        assert kinds == {"server"}
+    if module.endswith("/attacks.py"):
+        assert len(kinds) == 1 and kinds.pop().startswith("client_")
     if module == "mergeflow/training.py":  # every federated client update and every Fisher
         assert {s.name for s in planned if s.name.startswith(("federated/", "fisher/"))} <= changed
 

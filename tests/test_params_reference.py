@@ -47,9 +47,9 @@ def test_every_key_method_and_algorithm_has_its_row_with_type_default_and_constr
         part = _part(text, f"`merge.options.{name}`")
         assert all(f"| `{key}` |" in part for key in declaration.Options.model_fields), name
         assert all(f"`{need}`" in part for need in declaration.uses), name
-    for name, options in federated.DECLARED.items():
+    for name, declaration in federated.ALGORITHMS.items():
         part = _part(text, f"`federated.options.{name}`")
-        assert all(f"| `{key}` |" in part for key in options.model_fields), name
+        assert all(f"| `{key}` |" in part for key in declaration.Options.model_fields), name
     fisher = _part(text, "`fisher`")
     assert "| `kind` | one of `empirical`, `sampled`, `exact` | `exact` |  |" in fisher
     assert "| `n_examples` | int | `1024` | ≥ 1 |" in fisher

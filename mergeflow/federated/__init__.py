@@ -1,14 +1,14 @@
 """Federated learning algorithms (FedAvg, FedProx, FedADMM, Bayes-ADMM/IVON-ADMM) as pure functions.
 
-``ALGORITHMS[name]`` has ``init_server``, ``init_client``, ``client_update``, ``server_update``,
-``global_state`` (and ``exact_client_update`` for quadratic losses); every state and message is a
-``dict[str, torch.Tensor]``. :func:`run_rounds` is the plain round loop; :mod:`.quadratic` the
-exactly solvable client path. No Prefect or MLflow here.
+Each algorithm is declared in ``mergeflow.schema.federated`` (:data:`ALGORITHMS`, torch-free) and
+implemented by a class in its own module here, which :func:`get_algorithm` imports when asked for that
+algorithm, and no other. An algorithm has ``init_server``, ``init_client``, ``client_update``,
+``server_update``, ``global_state`` (and ``exact_client_update`` for quadratic losses); every state and
+message is a ``dict[str, torch.Tensor]``. :func:`run_rounds` is the plain round loop; :mod:`.quadratic`
+the exactly solvable client path. No Prefect or MLflow here.
 """
 
-from mergeflow.federated import bayes_admm, fedadmm, fedavg, fedprox  # noqa: F401  (registration)
 from mergeflow.federated.base import (
-    ALGORITHMS,
     ClientData,
     ClientState,
     FederatedAlgorithm,
@@ -22,20 +22,19 @@ from mergeflow.federated.base import (
     model_parameters,
     register_algorithm,
     sample_participants,
-    validate_options,
 )
-from mergeflow.federated.ivon_prior import IVONWithPrior
 from mergeflow.federated.loop import FederatedRun, run_rounds
 from mergeflow.federated.quadratic import exact_posterior, run_quadratic_rounds
 from mergeflow.federated.quadratic_loss import QuadraticProblem, linear_gaussian_problem, scalar_problem
+from mergeflow.schema.federated import ALGORITHMS, Algorithm, validate_options
 
 __all__ = [
     "ALGORITHMS",
+    "Algorithm",
     "ClientData",
     "ClientState",
     "FederatedAlgorithm",
     "FederatedRun",
-    "IVONWithPrior",
     "LocalTraining",
     "Message",
     "QuadraticProblem",

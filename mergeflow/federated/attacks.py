@@ -1,52 +1,40 @@
-"""Byzantine clients, to test the aggregators: who attacks, and what an attacker sends or trains on.
+"""Byzantine attacks, the implementations of those declared in ``mergeflow.schema.federated``
+(:data:`~mergeflow.schema.federated.ATTACKS`).
 
-The attackers are drawn once per run from the seed. Model attacks rewrite the message an attacker
-sends (its honest update Δ_k = θ_k − θ̄ is what it would have sent); ``label_flip`` poisons the
-attacker's training data instead, so its message is honest training on flipped labels.
+A model attack rewrites what an attacker sends for each parameter (its honest update Δ_k = θ_k − θ̄ is
+what it would have sent; :func:`mergeflow.federated.server_plan.attack_message` applies it);
+``label_flip`` poisons the attacker's training data instead, so its message is honest training on
+flipped labels. Who attacks is drawn once per run (:func:`mergeflow.federated.server_plan.attackers`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
-from mergeflow.federated.base import MEAN, ClientData, Message
+from mergeflow.federated.base import ClientData
 from mergeflow.schema.federated import AttackOptions
-from mergeflow.seeding import derive_seed
 
 
-def attackers(num_clients: int, options: AttackOptions | None, seed: int) -> list[int]:
-    """The sorted ids of the attacking clients, drawn without replacement from (seed, "attack")."""
-    if options is None or options.clients == 0:
-        return []
-    if options.clients > num_clients:
-        raise ValueError(f"federated.attack.clients: {options.clients} attackers but only {num_clients} clients")
-    generator = torch.Generator().manual_seed(derive_seed(seed, "attack"))
-    return sorted(torch.randperm(num_clients, generator=generator, device=generator.device)[: options.clients].tolist())
+def sign_flip(
+    anchor: torch.Tensor, theta: torch.Tensor, options: AttackOptions, generator: torch.Generator
+) -> torch.Tensor:
+    """θ̄ − scale·Δ_k."""
+    return anchor - options.scale * (theta - anchor)
 
 
-def attack_message(
-    message: Message, server_mean: Mapping[str, torch.Tensor], options: AttackOptions, generator: torch.Generator
-) -> Message:
-    """What an attacker sends instead of ``message`` (θ_k under ``mean.<param>``); other keys unchanged.
+def scaled(
+    anchor: torch.Tensor, theta: torch.Tensor, options: AttackOptions, generator: torch.Generator
+) -> torch.Tensor:
+    """Model replacement: θ̄ + scale·Δ_k."""
+    return anchor + options.scale * (theta - anchor)
 
-    ``server_mean`` is the global model θ̄ the client started from (parameter name → tensor).
-    """
-    if options.poisons_data:
-        return dict(message)
-    attacked = dict(message)
-    for name in sorted(server_mean):
-        anchor = server_mean[name]
-        theta = message[MEAN + name].to(anchor.dtype)
-        if options.kind == "sign_flip":
-            attacked[MEAN + name] = anchor - options.scale * (theta - anchor)
-        elif options.kind == "scaled":
-            attacked[MEAN + name] = anchor + options.scale * (theta - anchor)
-        else:
-            noise = torch.randn(anchor.shape, generator=generator, dtype=anchor.dtype, device=generator.device)
-            attacked[MEAN + name] = anchor + options.scale * noise.to(anchor.device)
-    return attacked
+
+def gaussian(
+    anchor: torch.Tensor, theta: torch.Tensor, options: AttackOptions, generator: torch.Generator
+) -> torch.Tensor:
+    """θ̄ + ε, ε ~ N(0, scale²) per coordinate, drawn from ``generator``."""
+    noise = torch.randn(anchor.shape, generator=generator, dtype=anchor.dtype, device=generator.device)
+    return anchor + options.scale * noise.to(anchor.device)
 
 
 def flip_labels(data: ClientData, num_classes: int) -> ClientData:

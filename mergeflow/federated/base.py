@@ -17,18 +17,18 @@ Server and client states are float64; model parameters keep their own dtype and 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import BaseModel
 from torch import nn
 
 from mergeflow.objectives import OBJECTIVES
-from mergeflow.registry import Registry
-from mergeflow.schema.federated import DECLARED, participants_per_round, validate_options
+from mergeflow.schema.federated import ALGORITHMS, Algorithm, participants_per_round
 from mergeflow.seeding import derive_seed
 from mergeflow.training import OPTIMIZERS
 
@@ -93,15 +93,21 @@ class LocalTraining:
 
 
 class FederatedAlgorithm:
-    """Interface of a federated algorithm; subclasses are registered with :func:`register_algorithm`.
+    """Interface of a federated algorithm, the implementation of its declaration
+    (:class:`~mergeflow.schema.federated.Algorithm`), which gives it its name and options model.
 
     A round is: every participating client calls :meth:`client_update` (independently, e.g. one
     cached task each), then the server calls :meth:`server_update` once with the messages of the
     participants. All methods are pure functions of their inputs (they never modify them).
     """
 
-    name: ClassVar[str]
-    Options: ClassVar[type[BaseModel]]
+    def __init__(self, declaration: Algorithm) -> None:
+        self.declaration = declaration
+
+    @property
+    def name(self) -> str:
+        """Its declared name."""
+        return self.declaration.name
 
     @property
     def summary(self) -> str:
@@ -115,7 +121,7 @@ class FederatedAlgorithm:
         Raises:
             ConfigError: naming the algorithm and the offending key.
         """
-        return validate_options(self.name, options)
+        return self.declaration.parse(options)
 
     def init_server(
         self, global_state: Mapping[str, torch.Tensor], num_clients: int, options: BaseModel
@@ -187,34 +193,45 @@ class FederatedAlgorithm:
         raise NotImplementedError(f"{self.name} has no closed-form client step")
 
 
-ALGORITHMS: Registry[FederatedAlgorithm] = Registry("federated algorithm")
+def register_algorithm(
+    cls: type[FederatedAlgorithm] | None = None, /, *, averages_messages: bool = False, point_estimate: bool = False
+) -> Any:
+    """Class decorator of a notebook's (or a module's) own algorithm, bare or with the flags of its
+    declaration (:class:`~mergeflow.schema.federated.Algorithm`): declare it in
+    :data:`~mergeflow.schema.federated.ALGORITHMS` with its class attributes ``name`` and ``Options`` (a
+    pydantic model, extra keys forbidden). The class must be defined at the top level of its module, which
+    the rounds import it from. A built-in algorithm is declared in ``mergeflow.schema.federated`` instead.
 
-
-def register_algorithm(cls: type[FederatedAlgorithm]) -> type[FederatedAlgorithm]:
-    """Class decorator: register one instance of ``cls`` under ``cls.name``.
-
-    A built-in algorithm's ``Options`` is the model declared in ``mergeflow.schema.federated``;
-    any other algorithm's ``Options`` is declared here.
+    Raises:
+        ValueError: when the name is taken, the options accept extra keys, or the class is not at the top
+            level of its module.
     """
-    if cls.Options.model_config.get("extra") != "forbid":
-        raise ValueError(f"options of {cls.name!r} must forbid extra keys")
-    declared = DECLARED.setdefault(cls.name, cls.Options)
-    if declared is not cls.Options:
-        raise ValueError(
-            f"federated algorithm {cls.name!r}: its options are {declared.__name__} "
-            f"(mergeflow.schema.federated), not {cls.Options.__name__}"
-        )
-    ALGORITHMS.add(cls.name, cls())
-    return cls
+
+    def register(cls: type[FederatedAlgorithm]) -> type[FederatedAlgorithm]:
+        if cls.__qualname__ != cls.__name__:
+            raise ValueError(
+                f"federated algorithm {cls.name!r}: define {cls.__qualname__} at the top level of a module"
+            )
+        reference = f"{cls.__module__}:{cls.__name__}"
+        ALGORITHMS.declare(Algorithm(cls.name, reference, cls.Options, averages_messages, point_estimate))
+        return cls
+
+    return register if cls is None else register(cls)
 
 
 def get_algorithm(name: str | FederatedAlgorithm) -> FederatedAlgorithm:
-    """The registered algorithm ``name`` (an algorithm instance is returned as is).
+    """The declared algorithm ``name``, its implementation imported now (an algorithm instance is returned as is).
 
     Raises:
         ConfigError: on an unknown name.
     """
-    return name if isinstance(name, FederatedAlgorithm) else ALGORITHMS.lookup(name)
+    return name if isinstance(name, FederatedAlgorithm) else implementation(ALGORITHMS.lookup(name))
+
+
+@functools.cache
+def implementation(declaration: Algorithm) -> FederatedAlgorithm:
+    """The algorithm that ``declaration`` names, made once: its module is imported now, and no other's."""
+    return declaration.load()(declaration)
 
 
 # ----------------------------------------------------------------------------- state helpers

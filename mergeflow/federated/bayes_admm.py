@@ -67,7 +67,6 @@ from mergeflow.federated.base import (
     client_drift,
     exchanged_parameters,
     load_parameters,
-    register_algorithm,
     take_prefix,
 )
 from mergeflow.federated.divergence import guard_runaway
@@ -88,12 +87,8 @@ IVON_STEPS = "ivon_steps"
 STABILITY_HORIZON = 200  # rounds over which stability_warning asks a parameter no data touches to stay put
 
 
-@register_algorithm
 class BayesADMM(FederatedAlgorithm):
     """Bayes-ADMM: clients exchange Gaussians (m, S); IVON-ADMM on neural clients."""
-
-    name = "bayes_admm"
-    Options = BayesADMMOptions
 
     def init_server(self, global_state, num_clients: int, options: BayesADMMOptions) -> ServerState:
         """q̄ = N(θ0, δ⁻¹I), prior mean θ0 or 0, Σv = ΣV = 0."""

@@ -35,7 +35,6 @@ from mergeflow.federated.base import (
     exchanged_parameters,
     load_parameters,
     model_parameters,
-    register_algorithm,
     take_prefix,
 )
 from mergeflow.federated.local import local_train
@@ -46,12 +45,8 @@ DUAL = "dual."
 DUAL_SUM = "dual_sum."
 
 
-@register_algorithm
 class FedADMM(FederatedAlgorithm):
     """FedADMM: local ADMM steps with duals v_k; server θ̄ = (1 − δα)·mean θ_k + αΣv_k."""
-
-    name = "fedadmm"
-    Options = FedADMMOptions
 
     def init_server(self, global_state, num_clients: int, options: FedADMMOptions) -> ServerState:
         """θ̄ = the initial parameters, Σv = 0."""

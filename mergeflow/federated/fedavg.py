@@ -19,7 +19,6 @@ from mergeflow.federated.base import (
     load_parameters,
     model_parameters,
     participant_weights,
-    register_algorithm,
     take_prefix,
 )
 from mergeflow.federated.local import local_train
@@ -37,12 +36,8 @@ def weighted_mean(messages: Mapping[int, Message], weights: Mapping[int, float],
     return out
 
 
-@register_algorithm
 class FedAvg(FederatedAlgorithm):
     """FedAvg: local training from the global model, server average weighted by n_k/N."""
-
-    name = "fedavg"
-    Options = FedAvgOptions
 
     def penalty(self, model: nn.Module, server: ServerState, client: ClientState, n: int, options):
         """The term added to the local mean loss (none for FedAvg)."""

@@ -16,7 +16,6 @@ from mergeflow.federated.base import (
     Message,
     ServerState,
     exchanged_parameters,
-    register_algorithm,
     take_prefix,
 )
 from mergeflow.federated.fedavg import FedAvg
@@ -24,12 +23,8 @@ from mergeflow.federated.quadratic_loss import THETA, QuadraticProblem, eye_like
 from mergeflow.schema.federated import FedProxOptions
 
 
-@register_algorithm
 class FedProx(FedAvg):
     """FedProx: FedAvg with the local proximal term μ/2·‖θ − θ̄‖² (squared norm)."""
-
-    name = "fedprox"
-    Options = FedProxOptions
 
     def penalty(self, model: nn.Module, server: ServerState, client: ClientState, n: int, options: FedProxOptions):
         """μ/2 Σ_p ‖p − θ̄_p‖² over all parameters."""

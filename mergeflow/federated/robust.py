@@ -1,4 +1,5 @@
-"""Byzantine-robust aggregation rules on the clients' flattened models.
+"""Byzantine-robust aggregation rules on the clients' flattened models, the implementations of the
+aggregators declared in ``mergeflow.schema.federated`` (:data:`~mergeflow.schema.federated.AGGREGATORS`).
 
 Each rule takes the n messages as the rows of an ``(n, P)`` tensor and returns the aggregate
 (length P) and, per client, the fraction of the aggregate's coordinates its message took part in
@@ -8,23 +9,9 @@ shares under the median and the trimmed mean), which the round metrics report as
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from mergeflow.registry import Registry
 from mergeflow.schema.federated import AggregatorOptions
-
-Rule = Callable[[torch.Tensor, torch.Tensor, AggregatorOptions], tuple[torch.Tensor, torch.Tensor]]
-AGGREGATORS: Registry[Rule] = Registry("aggregator")
-
-
-def _register(name: str) -> Callable[[Rule], Rule]:
-    def add(rule: Rule) -> Rule:
-        AGGREGATORS.add(name, rule)
-        return rule
-
-    return add
 
 
 def used_share(order: torch.Tensor, lo: int, hi: int, n: int) -> torch.Tensor:
@@ -35,13 +22,11 @@ def used_share(order: torch.Tensor, lo: int, hi: int, n: int) -> torch.Tensor:
     return counts / order.shape[1]
 
 
-@_register("mean")
 def weighted_average(stack: torch.Tensor, weights: torch.Tensor, options: AggregatorOptions):
     """Σ_k w_k θ_k (the weights sum to one)."""
     return weights.to(stack.dtype) @ stack, torch.ones(stack.shape[0], dtype=torch.float64, device=stack.device)
 
 
-@_register("median")
 def coordinate_median(stack: torch.Tensor, weights: torch.Tensor, options: AggregatorOptions):
     """Coordinate-wise median (Yin et al. 2018); an even count averages the two middle values."""
     n = stack.shape[0]
@@ -50,7 +35,6 @@ def coordinate_median(stack: torch.Tensor, weights: torch.Tensor, options: Aggre
     return values[lo:hi].mean(dim=0), used_share(order, lo, hi, n)
 
 
-@_register("trimmed_mean")
 def trimmed_mean(stack: torch.Tensor, weights: torch.Tensor, options: AggregatorOptions):
     """Coordinate-wise β-trimmed mean (Yin et al. 2018): drop the ⌊βn⌋ largest and smallest values."""
     n = stack.shape[0]
@@ -74,14 +58,12 @@ def _selection(selected: list[int], like: torch.Tensor) -> torch.Tensor:
     return kept
 
 
-@_register("krum")
 def krum(stack: torch.Tensor, weights: torch.Tensor, options: AggregatorOptions):
     """Krum (Blanchard et al. 2017): the message with the least score."""
     best = int(torch.argmin(krum_scores(stack, options.f)))
     return stack[best].clone(), _selection([best], stack)
 
 
-@_register("multikrum")
 def multikrum(stack: torch.Tensor, weights: torch.Tensor, options: AggregatorOptions):
     """Multi-Krum: the mean of the m messages with the least Krum scores (m = n − f by default)."""
     n = stack.shape[0]
@@ -90,7 +72,6 @@ def multikrum(stack: torch.Tensor, weights: torch.Tensor, options: AggregatorOpt
     return stack[chosen].mean(dim=0), _selection(chosen, stack)
 
 
-@_register("bulyan")
 def bulyan(stack: torch.Tensor, weights: torch.Tensor, options: AggregatorOptions):
     """Bulyan (El Mhamdi et al. 2018): θ = n − 2f messages picked one by one by Krum on those left,
     then per coordinate the mean of the θ − 2f values closest to the coordinate's median."""
@@ -108,14 +89,3 @@ def bulyan(stack: torch.Tensor, weights: torch.Tensor, options: AggregatorOption
     kept = torch.zeros(n, dtype=torch.float64, device=stack.device)
     kept[chosen] = share
     return aggregate, kept
-
-
-def aggregate(stack: torch.Tensor, weights: torch.Tensor, options: AggregatorOptions):
-    """The aggregate of the rows of ``stack`` by the rule ``options.name``, and each row's kept share.
-
-    Raises:
-        ValueError: when the rule cannot run on this many rows (e.g. Krum with n ≤ 2f + 2).
-    """
-    if problem := options.check_participants(stack.shape[0]):
-        raise ValueError(problem)
-    return AGGREGATORS.lookup(options.name)(stack, weights, options)

@@ -10,7 +10,9 @@ A round's messages go through, in order:
 3. the server optimizer on the change of the global model (:mod:`~mergeflow.federated.server_opt`).
 
 Steps 2's replacements apply only to algorithms whose server step averages the messages, and step 3
-only to point-estimate global models; the params check that (``mergeflow.config``).
+only to point-estimate global models; the params check that (``mergeflow.config``). The attack, the
+robust rule and the server optimizer are declared members (``mergeflow.schema.federated``): this module
+imports the implementation of the one a round runs, when it runs it, and no other.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import torch
 from pydantic import BaseModel
 
 from mergeflow.accounting import Mechanism, epsilon, mechanism
-from mergeflow.federated.attacks import attack_message, attackers, flip_labels
 from mergeflow.federated.base import (
     MEAN,
     ClientData,
@@ -36,8 +37,6 @@ from mergeflow.federated.base import (
     unflat,
 )
 from mergeflow.federated.privacy import CLIP_KEY, private_average
-from mergeflow.federated.robust import aggregate
-from mergeflow.federated.server_opt import server_optimizer_step
 from mergeflow.schema.federated import (
     AggregatorOptions,
     AttackOptions,
@@ -106,11 +105,11 @@ class ServerPlan:
 
     def check(self, algorithm: FederatedAlgorithm) -> None:
         """Raise ValueError (one line, the key) when the algorithm's maths does not allow this plan."""
-        declared = algorithm.Options  # a notebook algorithm's own options model may declare neither
-        if not self.server.is_identity and not getattr(declared, "point_estimate", False):
+        declared = algorithm.declaration
+        if not self.server.is_identity and not declared.point_estimate:
             raise ValueError(f"federated.server: {algorithm.name} has no point-estimate global model to step on")
         replaces = self.dp is not None or not self.aggregator.is_identity
-        if replaces and not getattr(declared, "averages_messages", False):
+        if replaces and not declared.averages_messages:
             raise ValueError(f"federated.aggregator: {algorithm.name}'s server step does not average the messages")
         if self.dp is not None and not self.aggregator.is_identity:
             raise ValueError("federated.aggregator: DP-FedAvg's noised sum needs name: mean")
@@ -130,7 +129,7 @@ class ServerPlan:
     def training_data(self, client: int, data: ClientData) -> ClientData:
         """The data a client trains on: its own, with flipped labels if it is a label-flipping attacker."""
         if self.attack is not None and self.attack.poisons_data and client in self.attackers:
-            return flip_labels(data, self.num_classes)
+            return self.attack.declaration.load()(data, self.num_classes)
         return data
 
 
@@ -138,6 +137,34 @@ def _model(model: type[BaseModel], value: Any) -> Any:
     if value is None or isinstance(value, model):
         return value
     return model.model_validate(value)
+
+
+def attackers(num_clients: int, options: AttackOptions | None, seed: int) -> list[int]:
+    """The sorted ids of the attacking clients, drawn without replacement from (seed, "attack")."""
+    if options is None or options.clients == 0:
+        return []
+    if options.clients > num_clients:
+        raise ValueError(f"federated.attack.clients: {options.clients} attackers but only {num_clients} clients")
+    generator = torch.Generator().manual_seed(derive_seed(seed, "attack"))
+    return sorted(torch.randperm(num_clients, generator=generator, device=generator.device)[: options.clients].tolist())
+
+
+def attack_message(
+    message: Message, server_mean: Mapping[str, torch.Tensor], options: AttackOptions, generator: torch.Generator
+) -> Message:
+    """What an attacker sends instead of ``message`` (θ_k under ``mean.<param>``); other keys unchanged.
+
+    ``server_mean`` is the global model θ̄ the client started from (parameter name → tensor). A data
+    attack's message is the honest one (it acted on the attacker's training).
+    """
+    if options.poisons_data:
+        return dict(message)
+    attack = options.declaration.load()
+    attacked = dict(message)
+    for name in sorted(server_mean):
+        anchor = server_mean[name]
+        attacked[MEAN + name] = attack(anchor, message[MEAN + name].to(anchor.dtype), options, generator)
+    return attacked
 
 
 def attacked_messages(
@@ -150,6 +177,45 @@ def attacked_messages(
             generator = torch.Generator().manual_seed(derive_seed(plan.seed, "attack", round_number, k))
             received[k] = attack_message(messages[k], server_mean, plan.attack, generator)
     return received
+
+
+def aggregate(
+    stack: torch.Tensor, weights: torch.Tensor, options: AggregatorOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The aggregate of the rows of ``stack`` by the rule ``options.name``, and each row's kept share.
+
+    Raises:
+        ValueError: when the rule cannot run on this many rows (e.g. Krum with n ≤ 2f + 2).
+    """
+    if problem := options.check_participants(stack.shape[0]):
+        raise ValueError(problem)
+    return options.declaration.load()(stack, weights, options)
+
+
+def step_size(options: ServerOptimizerOptions, round_number: int) -> float:
+    """η, times √(1−β2ᵗ)/(1−β1ᵗ) with ``bias_correction`` (t = ``round_number``, from 1)."""
+    if not options.bias_correction:
+        return options.lr
+    t = float(round_number)
+    return options.lr * (1.0 - options.beta2**t) ** 0.5 / (1.0 - options.beta1**t)
+
+
+def server_optimizer_step(
+    server: ServerState,
+    aggregate: Mapping[str, torch.Tensor],
+    options: ServerOptimizerOptions,
+    round_number: int,
+) -> ServerState:
+    """The server state after one step of the server optimizer ``options.optimizer`` towards ``aggregate``
+    (parameter name → θ̄_agg).
+
+    ``server`` holds θ̄ under ``mean.<param>`` and the optimizer's moments; keys other than the ones
+    it steps are kept. ``sgd`` with lr 1 returns θ̄ = θ̄_agg exactly.
+    """
+    step, lr, new = options.declaration.load(), step_size(options, round_number), dict(server)
+    for name, target in aggregate.items():
+        new |= step(server, name, target.to(server[MEAN + name].dtype), options, lr)
+    return new
 
 
 def planned_server_update(
