@@ -34,7 +34,7 @@ def _add_params_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     from flows.reproduction_registry import REPRODUCTIONS
-    from mergeflow.stages import STAGE_NAMES
+    from tasks.stages import STAGE_NAMES
 
     parser = argparse.ArgumentParser(prog="mergeflow", description="Federated model merging pipeline.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -164,7 +164,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"{args.params}: ok")
         return 0
     if args.command == "dvc-yaml":
-        from mergeflow.dvcfile import render
+        from tasks.dvcfile import render
 
         text = render()
         if args.write:

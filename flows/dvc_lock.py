@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from mergeflow.files import atomic_path
-from mergeflow.stages import STAGE_NAMES
+from tasks.stages import STAGE_NAMES
 from tasks.store import STATE_DIR, sha256_file
 
-PIPELINE = "dvc.yaml"  # generated from the stage registry (mergeflow.dvcfile)
+PIPELINE = "dvc.yaml"  # generated from the stage registry (tasks.dvcfile)
 PARAMS_FILE = "params.yaml"  # the file its stages read their params from (DVC's default)
 LOCK = "dvc.lock"
 SYNCED = Path(STATE_DIR) / "dvc_lock.json"  # what the lock was last written for, and the lock it wrote
@@ -54,7 +54,7 @@ def untracked_reason(source: ParamsSource, root: Path) -> str | None:
 
 def changed_code(stages: Sequence[str]) -> list[str]:
     """The stages' code files changed during the run: DVC would hash them against outputs older code made."""
-    from mergeflow.stages import get_stage
+    from tasks.stages import get_stage
     from tasks.steps import changed_since_start
 
     return changed_since_start(tuple(sorted({rel for name in stages for rel in get_stage(name).code})))

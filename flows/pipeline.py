@@ -22,8 +22,8 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from mergeflow import cancel
 from mergeflow.config import OrchestrationConfig, Params, validate_params
 from mergeflow.errors import MergeflowError
-from mergeflow.stages import STAGES, get_stage
 from tasks.runner import run_stage, warn_mixed_devices
+from tasks.stages import STAGES, get_stage
 from tasks.steps import StepOutcome
 
 

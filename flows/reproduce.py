@@ -301,9 +301,9 @@ def _drop_bulky_blobs(workspace: Path, outcomes: list[dict[str, Any]], prefixes:
 
 def _code_hashes() -> dict[str, str]:
     """The code a sweep run's record comes from, by file (sha256), as the cache keys see code: every stage's
-    (:attr:`mergeflow.stages.Stage.code`, the import closures of its steps' modules) and the import closure of
+    (:attr:`tasks.stages.Stage.code`, the import closures of its steps' modules) and the import closure of
     this module, which reads the record from the run's outputs. A record is reused only with the same code."""
-    from mergeflow.stages import STAGES
+    from tasks.stages import STAGES
     from tasks.steps import code_closure, project_root_of_code
     from tasks.store import hash_paths
 

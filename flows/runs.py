@@ -17,8 +17,8 @@ from typing import Any
 
 from flows.dvc_lock import ParamsSource, sync_dvc_lock
 from mergeflow.config import Params
-from mergeflow.stages import STAGES, get_stage
 from tasks.runner import cached_run
+from tasks.stages import STAGES, get_stage
 from tasks.store import STATE_DIR
 
 LAST_RUN = Path(STATE_DIR) / "last_run.json"

@@ -3,7 +3,7 @@
 Plain names, the standard library only: a step reads what the stages before it wrote by importing
 their paths from here, not from their modules, so its cache key (the import closure of its module,
 :attr:`tasks.steps.Step.code`) holds its own code and no sibling step's. The stages' declared
-outputs (:data:`mergeflow.stages.STAGES`) are these paths; ``tests/test_layout.py`` checks that they agree.
+outputs (:data:`tasks.stages.STAGES`) are these paths; ``tests/test_layout.py`` checks that they agree.
 """
 
 from __future__ import annotations
@@ -156,6 +156,6 @@ METRICS = "metrics/evaluate.json"
 SELECTION = "metrics/selection.json"
 PLOT = "plots/comparison.png"
 SELECTION_PLOT = "plots/selection.png"
-# DVC's metrics (mergeflow.stages.HEADLINE_METRICS): a file per kind of model, keyed by the model's name.
+# DVC's metrics (tasks.stages.HEADLINE_METRICS): a file per kind of model, keyed by the model's name.
 HEADLINE = "metrics/headline/{kind}.json"
 HEADLINE_KINDS = ("models", "merged", "federated")

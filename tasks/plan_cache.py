@@ -19,8 +19,8 @@ from typing import Any
 
 from mergeflow.config import Params
 from mergeflow.files import atomic_path
-from mergeflow.stages import Stage
 from tasks.checks import local_data_files
+from tasks.stages import Stage
 from tasks.steps import Step, project_root_of_code
 from tasks.store import STATE_DIR, hash_paths
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mergeflow.files import atomic_path
-from mergeflow.stages import Stage
+from tasks.stages import Stage
 from tasks.step_devices import made_on, uses_device
 from tasks.steps import CodeHashes, Step, StepOutcome, resolve, step_key
 from tasks.store import STATE_DIR, ArtifactStore, sha256_file

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mergeflow.config import Params
-from mergeflow.stages import Stage
 from tasks.records import cached_outcomes, write_stage_records
+from tasks.stages import Stage
 from tasks.steps import CodeHashes, Step, StepOutcome, resolve, typical_seconds
 
 

@@ -53,7 +53,7 @@ from mergeflow.config import validate_params
 from mergeflow.errors import ConfigError
 from mergeflow.federated import ClientData, LocalTraining, run_rounds
 from mergeflow.models.sequential import build_model
-from mergeflow.stages import get_stage
+from tasks.stages import get_stage
 from tasks.federated import plan_federated
 
 federated = {"algorithms": ["fedavg", "fedavg_step"], "options": {"fedavg_step": {"step": 0.25}}}

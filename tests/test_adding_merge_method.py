@@ -30,7 +30,7 @@ import torch
 from mergeflow.config import validate_params
 from mergeflow.errors import ConfigError
 from mergeflow.merge import merge
-from mergeflow.stages import get_stage
+from tasks.stages import get_stage
 from tasks.merging import plan_merge
 
 params = validate_params({"merge": {"methods": ["average", "median"]}})

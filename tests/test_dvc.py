@@ -15,8 +15,8 @@ import pytest
 import yaml
 from conftest import BIN, ROOT, fast_params, ran_steps, run_cli
 
-from mergeflow.dvcfile import render
-from mergeflow.stages import STAGES
+from tasks.dvcfile import render
+from tasks.stages import STAGES
 
 DVC = str(BIN / "dvc")
 # Every stage runs; lighter merges and one short federated algorithm keep each stage quick.

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import tasks.plan_cache
 from mergeflow.config import validate_params
-from mergeflow.stages import STAGES
 from tasks.plan_cache import plan_of
 from tasks.runner import _plan_stage
+from tasks.stages import STAGES
 from tasks.steps import Step, step_key
 
 

@@ -158,8 +158,8 @@ def test_a_federated_round_on_the_device_matches_the_cpu(algorithm):
 def _run_stages(params, root: Path) -> dict:
     """Every stage's steps in order, called directly (no Prefect; MLflow tracking left out), writing
     into ``root``; the evaluation's metrics."""
-    from mergeflow.stages import STAGES
     from tasks.layout import METRICS
+    from tasks.stages import STAGES
     from tasks.steps import resolve
 
     for stage in STAGES:
