@@ -15,7 +15,9 @@ only an extra re-run. The parsed files are kept for the life of the process: a l
 process follows an import added after its first keying only once restarted. Imports of
 third-party packages are not followed (as DVC does not hash them); :func:`third_party_versions`
 reports the versions that a run's records note instead.
-``importlib.import_module`` with a computed name is not seen; steps do not use it.
+``importlib.import_module`` with a computed name is not seen: the registry members that steps import by name
+(:meth:`mergeflow.registry.Member.load`) join a step's code through ``Step.members`` and
+:mod:`mergeflow.lazy_imports`.
 """
 
 from __future__ import annotations

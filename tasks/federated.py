@@ -174,8 +174,9 @@ def _data_attack(params: Params, client: int) -> Attack | None:
 
 
 def _members(params: Params, name: str) -> tuple[str, ...]:
-    """The module of entry ``name``'s algorithm, which its steps run (:attr:`tasks.steps.Step.members`)."""
-    return (ALGORITHMS.lookup(params.federated.resolve(name)[0]).module,)
+    """The module of entry ``name``'s algorithm, which its steps run (:attr:`tasks.steps.Step.members`), and
+    those of the run's model family and objective, which build and score its models."""
+    return (ALGORITHMS.lookup(params.federated.resolve(name)[0]).module, *params.model_members)
 
 
 def _server_members(params: Params, name: str) -> tuple[str, ...]:

@@ -11,6 +11,7 @@ from typing import Any
 
 from mergeflow.config import Params
 from mergeflow.schema.data_source import files_listed
+from mergeflow.schema.families import DECLARED as FAMILIES
 
 _NAMED_CHANGES = 4  # changed params spelled out in a run's name; the rest are counted
 
@@ -41,13 +42,14 @@ def params_in_use(params: Params) -> dict[str, Any]:
     source's, the tokenizer and transformer settings only for a transformer, the options of the merges and
     algorithms that run, and no unset (null or empty) values. Orchestration (how, not what) is left out."""
     config = params.model_dump(mode="json", exclude={"orchestration"})
-    transformer = params.model.arch == "transformers"
+    family = params.model.family
     data = config["data"]
     for key in [key for key in data if isinstance(data[key], dict) and key != params.data.source]:
-        if key != "tokenizer" or not transformer:
+        if key != "tokenizer" or family.inputs != "tokens":
             del data[key]
-    if not transformer:
-        config["model"].pop("transformers", None)
+    for other in FAMILIES:
+        if other != family.name:
+            config["model"].pop(other, None)
     config["merge"]["options"] = {k: v for k, v in config["merge"]["options"].items() if k in params.merge.methods}
     federated = config["federated"]
     federated["options"] = {k: v for k, v in federated["options"].items() if k in params.federated.algorithms}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import glob
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import numpy as np
 import pyarrow as pa
@@ -24,13 +24,13 @@ from mergeflow.data.features import (
 from mergeflow.data.loader import Loaded, SourceLoader
 from mergeflow.data.rows import RawData, make_dataset
 from mergeflow.errors import did_you_mean
-from mergeflow.schema.data_source import DataFiles, files_listed
+from mergeflow.schema.data_source import DataFiles, LabelTask, files_listed
 from mergeflow.schema.sources.table import TableOptions
 
 if TYPE_CHECKING:  # datasets loads where it is used: `mergeflow validate` does not need it
     import datasets
 
-LABEL_TASKS = ("classification", "regression")  # what a table's label column is; the objectives are training.OBJECTIVES
+LABEL_TASKS = get_args(LabelTask)  # what a table's label column is (the objectives are mergeflow.objectives')
 
 _FILE_SUFFIXES = (".csv", ".tsv", ".parquet", ".json", ".jsonl", ".txt", ".arrow")
 
