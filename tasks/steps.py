@@ -9,8 +9,8 @@ The cache key hashes the step's name, its code (every file of this repository th
 transitively, and those of the registered members it runs, ``members``: :attr:`Step.code`), its params
 (canonical JSON) and the sha256 of every input file, so it is stable across processes and machines; torch
 objects never enter it, and neither do third-party versions (as in DVC; each record notes them instead).
-What a step made is persisted in its record (:mod:`tasks.records`), so a hit in a new process re-
-materialises the files from the artifact store without running the step.
+What a step made is persisted in its record (:mod:`tasks.records`), so a hit in a new process
+re-materialises the files from the artifact store without running the step.
 Executing steps as Prefect task runs is :mod:`tasks.execution`'s; this module imports no
 Prefect, so a fully cached run (:func:`tasks.records.cached_outcomes`) starts none of it.
 """
