@@ -537,9 +537,6 @@ class EvaluateConfig(_Section):
     noise_std: float = Field(1.0, gt=0)
 
 
-SHORT_STEP_SECONDS = 0.5  # steps shorter than this run one after another in one task run (auto)
-
-
 class OrchestrationConfig(_Section):
     """Where per-client and per-round tasks run.
 
@@ -557,7 +554,7 @@ class OrchestrationConfig(_Section):
     ``dask_workers``), so the workers stay busy and a wave costs a few task runs. A stage of waves
     (federated rounds) starts as one chain of its waves in one task run, keying each wave after the
     one before it is in place, and goes on wave by wave once its steps turn out long
-    (:meth:`runs_waves_together`).
+    (:func:`tasks.scheduling.runs_waves_together`).
 
     ``device``: where steps that compute (training, Fisher, alignment, merges, federated rounds,
     evaluation) run: ``auto`` (CUDA when torch sees a GPU, else the CPU), ``cpu``, ``cuda``,
@@ -584,22 +581,6 @@ class OrchestrationConfig(_Section):
         if problem:
             raise ValueError(problem)
         return value
-
-    def batch_size(self, uncached: int, typical_seconds: float | None = None) -> int:
-        """Uncached steps per Prefect task run, for a wave with ``uncached`` of them, after steps of the
-        same stage that took ``typical_seconds`` each (None: none ran yet)."""
-        if self.steps_per_task != "auto":
-            return int(self.steps_per_task)
-        if typical_seconds is not None and typical_seconds < SHORT_STEP_SECONDS:
-            return max(1, uncached)
-        workers = self.max_workers if self.task_runner == "threads" else self.dask_workers
-        return max(1, -(-uncached // workers))
-
-    def runs_waves_together(self, typical_seconds: float | None) -> bool:
-        """Whether a stage's remaining waves run as one chain in one task run: ``auto``, unless the stage's
-        steps so far took ``SHORT_STEP_SECONDS`` or more each (typically). The chain stops itself once its
-        steps turn out that long, so a stage of long steps runs at most one of them alone."""
-        return self.steps_per_task == "auto" and (typical_seconds is None or typical_seconds < SHORT_STEP_SECONDS)
 
     @field_validator("steps_per_task")
     @classmethod

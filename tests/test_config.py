@@ -143,22 +143,10 @@ def test_bad_merge_variants_name_their_key(options, key):
     assert key in str(error.value)
 
 
-def test_steps_per_task_auto_batches_short_steps_and_spreads_long_ones_over_the_workers():
+def test_steps_per_task_is_auto_or_positive():
     from mergeflow.config import OrchestrationConfig
 
     assert OrchestrationConfig().steps_per_task == "auto"
-    assert OrchestrationConfig(max_workers=2).batch_size(10) == 5
-    assert OrchestrationConfig(max_workers=4).batch_size(10) == 3  # 4 task runs: 3, 3, 3, 1
-    assert OrchestrationConfig(max_workers=4).batch_size(1) == 1
-    assert OrchestrationConfig(task_runner="dask", max_workers=1, dask_workers=5).batch_size(10) == 2
-    assert OrchestrationConfig(max_workers=4, steps_per_task=3).batch_size(10) == 3
-    assert OrchestrationConfig(max_workers=4).batch_size(10, typical_seconds=0.02) == 10  # short steps: one task run
-    assert OrchestrationConfig(max_workers=4).batch_size(10, typical_seconds=3.0) == 3
-    assert OrchestrationConfig(max_workers=4, steps_per_task=1).batch_size(10, typical_seconds=0.02) == 1
-    # a stage's waves run as one chain in one task run unless its steps are long, under auto only
-    assert OrchestrationConfig().runs_waves_together(0.02) and OrchestrationConfig().runs_waves_together(None)
-    assert not OrchestrationConfig().runs_waves_together(3.0)
-    assert not OrchestrationConfig(steps_per_task=10).runs_waves_together(0.02)
     with pytest.raises(ValueError, match="must be 'auto' or at least 1"):
         OrchestrationConfig(steps_per_task=0)
 
