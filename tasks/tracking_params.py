@@ -46,7 +46,10 @@ def params_in_use(params: Params) -> dict[str, Any]:
     for key in [key for key in data if isinstance(data[key], dict) and key != params.data.source]:
         if key != "tokenizer" or not transformer:
             del data[key]
-    if not transformer:
+    config["align"] = params.align_settings.model_dump(mode="json")
+    if transformer:
+        config["model"]["transformers"]["config"] = params.model.options.model_config_fields()
+    else:
         config["model"].pop("transformers", None)
     config["merge"]["options"] = {k: v for k, v in config["merge"]["options"].items() if k in params.merge.methods}
     federated = config["federated"]

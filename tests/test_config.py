@@ -159,3 +159,14 @@ def test_a_bad_override_names_the_override_not_the_file(tmp_path):
     lines = sorted(error.value.lines)
     assert lines[0].startswith("-S finetune.lr=-0.1: finetune.lr:"), lines
     assert lines[1].startswith(f"{path}: finetune.epochs:"), lines  # the file's own mistake still names the file
+
+
+def test_validation_leaves_the_params_as_given_and_the_readers_resolve_them():
+    text = {"data": {"source": "text", "text": {"path": "x.csv"}}, "model": {"arch": "transformers"}}
+    params = validate_params(text)
+    assert params.align.examples is None and params.model.transformers.config is None
+    assert params.align_settings.examples == 256 and params.align_settings.barrier_points == 5
+    assert params.model.transformers.model_config_fields()["model_type"] == "bert"
+    mlp = validate_params({"align": {"barrier_points": 7}})
+    assert (mlp.align_settings.examples, mlp.align_settings.barrier_points) == (512, 7)
+    assert mlp.align.examples is None

@@ -160,9 +160,6 @@ def _check_family(params: Params) -> None:
         raise ValueError("align.repair: REPAIR rescales aligned models; set align.method to weights or activations")
     if params.align.repair and not family.repairs:
         raise ValueError(f"align.repair: REPAIR is implemented for MLP/CNN models, not {family.name} models")
-    for key, value in family.align_defaults.items():
-        if getattr(params.align, key) is None:
-            setattr(params.align, key, value)  # what the steps read, resolved once
     if not family.backpack and params.fisher.backend == "backpack":
         raise ValueError(f"fisher.backend: BackPACK does not cover {family.name} modules; use auto or functorch")
     if not family.language_models and params.pretrain.language_model is not None:

@@ -45,6 +45,15 @@ class Params(Section):
         return self.model.family.objective(self.model.options) or self.data.task
 
     @property
+    def align_settings(self) -> AlignConfig:
+        """The ``align`` section as the align step runs it: the sizes left unset (null) take the model family's
+        defaults (:attr:`~mergeflow.schema.families.FamilyDeclaration.align_defaults`)."""
+        defaults = self.model.family.align_defaults
+        return self.align.model_copy(
+            update={key: value for key, value in defaults.items() if getattr(self.align, key) is None}
+        )
+
+    @property
     def model_members(self) -> tuple[str, ...]:
         """The modules of the model family and of the objective the run's models use: the members
         (:attr:`tasks.steps.Step.members`) of the steps that build, train or score them."""

@@ -185,7 +185,6 @@ class TransformersOptions(BaseModel):
     def _model_source(self) -> TransformersOptions:
         if not self.pretrained and "model_type" not in self.model_config_fields():
             raise ValueError("config.model_type: needed without a pretrained model (e.g. bert or gpt2)")
-        self.config = self.model_config_fields()  # what the steps build from, resolved once
         return self
 
 
