@@ -84,7 +84,7 @@ def _settings(params: Params, name: str) -> dict[str, Any]:
     return {
         "name": name,
         "algorithm": algorithm,
-        "options": options,
+        "options": options.model_dump(mode="json", exclude_unset=True),
         "local": params.federated.local_for(name).model_dump(mode="json"),
         "num_clients": params.partition.num_clients,
         "seed": params.seed,
@@ -175,7 +175,7 @@ def _data_attack(params: Params, client: int) -> Attack | None:
 
 def _members(params: Params, name: str) -> tuple[str, ...]:
     """The module of entry ``name``'s algorithm, which its steps run (:attr:`tasks.steps.Step.members`)."""
-    return (ALGORITHMS.lookup(params.federated.resolve(name)[0]).module,)
+    return (ALGORITHMS.lookup(params.federated.algorithm_of(name)).module,)
 
 
 def _server_members(params: Params, name: str) -> tuple[str, ...]:

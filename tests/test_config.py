@@ -124,9 +124,29 @@ def test_merge_variants_run_one_method_with_several_settings():
         }
     }
     merge = validate_params(raw).merge
-    assert merge.resolve("ssf_20") == ("ssf", {"mask_rate": 0.2})
-    assert merge.resolve("ssf") == ("ssf", {})
-    assert merge.resolve("avg") == ("average", {})
+    assert merge.method_of("ssf_20") == "ssf" and merge.method_of("avg") == "average"
+    (ssf_20,) = merge.resolve("ssf_20").candidates
+    assert ssf_20.mask_rate == 0.2 and ssf_20.model_dump(exclude_unset=True) == {"mask_rate": 0.2}
+    assert merge.resolve("ssf").candidates[0].model_dump(exclude_unset=True) == {}
+    assert merge.resolve("avg").method == "average"
+
+
+def test_a_search_entry_resolves_to_one_validated_options_model_per_candidate():
+    raw = {
+        "data": {"validation_fraction": 0.2},
+        "merge": {"methods": ["d"], "options": {"d": {"method": "della", "density": [0.3, 0.5], "epsilon": 0.1}}},
+    }
+    entry = validate_params(raw).merge.resolve("d")
+    assert entry.method == "della" and entry.searched == ("density",)
+    assert [(c.density, c.epsilon) for c in entry.candidates] == [(0.3, 0.1), (0.5, 0.1)]
+
+
+def test_a_federated_entry_resolves_to_its_algorithm_options_without_its_own_sections():
+    raw = {
+        "federated": {"algorithms": ["p"], "options": {"p": {"algorithm": "fedprox", "mu": 0.1, "local": {"lr": 0.1}}}}
+    }
+    algorithm, options = validate_params(raw).federated.resolve("p")
+    assert algorithm == "fedprox" and options.model_dump(exclude_unset=True) == {"mu": 0.1}
 
 
 @pytest.mark.parametrize(

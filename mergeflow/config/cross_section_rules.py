@@ -54,15 +54,14 @@ def check_cross_section_rules(params: Params) -> None:
     if params.centralized.keep == "best_validation" and params.finetune.lora:
         raise ValueError("centralized.keep: best_validation does not support finetune.lora yet; use keep: last")
     from mergeflow.schema.merge import DECLARED
-    from mergeflow.schema.search import searched_keys
 
     for name in params.merge.methods:
-        method, options = params.merge.resolve(name)
+        entry = params.merge.resolve(name)
+        method, searched = entry.method, entry.searched
         if "scorer" in DECLARED[method].needs and params.data.validation_fraction == 0:
             raise ValueError(
                 f"merge.methods: {name!r} chooses on the validation split; set data.validation_fraction > 0"
             )
-        searched = searched_keys(options)
         if searched and params.data.validation_fraction == 0:
             raise ValueError(
                 f"merge.options.{name}.{searched[0]}: a list is a search, chosen on the validation split; "
@@ -95,7 +94,7 @@ def _check_federated(params: Params) -> None:
         raise ValueError(f"federated.attack.kind: label_flip flips class labels, and the task is {params.task}")
     n = participants_per_round(clients, federated.fraction)
     for name in federated.algorithms:
-        algorithm = federated.resolve(name)[0]
+        algorithm = federated.algorithm_of(name)
         declared = ALGORITHMS[algorithm]
         server, aggregator = federated.server_for(name), federated.aggregator_for(name)
         if not server.is_identity and not declared.point_estimate:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from mergeflow.config.entry_variants import check_variants, resolve_variant
 from mergeflow.config.section import Section
@@ -49,12 +49,20 @@ class FederatedConfig(Section):
     dp: DPOptions | None = None
     options: dict[str, dict[str, Any]] = {}
 
-    def resolve(self, name: str) -> tuple[str, dict[str, Any]]:
-        """The registered algorithm and its options for one entry of ``algorithms``."""
+    def algorithm_of(self, name: str) -> str:
+        """The registered algorithm of one entry of ``algorithms``."""
+        return resolve_variant(self.options, name, "algorithm")[0]
+
+    def resolve(self, name: str) -> tuple[str, BaseModel]:
+        """The registered algorithm of one entry of ``algorithms`` and its validated options; the entry's
+        ``local``, ``server`` and ``aggregator`` are apart (:meth:`local_for`, :meth:`server_for`,
+        :meth:`aggregator_for`)."""
+        from mergeflow.schema.federated import validate_options
+
         algorithm, options = resolve_variant(self.options, name, "algorithm")
-        for key in _ENTRY_SECTIONS:
+        for key in ("local", *_ENTRY_SECTIONS):
             options.pop(key, None)
-        return algorithm, options
+        return algorithm, validate_options(algorithm, options)
 
     def server_for(self, name: str) -> ServerOptimizerOptions:
         """The server optimizer of one entry: its own ``server``, else the section's."""

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from mergeflow.config.entry_variants import check_variants, resolve_variant
 from mergeflow.config.section import Section
+
+
+@dataclass(frozen=True)
+class MergeEntry:
+    """One entry of ``merge.methods``: its ``method`` and the validated options of each merge it runs, one
+    for a plain merge or one per candidate of a search (``searched``: the options given as lists)."""
+
+    method: str
+    candidates: tuple[BaseModel, ...]
+    searched: tuple[str, ...] = ()
 
 
 class MergeConfig(Section):
@@ -23,9 +34,19 @@ class MergeConfig(Section):
     # (mergeflow.merge.streaming), never holding the K models; 0 streams always. Same result either way.
     stream_above_mb: float = Field(256, ge=0)
 
-    def resolve(self, name: str) -> tuple[str, dict[str, Any]]:
-        """The registered method and its options for one entry of ``methods``."""
-        return resolve_variant(self.options, name, "method")
+    def method_of(self, name: str) -> str:
+        """The registered method of one entry of ``methods``."""
+        return resolve_variant(self.options, name, "method")[0]
+
+    def resolve(self, name: str) -> MergeEntry:
+        """The method of one entry of ``methods`` and its validated options: a search's options hold lists,
+        valid options only once the grid is expanded, so each candidate is validated on its own."""
+        from mergeflow.schema.merge import validate_options
+        from mergeflow.schema.search import search_grid, searched_keys
+
+        method, options = resolve_variant(self.options, name, "method")
+        candidates = tuple(validate_options(method, candidate) for candidate in search_grid(options))
+        return MergeEntry(method, candidates, tuple(searched_keys(options)))
 
     def selection_metric(self, task: str) -> str:
         """The validation metric searches are chosen by: ``select_by``, or accuracy (classification) / NLL."""
