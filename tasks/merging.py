@@ -62,18 +62,20 @@ def _merge_step(params: Params, name: str, method: str, validated: BaseModel, ca
     options = validated.model_dump(mode="json", exclude_unset=True)  # the options given, as the step's params
     factors = _uses_factors(method, params)
     step_params = {"name": name, "method": method, "options": options, "num_clients": len(clients), "factors": factors}
-    spec = DECLARED[method]
-    if "base" in spec.uses and "base" not in spec.needs:  # an optional base is the clients' only if they share it
+    declaration = DECLARED[method]
+    if (
+        "base" in declaration.uses and "base" not in declaration.needs
+    ):  # an optional base is the clients' only if they share it
         step_params["shared_base"] = params.finetune.init == "shared"
     inputs = _inputs(method, clients, factors) + _extra_inputs(params)
-    if candidate or "scorer" in spec.uses:  # scored on the validation split, never on test
+    if candidate or "scorer" in declaration.uses:  # scored on the validation split, never on test
         step_params |= {
             "noise_std": params.evaluate.noise_std,
-            "select_by": params.merge.selection_metric(params.task),
+            "select_by": params.merge.selection_metric(params.objective),
         }
         inputs += _VALIDATION
     settings = {"stream_above_mb": params.merge.stream_above_mb} | device_settings(params)
-    members = (*spec.modules, *params.model_members)  # the method's code, and the models' for a scored merge
+    members = (*declaration.modules, *params.model_members)  # the method's code, and the models' for a scored merge
     if not candidate:
         return Step(f"merge/{name}", "tasks.merging:merge_clients", step_params, inputs, settings, members=members)
     step_params["path"] = candidate_checkpoint(name, candidate_id(options))
@@ -94,7 +96,7 @@ def plan_merge(params: Params) -> list[list[Step]]:
         merges += steps
         paths = [step.params["path"] for step in steps]
         select = {"name": name, "candidates": paths, "searched": list(entry.searched)}
-        select["select_by"] = params.merge.selection_metric(params.task)
+        select["select_by"] = params.merge.selection_metric(params.objective)
         inputs = (*paths, BASE) + _extra_inputs(params)
         selections.append(Step(f"merge/{name}", "tasks.merging:select_candidate", select, inputs))
     return [merges, selections] if selections else [merges]
@@ -110,10 +112,10 @@ def _merge_into(
     checkpoint's metadata (its summary and curves among them).
     """
     name, method = params["name"], params["method"]
-    spec = DECLARED[method]
-    options = spec.parse(params["options"])  # validated once, here at the step's boundary
+    declaration = DECLARED[method]
+    options = declaration.parse(params["options"])  # validated once, here at the step's boundary
     clients = range(params["num_clients"])
-    uses = spec.uses
+    uses = declaration.uses
     metas = [load_checkpoint_meta(root / aligned_checkpoint(c)) for c in clients]  # headers only
     excluded = [c for c, meta in enumerate(metas) if meta.get("diverged")]
     clients = [c for c in clients if c not in excluded]  # finetune.on_divergence: exclude

@@ -46,7 +46,7 @@ def check_cross_section_rules(params: Params) -> None:
         )
     language_model = params.pretrain.language_model
     if language_model and language_model.text == "corpus":
-        if params.data.spec.corpus_size(params.data.options) == 0:
+        if params.data.declaration.corpus_size(params.data.options) == 0:
             raise ValueError(
                 "pretrain.language_model.text: corpus needs a source with an unlabelled corpus "
                 f"(e.g. data.wordnet.corpus_examples > 0), and data.source {params.data.source!r} gives none"
@@ -90,8 +90,8 @@ def _check_federated(params: Params) -> None:
     attack, dp = federated.attack, federated.dp
     if attack is not None and attack.clients > clients:
         raise ValueError(f"federated.attack.clients: {attack.clients} attackers but partition.num_clients is {clients}")
-    if attack is not None and attack.poisons_data and params.task != "classification":
-        raise ValueError(f"federated.attack.kind: label_flip flips class labels, and the task is {params.task}")
+    if attack is not None and attack.poisons_data and params.objective != "classification":
+        raise ValueError(f"federated.attack.kind: label_flip flips class labels, and the task is {params.objective}")
     n = participants_per_round(clients, federated.fraction)
     for name in federated.algorithms:
         algorithm = federated.algorithm_of(name)
@@ -125,20 +125,21 @@ def _check_objective(params: Params) -> None:
     """The objective's own rules: the metrics it selects on, its Fisher kinds, language-model pre-training."""
     from mergeflow.schema.objectives import declared_objective
 
-    objective = declared_objective(params.task)
+    name = params.objective
+    objective = declared_objective(name)
     if params.merge.select_by not in ("auto", *objective.select_by):
         raise ValueError(
-            f"merge.select_by: {params.merge.select_by} does not apply to a {params.task} task; "
+            f"merge.select_by: {params.merge.select_by} does not apply to a {name} task; "
             f"use {' or '.join(objective.select_by)}"
         )
     if params.fisher.kind not in objective.fisher_kinds:
         raise ValueError(
-            f"fisher.kind: {params.fisher.kind!r} is not a Fisher of a {params.task} task (for a causal LM, 'exact' "
+            f"fisher.kind: {params.fisher.kind!r} is not a Fisher of a {name} task (for a causal LM, 'exact' "
             f"would sum over every vocabulary token at every position); use {' or '.join(objective.fisher_kinds)}"
         )
     if objective.trains_language_model and params.pretrain.language_model is not None:
         raise ValueError(
-            f"pretrain.language_model: with a {params.task} task the pretrain step already trains the "
+            f"pretrain.language_model: with a {name} task the pretrain step already trains the "
             "language model on the server split; remove it"
         )
 
@@ -169,7 +170,7 @@ def _check_family(params: Params) -> None:
 
 
 def _known_training_rows(data: DataConfig) -> int | None:
-    total = data.spec.known_rows(data.options)
+    total = data.declaration.known_rows(data.options)
     if total is None:
         return None
     return int(total * (1 - data.test_fraction - data.server_fraction - data.validation_fraction))

@@ -71,7 +71,7 @@ class DataConfig(Section):
         return self.model_dump(mode="json", exclude=unread)
 
     @property
-    def spec(self) -> DataSource:
+    def declaration(self) -> DataSource:
         """The chosen source (its declaration and loaders)."""
         return SOURCES[self.source]
 
@@ -83,12 +83,12 @@ class DataConfig(Section):
     @property
     def task(self) -> str:
         """What the labels are: ``classification`` or ``regression``, as the source says for its options."""
-        return self.spec.task(self.options)
+        return self.declaration.task(self.options)
 
     @property
     def modality(self) -> Modality:
         """What a row is: ``features``, ``image`` (image-shaped features) or ``tokens`` (tokenized text)."""
-        return self.spec.modality(self.options)
+        return self.declaration.modality(self.options)
 
     @property
     def is_text(self) -> bool:
@@ -98,7 +98,7 @@ class DataConfig(Section):
     @property
     def group_column(self) -> str | None:
         """The column that names each row's group, if the source has one."""
-        return self.spec.group_column(self.options)
+        return self.declaration.group_column(self.options)
 
     @field_validator("source")
     @classmethod
@@ -115,7 +115,7 @@ class DataConfig(Section):
             raise ValueError(
                 "test_fraction + server_fraction + validation_fraction must leave at least 5% for the clients"
             )
-        self.spec.check_options(self.options)
+        self.declaration.check_options(self.options)
         if self.is_text and self.standardize is True:
             raise ValueError("standardize: text is tokenized, not standardized; set it to auto or false")
         return self

@@ -39,7 +39,7 @@ class Params(Section):
         return self.section(key) if key else None
 
     @property
-    def task(self) -> str:
+    def objective(self) -> str:
         """The objective the models learn: the one the model family's options choose (a causal LM), else
         the data's task."""
         return self.model.family.objective(self.model.options) or self.data.task
@@ -59,7 +59,7 @@ class Params(Section):
         (:attr:`tasks.steps.Step.members`) of the steps that build, train or score them."""
         from mergeflow.schema.objectives import declared_objective
 
-        return tuple(m for m in (self.model.family.module, declared_objective(self.task).module) if m)
+        return tuple(m for m in (self.model.family.module, declared_objective(self.objective).module) if m)
 
     def section(self, dotted: str) -> Any:
         """A section or key as plain JSON data, e.g. ``section("finetune")``."""

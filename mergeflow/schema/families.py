@@ -140,7 +140,7 @@ class Sequential(FamilyDeclaration):
     def check(self, params: Any) -> None:
         """A CNN needs image-shaped rows."""
         data = params.data
-        if params.model.arch == "cnn" and data.modality != "image" and data.spec.shape_option is None:
+        if params.model.arch == "cnn" and data.modality != "image" and data.declaration.shape_option is None:
             raise ValueError(f"model.arch: 'cnn' needs image-shaped data, and data.source {data.source!r} is not")
 
 
