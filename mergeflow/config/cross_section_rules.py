@@ -56,8 +56,7 @@ def check_cross_section_rules(params: Params) -> None:
     from mergeflow.schema.merge import DECLARED
 
     for name in params.merge.methods:
-        entry = params.merge.resolve(name)
-        method, searched = entry.method, entry.searched
+        method, searched = params.merge.method_of(name), params.merge.searched(name)
         if "scorer" in DECLARED[method].needs and params.data.validation_fraction == 0:
             raise ValueError(
                 f"merge.methods: {name!r} chooses on the validation split; set data.validation_fraction > 0"

@@ -42,11 +42,17 @@ class MergeConfig(Section):
         """The method of one entry of ``methods`` and its validated options: a search's options hold lists,
         valid options only once the grid is expanded, so each candidate is validated on its own."""
         from mergeflow.schema.merge import validate_options
-        from mergeflow.schema.search import search_grid, searched_keys
+        from mergeflow.schema.search import search_grid
 
         method, options = resolve_variant(self.options, name, "method")
         candidates = tuple(validate_options(method, candidate) for candidate in search_grid(options))
-        return MergeEntry(method, candidates, tuple(searched_keys(options)))
+        return MergeEntry(method, candidates, self.searched(name))
+
+    def searched(self, name: str) -> tuple[str, ...]:
+        """The options of one entry of ``methods`` that are searches (given as lists); () for a plain merge."""
+        from mergeflow.schema.search import searched_keys
+
+        return tuple(searched_keys(resolve_variant(self.options, name, "method")[1]))
 
     def selection_metric(self, task: str) -> str:
         """The validation metric searches are chosen by: ``select_by``, or accuracy (classification) / NLL."""
