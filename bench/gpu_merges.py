@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--cpu-methods", default="average,ties,dare_ties", help="also timed on the CPU")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    tensor_methods = sorted(name for name, spec in METHODS.items() if spec.scope == "tensor")
+    tensor_methods = sorted(name for name, declaration in METHODS.items() if declaration.scope == "tensor")
     methods = [m for m in args.methods.split(",") if m] or tensor_methods
     unknown = sorted(set(methods) - set(tensor_methods))
     if unknown:
@@ -129,10 +129,10 @@ def main() -> None:
         count = model_count(method, args.models)
         b, states, fish = (base, clients, fishers) if where == device else (on_cpu[0], on_cpu[1], cpu_fishers)
         inputs = {"states": states[:count], "weights": sizes[:count]}
-        spec = METHODS[method]
-        if "base" in spec.uses:
+        declaration = METHODS[method]
+        if "base" in declaration.uses:
             inputs["base"] = b
-        if "fishers" in spec.uses:
+        if "fishers" in declaration.uses:
             inputs["fishers"] = fish[:count]
         return lambda: run_merge(method, **inputs).state
 

@@ -47,11 +47,11 @@ def main() -> None:
         return run
 
     streaming._Masks.draw = timed("masks", streaming._Masks.draw)
-    spec = METHODS[args.method]
-    module, _, attr = spec.implementation.partition(":")
-    setattr(importlib.import_module(module), attr, timed("blocks", spec.load()))  # what the engine then loads
+    declaration = METHODS[args.method]
+    module, _, attr = declaration.implementation.partition(":")
+    setattr(importlib.import_module(module), attr, timed("blocks", declaration.load()))  # what the engine then loads
     models = [f"{args.dir}/model_{k}" for k in range(args.models)]
-    base = {"base": f"{args.dir}/base"} if "base" in spec.needs else {}
+    base = {"base": f"{args.dir}/base"} if "base" in declaration.needs else {}
     for run in range(args.runs):
         for part in spent.values():
             part[:] = [0.0, 0.0]

@@ -120,7 +120,7 @@ def cases() -> dict[str, str]:
     """Case name -> code run between the prologue and the epilogue."""
     from mergeflow.merge import METHODS
 
-    methods = sorted(name for name, spec in METHODS.items() if spec.scope == "tensor")
+    methods = sorted(name for name, declaration in METHODS.items() if declaration.scope == "tensor")
     streaming = {
         f"merge_files({name!r})": f"merge_files({name!r}, models{'[:2]' if name == 'slerp' else ''}, out, "
         f"max_shard_size=case['shard_size'], {_ARGUMENTS.get(name, '')})"

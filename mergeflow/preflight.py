@@ -31,7 +31,7 @@ def check_paths(params: Params, source: str = "params") -> None:
     Raises:
         ConfigError: one line per problem, ``source: key: problem``.
     """
-    lines = [f"{source}: {problem}" for problem in params.data.spec.preflight(params.data.options)]
+    lines = [f"{source}: {problem}" for problem in params.data.declaration.preflight(params.data.options)]
     if params.pretrained:
         problem = pretrained_problem(params.pretrained)
         if problem:

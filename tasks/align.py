@@ -68,7 +68,7 @@ def plan_align(params: Params) -> list[Step]:
     if params.align.method == "activations" and params.data.server_fraction > 0:
         inputs.append(f"{PREPARED}/server.parquet")
     step_params = {
-        "align": params.section("align"),
+        "align": params.align_settings.model_dump(mode="json"),
         "on_divergence": params.finetune.on_divergence,
         "num_clients": len(clients),
         "statistics": list(statistics),

@@ -17,7 +17,7 @@ def local_data_files(params: Params) -> tuple[str, ...]:
     """The local files the data source reads (glob patterns expanded), so that editing one re-runs prepare."""
     import glob
 
-    local = [f for f in params.data.spec.data_files(params.data.options) if "://" not in f]
+    local = [f for f in params.data.declaration.data_files(params.data.options) if "://" not in f]
     return tuple(sorted({str(Path(p).expanduser()) for f in local for p in (glob.glob(f) or [f])}))
 
 
@@ -33,13 +33,13 @@ def check_data(params: Params, root: Path) -> None:
     from mergeflow.data.check import check_inputs
 
     data = params.data.for_prepare()
-    table = params.data.spec.user_table
+    table = params.data.declaration.user_table
     pretrained = params.pretrained
     if not table and not pretrained:
         return
     local = [*(local_data_files(params) if table else ()), *(_model_files(pretrained) if pretrained else ())]
     marker = None
-    remote = table and any("://" in f for f in params.data.spec.data_files(params.data.options))
+    remote = table and any("://" in f for f in params.data.declaration.data_files(params.data.options))
     if not remote and all(Path(f).is_file() for f in local):
         signatures = [file_signature(Path(f)) for f in local]
         checked = {

@@ -49,7 +49,7 @@ def plan_prepare(params: Params) -> list[Step]:
             "tasks.data:prepare",
             {"seed": params.seed, "data": params.data.for_prepare()},
             inputs=local_data_files(params),
-            members=params.data.spec.modules,
+            members=params.data.declaration.modules,
         )
     ]
 
@@ -110,8 +110,8 @@ def plan_tokenize(params: Params) -> list[Step]:
         "tokenizer": params.section("data.tokenizer"),
         "pretrained": params.pretrained,
     }
-    if params.task != params.data.task:  # a model's own objective (a causal LM): the texts' labels stay, for
-        step_params["task"] = params.task  # partitions and groups
+    if params.objective != params.data.task:  # a model's own objective (a causal LM): the texts' labels stay, for
+        step_params["task"] = params.objective  # partitions and groups
     return [Step("tokenize", "tasks.data:tokenize", step_params, inputs=(TEXT,))]
 
 
@@ -161,17 +161,17 @@ def plan_partition(params: Params) -> list[Step]:
 
 def partition(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
     """Write one parquet file per client, the partition statistics and their plot."""
-    spec = params["partition"]
+    partitioning = params["partition"]
     info = read_info(root)
     train = load_dataset_file(root / PREPARED / "train.parquet")
     parts = partition_dataset(
         train,
-        method=spec["method"],
-        num_clients=spec["num_clients"],
+        method=partitioning["method"],
+        num_clients=partitioning["num_clients"],
         seed=params["seed"],
-        alpha=spec["alpha"],
-        classes_per_client=spec["classes_per_client"],
-        min_partition_size=spec["min_partition_size"],
+        alpha=partitioning["alpha"],
+        classes_per_client=partitioning["classes_per_client"],
+        min_partition_size=partitioning["min_partition_size"],
     )
     for client, part in enumerate(parts):
         save_dataset(part, out / client_file(client))

@@ -48,7 +48,7 @@ def plan_evaluate(params: Params) -> list[Step]:
         "methods": list(params.merge.methods),
         "federated": federated,
         # the source's hints for the sanity warning: in the params, as the step does not import the source
-        "likely_causes": list(params.data.spec.likely_causes),
+        "likely_causes": list(params.data.declaration.likely_causes),
     }
     return [
         Step(

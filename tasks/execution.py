@@ -65,7 +65,7 @@ def execute_waves(
     ran_before: list[float] | None = None,
     short_below: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Run waves of steps one after another in one task run (short steps: ``OrchestrationConfig.runs_waves_together``).
+    """Run waves of steps one after another in one task run (short steps: :func:`tasks.scheduling.runs_waves_together`).
 
     A wave's keys hash what the waves before it wrote, so each step is keyed, looked up, run when
     missing, recorded and materialised in turn, here in the worker: steps stay cached, and resumed,

@@ -84,7 +84,7 @@ def _settings(params: Params, name: str) -> dict[str, Any]:
     return {
         "name": name,
         "algorithm": algorithm,
-        "options": options,
+        "options": options.model_dump(mode="json", exclude_unset=True),
         "local": params.federated.local_for(name).model_dump(mode="json"),
         "num_clients": params.partition.num_clients,
         "seed": params.seed,
@@ -176,7 +176,7 @@ def _data_attack(params: Params, client: int) -> Attack | None:
 def _members(params: Params, name: str) -> tuple[str, ...]:
     """The module of entry ``name``'s algorithm, which its steps run (:attr:`tasks.steps.Step.members`), and
     those of the run's model family and objective, which build and score its models."""
-    return (ALGORITHMS.lookup(params.federated.resolve(name)[0]).module, *params.model_members)
+    return (ALGORITHMS.lookup(params.federated.algorithm_of(name)).module, *params.model_members)
 
 
 def _server_members(params: Params, name: str) -> tuple[str, ...]:

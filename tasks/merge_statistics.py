@@ -16,8 +16,7 @@ def statistics_read(params: Params) -> tuple[str, ...]:
     when it has them); factors only with ``fisher.low_rank``, as the merge stage reads them."""
     read: set[str] = set()
     for name in params.merge.methods:
-        method, _ = params.merge.resolve(name)
-        read |= DECLARED[method].uses
+        read |= DECLARED[params.merge.method_of(name)].uses
     if not params.fisher.low_rank:
         read.discard("factors")
     return tuple(statistic for statistic in STATISTICS if statistic in read)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel
 from safetensors.torch import load_file
 
 from mergeflow.checkpoints import checkpoint_header, load_checkpoint, load_checkpoint_meta, save_checkpoint
@@ -20,7 +21,7 @@ from mergeflow.merge.streaming import merge_files
 from mergeflow.metric_direction import lower_is_better
 from mergeflow.models import family_of, parameter_names
 from mergeflow.schema.merge import DECLARED
-from mergeflow.schema.search import candidate_id, choose, search_grid, searched_keys
+from mergeflow.schema.search import candidate_id, choose
 from tasks.layout import (
     BASE,
     EXTRA_INPUTS,
@@ -56,22 +57,25 @@ def _inputs(method: str, clients: range, with_factors: bool) -> tuple[str, ...]:
 _VALIDATION = (f"{PREPARED}/validation.parquet", f"{PREPARED}/info.json")
 
 
-def _merge_step(params: Params, name: str, method: str, options: dict[str, Any], candidate: bool) -> Step:
+def _merge_step(params: Params, name: str, method: str, validated: BaseModel, candidate: bool) -> Step:
     clients = range(params.partition.num_clients)
+    options = validated.model_dump(mode="json", exclude_unset=True)  # the options given, as the step's params
     factors = _uses_factors(method, params)
     step_params = {"name": name, "method": method, "options": options, "num_clients": len(clients), "factors": factors}
-    spec = DECLARED[method]
-    if "base" in spec.uses and "base" not in spec.needs:  # an optional base is the clients' only if they share it
+    declaration = DECLARED[method]
+    if (
+        "base" in declaration.uses and "base" not in declaration.needs
+    ):  # an optional base is the clients' only if they share it
         step_params["shared_base"] = params.finetune.init == "shared"
     inputs = _inputs(method, clients, factors) + _extra_inputs(params)
-    if candidate or "scorer" in spec.uses:  # scored on the validation split, never on test
+    if candidate or "scorer" in declaration.uses:  # scored on the validation split, never on test
         step_params |= {
             "noise_std": params.evaluate.noise_std,
-            "select_by": params.merge.selection_metric(params.task),
+            "select_by": params.merge.selection_metric(params.objective),
         }
         inputs += _VALIDATION
     settings = {"stream_above_mb": params.merge.stream_above_mb} | device_settings(params)
-    members = (*spec.modules, *params.model_members)  # the method's code, and the models' for a scored merge
+    members = (*declaration.modules, *params.model_members)  # the method's code, and the models' for a scored merge
     if not candidate:
         return Step(f"merge/{name}", "tasks.merging:merge_clients", step_params, inputs, settings, members=members)
     step_params["path"] = candidate_checkpoint(name, candidate_id(options))
@@ -84,15 +88,15 @@ def plan_merge(params: Params) -> list[list[Step]]:
     is one step per candidate, then (a second wave) a selection step on their validation scores."""
     merges, selections = [], []
     for name in params.merge.methods:
-        method, options = params.merge.resolve(name)
-        if not searched_keys(options):
-            merges.append(_merge_step(params, name, method, options, candidate=False))
+        entry = params.merge.resolve(name)
+        if not entry.searched:
+            merges.append(_merge_step(params, name, entry.method, entry.candidates[0], candidate=False))
             continue
-        grid = search_grid(options)
-        merges += [_merge_step(params, name, method, candidate, candidate=True) for candidate in grid]
-        paths = [candidate_checkpoint(name, candidate_id(candidate)) for candidate in grid]
-        select = {"name": name, "candidates": paths, "searched": searched_keys(options)}
-        select["select_by"] = params.merge.selection_metric(params.task)
+        steps = [_merge_step(params, name, entry.method, candidate, candidate=True) for candidate in entry.candidates]
+        merges += steps
+        paths = [step.params["path"] for step in steps]
+        select = {"name": name, "candidates": paths, "searched": list(entry.searched)}
+        select["select_by"] = params.merge.selection_metric(params.objective)
         inputs = (*paths, BASE) + _extra_inputs(params)
         selections.append(Step(f"merge/{name}", "tasks.merging:select_candidate", select, inputs))
     return [merges, selections] if selections else [merges]
@@ -108,10 +112,10 @@ def _merge_into(
     checkpoint's metadata (its summary and curves among them).
     """
     name, method = params["name"], params["method"]
-    spec = DECLARED[method]
-    options = spec.parse(params["options"])  # validated once, here at the step's boundary
+    declaration = DECLARED[method]
+    options = declaration.parse(params["options"])  # validated once, here at the step's boundary
     clients = range(params["num_clients"])
-    uses = spec.uses
+    uses = declaration.uses
     metas = [load_checkpoint_meta(root / aligned_checkpoint(c)) for c in clients]  # headers only
     excluded = [c for c, meta in enumerate(metas) if meta.get("diverged")]
     clients = [c for c in clients if c not in excluded]  # finetune.on_divergence: exclude

@@ -41,12 +41,12 @@ def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
 
     Waves of short steps (``orchestration.steps_per_task: auto``) run as one chain in one task run,
     which stops once its steps turn out long; the rest then runs wave by wave, a wave's uncached
-    steps split over the workers (``OrchestrationConfig.batch_size``).
+    steps split over the workers (:func:`tasks.scheduling.steps_per_task_run`).
     """
     from prefect.logging import get_run_logger
 
-    from mergeflow.config import SHORT_STEP_SECONDS
     from tasks.execution import run_steps, run_waves
+    from tasks.scheduling import SHORT_STEP_SECONDS, runs_waves_together, steps_per_task_run
 
     log = get_run_logger()
     outcomes: list[StepOutcome] = []
@@ -56,14 +56,14 @@ def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
         while waves:
             ran = [outcome.seconds for outcome in outcomes if not outcome.cached]
             typical = typical_seconds(ran)
-            if len(waves) > 1 and params.orchestration.runs_waves_together(typical):
+            if len(waves) > 1 and runs_waves_together(params.orchestration, typical):
                 done = run_waves(waves, root, threads, ran, SHORT_STEP_SECONDS)
                 outcomes += done
                 waves = _after(waves, len(done))
                 continue
 
             def batch_size(uncached: int, typical: float | None = typical) -> int:
-                return params.orchestration.batch_size(uncached, typical)
+                return steps_per_task_run(params.orchestration, uncached, typical)
 
             outcomes += run_steps(waves[0], root, threads, batch_size)
             waves = waves[1:]

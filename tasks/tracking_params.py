@@ -39,17 +39,21 @@ def data_label(params: Params) -> str:
 
 def params_in_use(params: Params) -> dict[str, Any]:
     """The params that shape this pipeline's results, nested: the chosen source's options but no other
-    source's, the tokenizer and transformer settings only for a transformer, the options of the merges and
-    algorithms that run, and no unset (null or empty) values. Orchestration (how, not what) is left out."""
+    source's, the tokenizer only for a family whose models take tokens, the chosen family's options as it uses
+    them but no other family's, the options of the merges and algorithms that run, and no unset (null or
+    empty) values. Orchestration (how, not what) is left out."""
     config = params.model_dump(mode="json", exclude={"orchestration"})
     family = params.model.family
     data = config["data"]
     for key in [key for key in data if isinstance(data[key], dict) and key != params.data.source]:
         if key != "tokenizer" or family.inputs != "tokens":
             del data[key]
+    config["align"] = params.align_settings.model_dump(mode="json")
     for other in FAMILIES:
         if other != family.name:
             config["model"].pop(other, None)
+    if family.name in config["model"]:
+        config["model"][family.name] = family.options_in_use(params.model.options)
     config["merge"]["options"] = {k: v for k, v in config["merge"]["options"].items() if k in params.merge.methods}
     federated = config["federated"]
     federated["options"] = {k: v for k, v in federated["options"].items() if k in params.federated.algorithms}

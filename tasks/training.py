@@ -228,7 +228,7 @@ def plan_centralized(params: Params) -> list[Step]:
     if best:
         step_params |= {
             "keep": "best_validation",
-            "select_by": params.merge.selection_metric(params.task),
+            "select_by": params.merge.selection_metric(params.objective),
             "noise_std": params.evaluate.noise_std,
         }
     validation = (f"{PREPARED}/validation.parquet", f"{PREPARED}/info.json") if best else ()

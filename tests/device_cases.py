@@ -40,8 +40,8 @@ def merge_inputs(method: str, device: torch.device | str = "cpu", clients: int =
     """Keyword arguments of ``run_merge(method, ...)``: the clients' states and every input the method
     needs or uses (base, sizes, Fishers, factors, Grams, a scorer), on ``device``."""
     generator = torch.Generator().manual_seed(0)
-    spec = METHODS[method]
-    wanted = spec.needs | spec.uses
+    declaration = METHODS[method]
+    wanted = declaration.needs | declaration.uses
     states = [_state(generator, device) for _ in range(clients)]
     floating = [name for name, value in states[0].items() if value.is_floating_point()]
     width = sum(states[0][name].numel() for name in floating)

@@ -65,7 +65,7 @@ try:
 except ConfigError as error:
     assert "options.fedavg_step.step" in str(error), error
 steps = [step for wave in plan_federated(params) for step in wave if step.name.startswith("federated/fedavg_step/")]
-assert steps and all(step.members == ("mergeflow.federated.fedavg_step",) for step in steps)
+assert steps and all(step.members[0] == "mergeflow.federated.fedavg_step" for step in steps)
 assert all("mergeflow/federated/fedavg_step.py" in step.code for step in steps)
 assert "mergeflow/federated/fedavg_step.py" in get_stage("federated").code  # dvc.yaml's deps, once regenerated
 

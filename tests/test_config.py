@@ -124,9 +124,29 @@ def test_merge_variants_run_one_method_with_several_settings():
         }
     }
     merge = validate_params(raw).merge
-    assert merge.resolve("ssf_20") == ("ssf", {"mask_rate": 0.2})
-    assert merge.resolve("ssf") == ("ssf", {})
-    assert merge.resolve("avg") == ("average", {})
+    assert merge.method_of("ssf_20") == "ssf" and merge.method_of("avg") == "average"
+    (ssf_20,) = merge.resolve("ssf_20").candidates
+    assert ssf_20.mask_rate == 0.2 and ssf_20.model_dump(exclude_unset=True) == {"mask_rate": 0.2}
+    assert merge.resolve("ssf").candidates[0].model_dump(exclude_unset=True) == {}
+    assert merge.resolve("avg").method == "average"
+
+
+def test_a_search_entry_resolves_to_one_validated_options_model_per_candidate():
+    raw = {
+        "data": {"validation_fraction": 0.2},
+        "merge": {"methods": ["d"], "options": {"d": {"method": "della", "density": [0.3, 0.5], "epsilon": 0.1}}},
+    }
+    entry = validate_params(raw).merge.resolve("d")
+    assert entry.method == "della" and entry.searched == ("density",)
+    assert [(c.density, c.epsilon) for c in entry.candidates] == [(0.3, 0.1), (0.5, 0.1)]
+
+
+def test_a_federated_entry_resolves_to_its_algorithm_options_without_its_own_sections():
+    raw = {
+        "federated": {"algorithms": ["p"], "options": {"p": {"algorithm": "fedprox", "mu": 0.1, "local": {"lr": 0.1}}}}
+    }
+    algorithm, options = validate_params(raw).federated.resolve("p")
+    assert algorithm == "fedprox" and options.model_dump(exclude_unset=True) == {"mu": 0.1}
 
 
 @pytest.mark.parametrize(
@@ -143,22 +163,10 @@ def test_bad_merge_variants_name_their_key(options, key):
     assert key in str(error.value)
 
 
-def test_steps_per_task_auto_batches_short_steps_and_spreads_long_ones_over_the_workers():
+def test_steps_per_task_is_auto_or_positive():
     from mergeflow.config import OrchestrationConfig
 
     assert OrchestrationConfig().steps_per_task == "auto"
-    assert OrchestrationConfig(max_workers=2).batch_size(10) == 5
-    assert OrchestrationConfig(max_workers=4).batch_size(10) == 3  # 4 task runs: 3, 3, 3, 1
-    assert OrchestrationConfig(max_workers=4).batch_size(1) == 1
-    assert OrchestrationConfig(task_runner="dask", max_workers=1, dask_workers=5).batch_size(10) == 2
-    assert OrchestrationConfig(max_workers=4, steps_per_task=3).batch_size(10) == 3
-    assert OrchestrationConfig(max_workers=4).batch_size(10, typical_seconds=0.02) == 10  # short steps: one task run
-    assert OrchestrationConfig(max_workers=4).batch_size(10, typical_seconds=3.0) == 3
-    assert OrchestrationConfig(max_workers=4, steps_per_task=1).batch_size(10, typical_seconds=0.02) == 1
-    # a stage's waves run as one chain in one task run unless its steps are long, under auto only
-    assert OrchestrationConfig().runs_waves_together(0.02) and OrchestrationConfig().runs_waves_together(None)
-    assert not OrchestrationConfig().runs_waves_together(3.0)
-    assert not OrchestrationConfig(steps_per_task=10).runs_waves_together(0.02)
     with pytest.raises(ValueError, match="must be 'auto' or at least 1"):
         OrchestrationConfig(steps_per_task=0)
 
@@ -171,3 +179,14 @@ def test_a_bad_override_names_the_override_not_the_file(tmp_path):
     lines = sorted(error.value.lines)
     assert lines[0].startswith("-S finetune.lr=-0.1: finetune.lr:"), lines
     assert lines[1].startswith(f"{path}: finetune.epochs:"), lines  # the file's own mistake still names the file
+
+
+def test_validation_leaves_the_params_as_given_and_the_readers_resolve_them():
+    text = {"data": {"source": "text", "text": {"path": "x.csv"}}, "model": {"arch": "transformers"}}
+    params = validate_params(text)
+    assert params.align.examples is None and params.model.transformers.config is None
+    assert params.align_settings.examples == 256 and params.align_settings.barrier_points == 5
+    assert params.model.transformers.model_config_fields()["model_type"] == "bert"
+    mlp = validate_params({"align": {"barrier_points": 7}})
+    assert (mlp.align_settings.examples, mlp.align_settings.barrier_points) == (512, 7)
+    assert mlp.align.examples is None

@@ -90,7 +90,7 @@ def test_a_new_model_family_is_one_declaration(bilinear):
     from tasks.training import _base_model
 
     params = validate_params({"model": {"arch": "bilinear"}, "align": {"method": "none"}})
-    assert params.model.family.name == "bilinear" and params.task == "classification"
+    assert params.model.family.name == "bilinear" and params.objective == "classification"
     model, spec = _base_model(
         params.section("model"), {"input_shape": [4], "num_classes": 3, "task": "classification"}, 7
     )
@@ -130,7 +130,7 @@ def test_the_old_arch_hf_is_transformers_with_one_notice(monkeypatch, capsys):
     )
     new = {"arch": "transformers", "transformers": {"task": "causal_lm", "config": {"model_type": "gpt2"}}}
     assert old.section("model") == validate_params({**text, "model": new}).section("model")
-    assert old.task == "causal_lm" and old.pretrained is None
+    assert old.objective == "causal_lm" and old.pretrained is None
     notice = "mergeflow: deprecated: model.arch 'hf' is now 'transformers' (and model.hf is model.transformers)"
     assert capsys.readouterr().err.splitlines() == [notice]
     assert family_of("hf") is family_of("transformers")  # checkpoints saved with arch: hf still load

@@ -21,7 +21,7 @@ from mergeflow.errors import MergeflowError
 from mergeflow.merge import METHODS, merge, sparsify, streaming
 from mergeflow.merge.streaming import merge_files
 
-TENSOR_METHODS = sorted(name for name, spec in METHODS.items() if spec.scope == "tensor")
+TENSOR_METHODS = sorted(name for name, declaration in METHODS.items() if declaration.scope == "tensor")
 
 
 def _write(tmp_path, count: int = 3, dtype=torch.float32):
@@ -111,16 +111,16 @@ def test_streaming_equals_the_in_memory_merge_on_sharded_checkpoints(gpt2_dirs, 
     monkeypatch.setattr(streaming, "STORED_BLOCK", 1500)  # blocks merged from the files as stored (fp32)
     monkeypatch.setattr(sparsify, "_MERGE_PER_THREAD", 300)  # each split between the threads
     monkeypatch.setattr(safetensors_io, "_WRITE_CHUNK", 1000)  # each tensor written in several calls
-    spec = METHODS[method]
+    declaration = METHODS[method]
     count = 2 if method == "slerp" else 3
     files, memory = {}, {}
-    if "base" in spec.needs:
+    if "base" in declaration.needs:
         files["base"], memory["base"] = base, _load_dir(base)
-    if "fishers" in spec.needs:
+    if "fishers" in declaration.needs:
         files["fishers"], memory["fishers"] = fishers[:count], [_load_dir(f) for f in fishers[:count]]
-    if "sizes" in spec.needs or "fishers" in spec.needs:
+    if "sizes" in declaration.needs or "fishers" in declaration.needs:
         files["weights"] = memory["weights"] = [1.0, 2.0, 4.0][:count]
-    assert all(need in ("base", "fishers", "sizes") for need in spec.needs), f"give the test {method}'s inputs"
+    assert all(need in ("base", "fishers", "sizes") for need in declaration.needs), f"give the test {method}'s inputs"
     # Both on the same two threads: LAPACK's SVD splits its work by the thread count, so a spectral merge such as
     # tsv differs in the last bit on another count (1 of 32768 elements after an earlier test left torch on 1).
     with streaming._intra_op_threads(2):

@@ -294,16 +294,16 @@ def states_device(states: Sequence[State]) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def require_inputs(spec: MergeMethod, given: Mapping[str, object]) -> None:
-    """Raise MergeflowError naming the argument when an input that ``spec`` needs is missing."""
-    for need in spec.needs:
+def require_inputs(declaration: MergeMethod, given: Mapping[str, object]) -> None:
+    """Raise MergeflowError naming the argument when an input that ``declaration`` needs is missing."""
+    for need in declaration.needs:
         if given.get(need) is None:
             argument = "weights" if need == "sizes" else need
-            raise MergeflowError(f"merge method {spec.name!r} needs {need} ({argument}=...)")
+            raise MergeflowError(f"merge method {declaration.name!r} needs {need} ({argument}=...)")
 
 
 def merged_tensors(
-    spec: MergeMethod,
+    declaration: MergeMethod,
     states: Sequence[State],
     base: State | None,
     weights: torch.Tensor,
@@ -320,7 +320,7 @@ def merged_tensors(
     for key in states[0]:
         cancel.check()
         first = states[0][key]
-        method = tensor_method(spec, first.is_floating_point(), fishers is None or key in fishers[0])
+        method = tensor_method(declaration, first.is_floating_point(), fishers is None or key in fishers[0])
         if method is None:
             yield key, first.clone()
             continue
@@ -343,7 +343,9 @@ def merged_tensors(
             tensors=tensors,
             weights=weights,
             base=base_tensor,
-            fishers=[f[key].to(torch.float64) for f in fishers] if fishers is not None and method is spec else None,
+            fishers=[f[key].to(torch.float64) for f in fishers]
+            if fishers is not None and method is declaration
+            else None,
             norms=norms,
             masks=masks,
             gram=gram_matrix(torch.stack(tensors), base_tensor, method.gram) if method.gram else None,
@@ -371,12 +373,12 @@ def task_vectors(tensors: Sequence[torch.Tensor], base: torch.Tensor) -> torch.T
     return torch.stack(list(tensors)) - base
 
 
-def tensor_method(spec: MergeMethod, floating: bool, has_fisher: bool) -> MergeMethod | None:
-    """The method that merges one tensor under ``spec``: None (keep the first model's) for a non-floating
-    tensor, ``average`` for a floating one that the given Fishers do not cover, else ``spec``."""
+def tensor_method(declaration: MergeMethod, floating: bool, has_fisher: bool) -> MergeMethod | None:
+    """The method that merges one tensor under ``declaration``: None (keep the first model's) for a non-floating
+    tensor, ``average`` for a floating one that the given Fishers do not cover, else ``declaration``."""
     if not floating:
         return None
-    return spec if has_fisher else DECLARED[UNCOVERED]
+    return declaration if has_fisher else DECLARED[UNCOVERED]
 
 
 def fisher_norms(fishers: Sequence[State]) -> Callable[[], torch.Tensor]:
@@ -448,19 +450,19 @@ def run_merge(
     the method's validated options model (``mergeflow.schema.merge.MergeMethod.parse``), or ``keywords``."""
     if not states:
         raise MergeflowError("merge needs at least one model")
-    spec = DECLARED.lookup(method)
+    declaration = DECLARED.lookup(method)
     given = {"base": base, "sizes": weights, "fishers": fishers, "factors": factors, "grams": grams, "scorer": scorer}
-    require_inputs(spec, given)
-    parsed = parsed_options(spec, options, keywords)
-    if spec.scope == "tensor":
+    require_inputs(declaration, given)
+    parsed = parsed_options(declaration, options, keywords)
+    if declaration.scope == "tensor":
         _check_compatible([*states, base] if base is not None else states)
         w = normalized_weights(weights, len(states), states_device(states))
         fisher_list = [dict(f) for f in fishers] if fishers is not None else None
-        return MergeResult(dict(merged_tensors(spec, states, base, w, fisher_list, parsed)))
+        return MergeResult(dict(merged_tensors(declaration, states, base, w, fisher_list, parsed)))
     inputs = model_inputs(
         states, base=base, weights=weights, fishers=fishers, factors=factors, grams=grams, scorer=scorer
     )
-    result = Implementation.of(spec).fn(inputs, parsed)
+    result = Implementation.of(declaration).fn(inputs, parsed)
     if not isinstance(result, MergeResult):
         result = MergeResult(result)
     for key, first in states[0].items():  # untouched tensors (buffers, counters) follow the tensor rules
@@ -470,11 +472,11 @@ def run_merge(
     return result
 
 
-def parsed_options(spec: MergeMethod, options: BaseModel | None, keywords: Mapping[str, object]) -> BaseModel:
+def parsed_options(declaration: MergeMethod, options: BaseModel | None, keywords: Mapping[str, object]) -> BaseModel:
     """The options of a merge: its validated model as given, or validated from ``keywords`` (a notebook's)."""
     if options is not None and keywords:
-        raise MergeflowError(f"give the options of {spec.name!r} as a model (options=) or as keywords, not both")
-    return spec.parse(options if options is not None else keywords)
+        raise MergeflowError(f"give the options of {declaration.name!r} as a model (options=) or as keywords, not both")
+    return declaration.parse(options if options is not None else keywords)
 
 
 def merge(method: str, states: Sequence[State], **inputs: Any) -> dict[str, torch.Tensor]:

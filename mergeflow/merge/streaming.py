@@ -194,21 +194,21 @@ def merge_files(
     on an accelerator; the files are still read and written on the host. The method's options are ``options``,
     its validated options model, or ``keywords`` (as ``mergeflow.merge.engine.run_merge``'s).
     """
-    spec = DECLARED.lookup(method)
-    if spec.scope != "tensor":
+    declaration = DECLARED.lookup(method)
+    if declaration.scope != "tensor":
         raise MergeflowError(f"merge method {method!r} couples all parameters and cannot stream; use merge()")
     if not paths:
         raise MergeflowError("merge needs at least one model")
-    require_inputs(spec, {"base": base, "sizes": weights, "fishers": fishers})
-    parsed = parsed_options(spec, options, keywords)
+    require_inputs(declaration, {"base": base, "sizes": weights, "fishers": fishers})
+    parsed = parsed_options(declaration, options, keywords)
     dtype = _parse_dtype(out_dtype)
     where = resolve_device(device) if isinstance(device, str) else device
     out = Path(out)
     with ExitStack() as stack:
         inputs = _Inputs(
             [_open(stack, p) for p in paths],
-            _open(stack, base) if base is not None and "base" in spec.uses else None,
-            [_open(stack, p) for p in fishers] if fishers is not None and "fishers" in spec.uses else None,
+            _open(stack, base) if base is not None and "base" in declaration.uses else None,
+            [_open(stack, p) for p in fishers] if fishers is not None and "fishers" in declaration.uses else None,
         )
         _check_layouts(inputs)
         layout = {key: _out_layout(inputs.models[0], key, dtype) for key in inputs.models[0]}
@@ -225,7 +225,7 @@ def merge_files(
         norms = _on_device(fisher_norms(inputs.fishers), where) if inputs.fishers is not None else None
         # closing(): on an error, stop the reader thread before the files close, not when the generator is collected.
         block = BLOCK if where.type == "cpu" else DEVICE_BLOCK
-        items = list(_plan(spec, inputs, sink.order, block, stored=where.type == "cpu"))
+        items = list(_plan(declaration, inputs, sink.order, block, stored=where.type == "cpu"))
         code = implementations()
         merged = stack.enter_context(closing(_merged(items, inputs, layout, w, norms, parsed, where, code)))
         for key, data in merged:
@@ -281,7 +281,7 @@ def _out_layout(model: Checkpoint, key: str, dtype: torch.dtype | None) -> tuple
 
 
 def _plan(
-    spec: MergeMethod, inputs: _Inputs, order: Sequence[str], block: int, stored: bool = False
+    declaration: MergeMethod, inputs: _Inputs, order: Sequence[str], block: int, stored: bool = False
 ) -> Iterator[_Item]:
     """The merge's items in the output's order: elementwise methods and copies in blocks, other methods whole.
     With ``stored`` (the CPU), a method that takes its tensors as stored merges straight from the files
@@ -290,7 +290,7 @@ def _plan(
     for key in order:
         entry = inputs.models[0].entry(key)
         method = tensor_method(
-            spec, entry.torch_dtype.is_floating_point, inputs.fishers is None or key in inputs.fishers[0]
+            declaration, entry.torch_dtype.is_floating_point, inputs.fishers is None or key in inputs.fishers[0]
         )
         as_stored = method is not None and stored and method.stored and _stored_dtype(inputs, method, key)
         if method is not None and not method.elementwise:

@@ -226,19 +226,19 @@ class TransformersFamily(ModelFamily):
     def build_base(
         self, model: dict[str, Any], info: dict[str, Any], output_dim: int, seed: int
     ) -> tuple[nn.Module, dict[str, Any]]:
-        tokens, options = info["tokenizer"], model["transformers"]
+        tokens, options = info["tokenizer"], self.declaration.Options.model_validate(model["transformers"])
         return build_base(
-            pretrained=options["pretrained"],
-            config=options["config"],
+            pretrained=options.pretrained,
+            config=options.model_config_fields(),
             num_labels=info["num_classes"],
             vocab_size=tokens["vocab_size"],
             max_length=tokens["max_length"],
             pad_token_id=tokens["pad_token_id"],
             sep_token_id=tokens["sep_token_id"] if info.get("pair") else None,
-            dropout=options["dropout"],
+            dropout=options.dropout,
             seed=seed,
             class_names=info["class_names"],
-            task=options["task"],
+            task=options.task,
         )
 
     def from_spec(self, spec: dict[str, Any]) -> nn.Module:

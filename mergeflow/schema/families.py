@@ -76,6 +76,10 @@ class FamilyDeclaration(Member):
         """The objective its ``options`` choose (a causal LM), or None for the data's own."""
         return None
 
+    def options_in_use(self, options: BaseModel) -> dict[str, Any]:
+        """Its ``options`` as a run uses them (what the tracked params show): as given, by default."""
+        return options.model_dump(mode="json")
+
     def check(self, params: Any) -> None:
         """Rules that span sections for this family (``ValueError`` naming the key)."""
 
@@ -140,7 +144,7 @@ class Sequential(FamilyDeclaration):
     def check(self, params: Any) -> None:
         """A CNN needs image-shaped rows."""
         data = params.data
-        if params.model.arch == "cnn" and data.modality != "image" and data.spec.shape_option is None:
+        if params.model.arch == "cnn" and data.modality != "image" and data.declaration.shape_option is None:
             raise ValueError(f"model.arch: 'cnn' needs image-shaped data, and data.source {data.source!r} is not")
 
 
@@ -185,7 +189,6 @@ class TransformersOptions(BaseModel):
     def _model_source(self) -> TransformersOptions:
         if not self.pretrained and "model_type" not in self.model_config_fields():
             raise ValueError("config.model_type: needed without a pretrained model (e.g. bert or gpt2)")
-        self.config = self.model_config_fields()  # what the steps build from, resolved once
         return self
 
 
@@ -224,6 +227,10 @@ class Transformers(FamilyDeclaration):
     exports = True
     extra_inputs = ("tokenizer",)
     pretrained_key = "model.transformers.pretrained"
+
+    def options_in_use(self, options: BaseModel) -> dict[str, Any]:
+        """The options with the model config it builds from (a small BERT's by default)."""
+        return options.model_dump(mode="json") | {"config": options.model_config_fields()}
 
     def objective(self, options: Any) -> str | None:
         return "causal_lm" if options.task == "causal_lm" else None

@@ -19,7 +19,7 @@ class ObjectiveDeclaration(Member):
     """An objective as the params see it.
 
     Attributes:
-        name: the objective's name (``Params.task``, ``info["task"]``).
+        name: the objective's name (``Params.objective``, ``info["task"]``).
         rank_by: the test metric that ranks models (best client); which way it improves is
             :func:`mergeflow.metric_direction.lower_is_better`'s.
         headline: the metric plotted beside the NLL in the comparison plot.

@@ -229,7 +229,9 @@ def test_a_transformer_trains_and_its_fisher_runs_on_the_device_as_on_the_cpu(lo
     _states_close(fisher, cpu_fisher, 1e-3, 1e-9)
 
 
-@pytest.mark.parametrize("method", sorted(name for name, spec in METHODS.items() if spec.scope == "tensor"))
+@pytest.mark.parametrize(
+    "method", sorted(name for name, declaration in METHODS.items() if declaration.scope == "tensor")
+)
 def test_every_streamed_merge_on_the_device_matches_the_cpu(method, tmp_path, monkeypatch):
     """``merge_files(device=...)``: blocks read on the host, merged on the device, with several blocks per
     tensor (and masks drawn from whole task vectors) as a GPT-2 checkpoint has at ``DEVICE_BLOCK``."""

@@ -1,0 +1,69 @@
+"""The whole ``params.yaml``: one field per section."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mergeflow.config.analysis_sections import AlignConfig, EvaluateConfig, FisherConfig
+from mergeflow.config.data_sections import DataConfig, PartitionConfig
+from mergeflow.config.federated_section import FederatedConfig
+from mergeflow.config.merge_section import MergeConfig
+from mergeflow.config.model_section import ModelConfig
+from mergeflow.config.run_sections import OrchestrationConfig, TrackingConfig
+from mergeflow.config.section import Section
+from mergeflow.config.training_sections import CentralizedConfig, FinetuneConfig, PretrainConfig
+
+
+class Params(Section):
+    """The whole ``params.yaml``."""
+
+    seed: int = 0
+    data: DataConfig = DataConfig()
+    partition: PartitionConfig = PartitionConfig()
+    model: ModelConfig = ModelConfig()
+    pretrain: PretrainConfig = PretrainConfig()
+    finetune: FinetuneConfig = FinetuneConfig()
+    centralized: CentralizedConfig = CentralizedConfig()
+    fisher: FisherConfig = FisherConfig()
+    align: AlignConfig = AlignConfig()
+    merge: MergeConfig = MergeConfig()
+    federated: FederatedConfig = FederatedConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    orchestration: OrchestrationConfig = OrchestrationConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @property
+    def pretrained(self) -> str | None:
+        """The pretrained model the model family starts from (a directory or hub name), if any."""
+        key = self.model.family.pretrained_key
+        return self.section(key) if key else None
+
+    @property
+    def objective(self) -> str:
+        """The objective the models learn: the one the model family's options choose (a causal LM), else
+        the data's task."""
+        return self.model.family.objective(self.model.options) or self.data.task
+
+    @property
+    def align_settings(self) -> AlignConfig:
+        """The ``align`` section as the align step runs it: the sizes left unset (null) take the model family's
+        defaults (:attr:`~mergeflow.schema.families.FamilyDeclaration.align_defaults`)."""
+        defaults = self.model.family.align_defaults
+        return self.align.model_copy(
+            update={key: value for key, value in defaults.items() if getattr(self.align, key) is None}
+        )
+
+    @property
+    def model_members(self) -> tuple[str, ...]:
+        """The modules of the model family and of the objective the run's models use: the members
+        (:attr:`tasks.steps.Step.members`) of the steps that build, train or score them."""
+        from mergeflow.schema.objectives import declared_objective
+
+        return tuple(m for m in (self.model.family.module, declared_objective(self.objective).module) if m)
+
+    def section(self, dotted: str) -> Any:
+        """A section or key as plain JSON data, e.g. ``section("finetune")``."""
+        value: Any = self.model_dump(mode="json")
+        for part in dotted.split("."):
+            value = value[part]
+        return value

@@ -1,0 +1,68 @@
+"""How a run runs and is recorded: the ``orchestration`` and ``tracking`` sections (no step's cache key)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from mergeflow.config.section import Section
+from mergeflow.device import device_setting_problem
+
+
+class OrchestrationConfig(Section):
+    """Where per-client and per-round tasks run.
+
+    ``threads``: a thread pool of ``max_workers`` in this process. ``dask``: a Dask cluster
+    through prefect-dask: the cluster at ``dask_address`` (e.g. ``tcp://scheduler:8786``, whose
+    workers must see the project directory at the same path), or a LocalCluster of
+    ``dask_workers`` single-threaded processes. Every step runs torch with ``torch_threads``
+    intra-op threads, whatever the runner: float reductions then add up in the same order,
+    so threads and Dask give bit-identical weights. ``steps_per_task`` > 1 runs that many
+    uncached steps (e.g. clients of a round) in one Prefect task run: less orchestration per
+    step when steps take milliseconds, while each step is still cached, and resumed, on its own.
+    ``auto`` runs a wave's uncached steps in one task run when the stage's steps so far took
+    under half a second each (a federated round of small models: threads would only contend for
+    the GIL), and otherwise splits them into one task run per worker (``max_workers`` threads, or
+    ``dask_workers``), so the workers stay busy and a wave costs a few task runs. A stage of waves
+    (federated rounds) starts as one chain of its waves in one task run, keying each wave after the
+    one before it is in place, and goes on wave by wave once its steps turn out long
+    (:func:`tasks.scheduling.runs_waves_together`).
+
+    ``device``: where steps that compute (training, Fisher, alignment, merges, federated rounds,
+    evaluation) run: ``auto`` (CUDA when torch sees a GPU, else the CPU), ``cpu``, ``cuda``,
+    ``cuda:N`` or ``mps``. It is not part of a step's cache key (a result does not depend on the
+    device beyond rounding): each step record and MLflow run notes the device that made it, and a
+    run whose results come from more than one device says so. ``gpu_workers``: at most this many
+    steps use the GPU at once in this process (threads); on Dask, steps that compute ask for a
+    ``GPU`` worker resource when the device is a GPU (``dask worker --resources GPU=1``).
+    """
+
+    task_runner: Literal["threads", "dask"] = "threads"
+    max_workers: int = Field(1, ge=1)
+    torch_threads: int = Field(1, ge=1)
+    steps_per_task: int | Literal["auto"] = Field("auto")
+    dask_address: str | None = None
+    dask_workers: int = Field(2, ge=1)
+    device: str = "auto"
+    gpu_workers: int = Field(1, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        problem = device_setting_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("steps_per_task")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be 'auto' or at least 1")
+        return value
+
+
+class TrackingConfig(Section):
+    experiment: str = "mergeflow"
+    log_models: bool = True
