@@ -4,15 +4,11 @@ and load."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from blobs_source import DECLARATION, LOADER, add_blobs
-from test_import_graph import copy_code
+from code_copies import copy_code, digests, edited, run_on
 
 _CHECK = """
 import json
@@ -44,24 +40,13 @@ print(json.dumps({
 """
 
 
-def _tree(root: Path) -> dict[str, str]:
-    return {
-        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in root.rglob("*.py")
-        if "__pycache__" not in path.parts
-    }
-
-
 def test_a_new_source_is_one_declaration_module_and_one_loader_module(tmp_path):
     code_root = copy_code(tmp_path / "code")
-    before = _tree(code_root)
+    before = digests(code_root)
     add_blobs(code_root)
-    after = _tree(code_root)
-    edited = {name for name in after if before.get(name) != after[name]} | set(before) - set(after)
-    assert edited == {DECLARATION, LOADER}
+    assert edited(before, digests(code_root)) == {DECLARATION, LOADER}
 
-    env = {**os.environ, "PYTHONPATH": str(code_root)}
-    done = subprocess.run([sys.executable, "-c", _CHECK], cwd=tmp_path, env=env, capture_output=True, text=True)
+    done = run_on(code_root, _CHECK)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout)
     assert Path(seen["package"]).is_relative_to(code_root)  # the copy's code, not this checkout's

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+from code_copies import copy_code, digests, edited, run_on
 from conftest import ROOT
-from test_import_graph import copy_code
 
 DECLARATION = '''
 
@@ -84,22 +79,14 @@ assert not any(torch.allclose(half[name], plain[name]) for name in plain)
 """
 
 
-def _contents(root: Path) -> dict[str, bytes]:
-    return {str(path.relative_to(root)): path.read_bytes() for path in root.rglob("*.py")}
-
-
 def test_a_new_algorithm_is_one_declaration_and_one_module(tmp_path):
     code = copy_code(tmp_path / "code")
-    before = _contents(code)
-    with open(code / "mergeflow/schema/federated.py", "a") as declarations:
-        declarations.write(DECLARATION)
+    before = digests(code)
+    declarations = code / "mergeflow/schema/federated.py"
+    declarations.write_text(declarations.read_text() + DECLARATION)
     (code / "mergeflow/federated/fedavg_step.py").write_text(IMPLEMENTATION)
-    after = _contents(code)
-    edited = {path for path in after if before.get(path) != after[path]}
-    assert edited == {"mergeflow/schema/federated.py", "mergeflow/federated/fedavg_step.py"}
-    assert after["mergeflow/schema/federated.py"] == before["mergeflow/schema/federated.py"] + DECLARATION.encode()
+    assert edited(before, digests(code)) == {"mergeflow/schema/federated.py", "mergeflow/federated/fedavg_step.py"}
 
-    env = {**os.environ, "PYTHONPATH": str(code)}
-    done = subprocess.run([sys.executable, "-c", CHECK], cwd=tmp_path, env=env, capture_output=True, text=True)
+    done = run_on(code, CHECK)
     assert done.returncode == 0, done.stderr[-3000:]
     assert not (ROOT / "mergeflow/federated/fedavg_step.py").exists()  # the checkout is untouched

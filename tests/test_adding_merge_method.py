@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+from code_copies import copy_code, digests, edited, run_on
 from conftest import ROOT
-from test_import_graph import copy_code
 
 DECLARATION = 'declare(MergeMethod("median", "mergeflow.merge.median:median", elementwise=True))\n'
 IMPLEMENTATION = '''"""The elementwise median of the clients' tensors."""
@@ -48,22 +43,14 @@ assert merge("median", states)["w"].tolist() == [3.0, 4.0]
 """
 
 
-def _contents(root: Path) -> dict[str, bytes]:
-    return {str(path.relative_to(root)): path.read_bytes() for path in root.rglob("*.py")}
-
-
 def test_a_new_method_is_one_declaration_line_and_one_module(tmp_path):
     code = copy_code(tmp_path / "code")
-    before = _contents(code)
-    with open(code / "mergeflow/schema/merge.py", "a") as declarations:
-        declarations.write(DECLARATION)
+    before = digests(code)
+    declarations = code / "mergeflow/schema/merge.py"
+    declarations.write_text(declarations.read_text() + DECLARATION)
     (code / "mergeflow/merge/median.py").write_text(IMPLEMENTATION)
-    after = _contents(code)
-    edited = {path for path in after if before.get(path) != after[path]}
-    assert edited == {"mergeflow/schema/merge.py", "mergeflow/merge/median.py"}
-    assert after["mergeflow/schema/merge.py"] == before["mergeflow/schema/merge.py"] + DECLARATION.encode()
+    assert edited(before, digests(code)) == {"mergeflow/schema/merge.py", "mergeflow/merge/median.py"}
 
-    env = {**os.environ, "PYTHONPATH": str(code)}
-    done = subprocess.run([sys.executable, "-c", CHECK], cwd=tmp_path, env=env, capture_output=True, text=True)
+    done = run_on(code, CHECK)
     assert done.returncode == 0, done.stderr[-3000:]
     assert not (ROOT / "mergeflow/merge/median.py").exists()  # the checkout is untouched

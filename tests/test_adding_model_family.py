@@ -4,14 +4,9 @@ no other file edited."""
 
 from __future__ import annotations
 
-import hashlib
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-from test_import_graph import copy_code
+from code_copies import copy_code, digests, edited, run_on
 
 DECLARATION = '''
 
@@ -94,26 +89,13 @@ print("ok")
 """
 
 
-def _digests(root: Path) -> dict[str, str]:
-    return {
-        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in root.rglob("*.py")
-        if "__pycache__" not in path.parts
-    }
-
-
 def test_a_new_family_is_one_declaration_and_one_module(tmp_path):
     code = copy_code(tmp_path / "code")
-    before = _digests(code)
+    before = digests(code)
     families = code / "mergeflow/schema/families.py"
     families.write_text(families.read_text() + DECLARATION)
     (code / "mergeflow/models/tiny.py").write_text(MODULE)
-    after = _digests(code)
-    edited = {path for path in before.keys() | after.keys() if before.get(path) != after.get(path)}
-    assert edited == {"mergeflow/schema/families.py", "mergeflow/models/tiny.py"}
+    assert edited(before, digests(code)) == {"mergeflow/schema/families.py", "mergeflow/models/tiny.py"}
 
-    env = {**os.environ, "PYTHONPATH": str(code)}
-    run = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CHECK)], cwd=code, env=env, capture_output=True, text=True
-    )
+    run = run_on(code, textwrap.dedent(CHECK))
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]

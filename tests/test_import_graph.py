@@ -3,25 +3,14 @@ transitively, and no other; the stage registry's DVC deps are the same files."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from code_copies import copy_code
 from conftest import PIPELINE, ROOT, pipeline_params
 
 from mergeflow.import_graph import import_closure, third_party_versions
 from tasks.stages import STAGES
-
-
-def copy_code(target: Path) -> Path:
-    """A copy of the repository's tracked code (``mergeflow``, ``tasks``) under ``target``."""
-    names = subprocess.run(["git", "ls-files", "mergeflow", "tasks"], cwd=ROOT, capture_output=True, text=True)
-    for name in names.stdout.split():
-        (target / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, target / name)
-    return target
-
 
 # The tests' pipeline with more merges: two sparsifying methods and a searched one (a step per candidate).
 MORE_MERGES = [
