@@ -20,7 +20,17 @@ from mergeflow.errors import ConfigError
 from mergeflow.files import write_json
 from mergeflow.preflight import check_model, check_paths
 from mergeflow.reproductions.tables import markdown_table, mean_std_cell
-from tasks.layout import SELECTION
+from tasks.layout import (
+    ALIGN_METRICS,
+    ALIGNED,
+    CLIENTS,
+    FEDERATED,
+    FEDERATED_METRICS,
+    FISHERS,
+    METRICS,
+    PREPARED,
+    SELECTION,
+)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -92,10 +102,10 @@ def _run_sweep(preset: Path, root: Path, name: str) -> list[dict[str, Any]]:
         run_pipeline(params, workspace)
         values = {key: str(yaml.safe_load(value)) for key, value in (p.split("=", 1) for p in point)}
         record = {"point": values, "params": params.model_dump(mode="json")}
-        files = (("metrics", "metrics/evaluate.json"), ("align", "metrics/align.json"), ("selection", SELECTION))
+        files = (("metrics", METRICS), ("align", ALIGN_METRICS), ("selection", SELECTION))
         for key, path in files:
             record[key] = json.loads((workspace / path).read_text())
-        record["federated"] = json.loads((workspace / "metrics/federated.json").read_text())
+        record["federated"] = json.loads((workspace / FEDERATED_METRICS).read_text())
         runs.append(record)
     return runs
 
@@ -280,8 +290,8 @@ def averaging_laws(preset: Path, root: Path) -> Path:
 
 # The per-client and per-round checkpoints of a run (clients, their Fishers and aligned copies, every
 # round's messages): tens of GB over the sweep. The settings of a model and seed share the first ones.
-_ROUNDS = ("models/federated/",)
-_BULKY = ("models/clients/", "models/fishers/", "models/aligned/", *_ROUNDS)
+_ROUNDS = (f"{FEDERATED}/",)
+_BULKY = (f"{CLIENTS}/", f"{FISHERS}/", f"{ALIGNED}/", *_ROUNDS)
 _LAWS_RECORDS = "records"
 
 
@@ -357,7 +367,7 @@ def _laws_pipeline_run(params, workspace: Path, outcomes: list[dict[str, Any]]):
     from tasks.prepared import read_groups
 
     outcomes += run_and_record(params, workspace)[0]
-    metrics = json.loads((workspace / "metrics/evaluate.json").read_text())
+    metrics = json.loads((workspace / METRICS).read_text())
     federated, central = metrics["federated/fedavg"], metrics["centralized"]
     clients = params.partition.num_clients
     domains = [read_groups(workspace / client_file(k)) for k in range(clients)]
@@ -375,7 +385,7 @@ def _laws_pipeline_run(params, workspace: Path, outcomes: list[dict[str, Any]]):
         "seen_domains": seen,
     }
     meta = load_checkpoint_meta(workspace / BASE)
-    info = json.loads((workspace / "data/prepared/info.json").read_text())
+    info = json.loads((workspace / PREPARED / "info.json").read_text())
     facts = {
         "parameters": non_embedding_parameters(load_file(workspace / BASE)),
         "tokens": meta.get("language_model_tokens", 0),

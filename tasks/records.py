@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from mergeflow.files import atomic_path
-from tasks.stages import Stage
 from tasks.step_devices import made_on, uses_device
 from tasks.steps import CodeHashes, Step, StepOutcome, resolve, step_key
 from tasks.store import STATE_DIR, ArtifactStore, sha256_file
@@ -113,17 +112,19 @@ def records_dir(root: Path) -> Path:
     return root / STATE_DIR / "steps"
 
 
-def write_stage_records(root: Path, stage: Stage, outcomes: list[StepOutcome]) -> None:
-    """Write the records of a stage's steps into its shared file (unchanged content is left alone, so
-    DVC does not hash it again). A step whose work lies in this machine's tracking store (``Step.local``) is
-    left out: a clone logs to its own store, and a record from elsewhere would only change the file."""
+def write_stage_records(root: Path, records_file: str, outcomes: list[StepOutcome]) -> None:
+    """Write the records of a stage's steps into its shared file, ``records_file`` (``Stage.records``, relative
+    to ``root``: this module does not import the stage registry, which is then no step's code). Unchanged
+    content is left alone, so DVC does not hash it again. A step whose work lies in this machine's tracking
+    store (``Step.local``) is left out: a clone logs to its own store, and a record from elsewhere would only
+    change the file."""
     records = {}
     for outcome in (outcome for outcome in outcomes if outcome.shared):
         path = results_dir(root) / record_name(outcome, outcome.key)
         record = json.loads(path.read_text())
         records[path.name] = {k: v for k, v in record.items() if k not in _LOCAL}
     text = json.dumps(records, sort_keys=True, indent=1) + "\n"
-    target = root / stage.records
+    target = root / records_file
     if target.is_file() and target.read_text() == text:
         return
     with atomic_path(target) as tmp:

@@ -69,7 +69,7 @@ def run_stage(stage: Stage, params: Params, root: Path) -> list[StepOutcome]:
             waves = waves[1:]
     for stale in _prune(stage, outcomes, root):
         log.info("removed stale output %s", stale)
-    write_stage_records(root, stage, outcomes)
+    write_stage_records(root, stage.records, outcomes)
     # One record for the stage: a log record costs Prefect about half a millisecond, a step a few.
     lines = [
         f"{outcome.name:<32} {'cached' if outcome.cached else f'ran {outcome.seconds:5.1f}s'}" for outcome in outcomes
@@ -100,7 +100,7 @@ def cached_run(stages: Sequence[Stage], params: Params, root: Path) -> list[Step
                 return None
             stage_outcomes += found
         _prune(stage, stage_outcomes, root)
-        write_stage_records(root, stage, stage_outcomes)
+        write_stage_records(root, stage.records, stage_outcomes)
         outcomes += stage_outcomes
     warn_mixed_devices(outcomes)
     return outcomes
