@@ -8,6 +8,7 @@ it is imported only when its source is used, and only the steps that read its so
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,16 +24,17 @@ if TYPE_CHECKING:
 Loaded = tuple["datasets.Dataset", dict[str, Any]]
 
 
-class SourceLoader:
-    """The code that reads one source: ``load`` is its own; the others have defaults."""
+class SourceLoader(ABC):
+    """The code that reads one source: ``load`` is its own (a loader without one cannot be made); the others
+    have defaults."""
 
     def __init__(self, source: DataSource) -> None:
         self.source = source
 
+    @abstractmethod
     def load(self, options: BaseModel, *, seed: int = 0, data: Mapping[str, Any] | None = None) -> Loaded:
         """``(dataset, info)`` in the ``x``/``y``/``group`` layout (``text``/``y``/``group`` for text);
         ``seed`` drives the synthetic sources, ``data`` is the ``data`` section (its policies)."""
-        raise NotImplementedError(f"data source {self.source.name!r} has no loader")
 
     def load_raw(self, options: BaseModel, *, seed: int = 0, data: Mapping[str, Any] | None = None) -> RawData:
         """Numeric rows before feature encoding: by default the loaded ``x`` column as one raw feature."""
