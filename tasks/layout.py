@@ -8,6 +8,8 @@ outputs (:data:`tasks.stages.STAGES`) are these paths; ``tests/test_layout.py`` 
 
 from __future__ import annotations
 
+import dataclasses
+
 # prepare
 PREPARED = "data/prepared"
 TEXT = f"{PREPARED}/text"  # a text source's splits, before the tokenize step turns them into token ids
@@ -159,3 +161,63 @@ SELECTION_PLOT = "plots/selection.png"
 # DVC's metrics (tasks.stages.HEADLINE_METRICS): a file per kind of model, keyed by the model's name.
 HEADLINE = "metrics/headline/{kind}.json"
 HEADLINE_KINDS = ("models", "merged", "federated")
+
+
+# A multi-task run (params ``tasks``): what belongs to one task lies under ``tasks/<task>`` inside its stage's own
+# output directory, so that the stages' (DVC's) outputs stay the same; what belongs to one client keeps the paths
+# above, by its global id.
+TASKS_DIR = "tasks"
+TASK_METRICS = "metrics/tasks"
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskPaths:
+    """The paths of one task's artifacts; ``TaskPaths(None)``: exactly the single-task run's paths above."""
+
+    task: str | None = None
+
+    def _in(self, directory: str) -> str:
+        return directory if self.task is None else f"{directory}/{TASKS_DIR}/{self.task}"
+
+    @property
+    def prepared(self) -> str:
+        """The directory of the task's prepared splits and their ``info.json``."""
+        return self._in(PREPARED)
+
+    @property
+    def text(self) -> str:
+        """The task's text splits before tokenization."""
+        return f"{self.prepared}/text"
+
+    @property
+    def partitions_info(self) -> str:
+        """The description (``info.json``) of the task's client partitions."""
+        return f"{self._in(PARTITIONS)}/info.json"
+
+    @property
+    def base(self) -> str:
+        """The base model of the task: the shared body with the task's own head."""
+        return f"{self._in('models/base')}/base.safetensors"
+
+    @property
+    def centralized(self) -> str:
+        """The centralized model (single-task), or the task's view of the ceiling: the body trained jointly on
+        every task, with this task's head."""
+        return f"{self._in('models/centralized')}/centralized.safetensors"
+
+    def merged_checkpoint(self, name: str) -> str:
+        """One merge's model (the merged body with the task's own head)."""
+        return f"{self._in(MERGED)}/{name}.safetensors"
+
+    def candidate_checkpoint(self, name: str, candidate: str) -> str:
+        """One candidate of a searched merge."""
+        return f"{self._in(MERGED)}/{name}.candidates/{candidate}.safetensors"
+
+    def global_checkpoint(self, name: str, round_index: int) -> str:
+        """A federated algorithm's model after ``round_index`` rounds (the global body with the task's head)."""
+        return f"{self._in(_round_dir(name, round_index))}/global.safetensors"
+
+    @property
+    def evaluation(self) -> str:
+        """The test metrics of every model on the task (the single-task run: the whole report)."""
+        return METRICS if self.task is None else f"{TASK_METRICS}/{self.task}/evaluate.json"

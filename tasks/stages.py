@@ -184,6 +184,7 @@ STAGES: tuple[Stage, ...] = (
             "metrics/federated.json",
         ),
         params=("evaluate", "tracking"),
+        outs=("metrics/tasks",),
         files=("metrics/evaluate.json", "metrics/selection.json"),
         metrics=HEADLINE_METRICS,
         plots=("plots/comparison.png",),

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from mergeflow.config.data_sections import DataConfig
 from mergeflow.config.params import Params
+from mergeflow.config.tasks_rules import check_tasks
 from mergeflow.schema.federated import participants_per_round
 
 
 def check_cross_section_rules(params: Params) -> None:
     """Raise ``ValueError`` (its message ``key: problem``) for the first rule between sections that ``params`` break."""
+    check_tasks(params)
     for cid in params.finetune.clients:
         if not 0 <= cid < params.partition.num_clients:
             raise ValueError(

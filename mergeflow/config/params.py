@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import field_validator
+
 from mergeflow.config.analysis_sections import AlignConfig, EvaluateConfig, FisherConfig
 from mergeflow.config.data_sections import DataConfig, PartitionConfig
 from mergeflow.config.federated_section import FederatedConfig
@@ -11,6 +13,7 @@ from mergeflow.config.merge_section import MergeConfig
 from mergeflow.config.model_section import ModelConfig
 from mergeflow.config.run_sections import OrchestrationConfig, TrackingConfig
 from mergeflow.config.section import Section
+from mergeflow.config.tasks_section import ClientRef, TaskConfig, check_task_names
 from mergeflow.config.training_sections import CentralizedConfig, FinetuneConfig, PretrainConfig
 
 
@@ -31,6 +34,45 @@ class Params(Section):
     evaluate: EvaluateConfig = EvaluateConfig()
     orchestration: OrchestrationConfig = OrchestrationConfig()
     tracking: TrackingConfig = TrackingConfig()
+    tasks: dict[str, TaskConfig] = {}
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_names(cls, tasks: dict[str, TaskConfig]) -> dict[str, TaskConfig]:
+        check_task_names(tasks)
+        return tasks
+
+    @property
+    def multitask(self) -> bool:
+        """Whether the run has several tasks (the ``tasks`` section), each with its own data and head."""
+        return bool(self.tasks)
+
+    @property
+    def task_names(self) -> tuple[str | None, ...]:
+        """The tasks' names in params order; ``(None,)`` for a single-task run."""
+        return tuple(self.tasks) if self.tasks else (None,)
+
+    def task_data(self, task: str | None) -> DataConfig:
+        """The ``data`` section of ``task`` (the ``data`` section updated with the task's keys); the ``data``
+        section itself for None."""
+        if task is None:
+            return self.data
+        return DataConfig.model_validate(self.tasks[task].data_section(self.section("data")))
+
+    @property
+    def clients(self) -> list[ClientRef]:
+        """Every client, by global id: ``partition.num_clients`` of the one task, or each task's ``clients``."""
+        if not self.tasks:
+            return [ClientRef(c, None, c) for c in range(self.partition.num_clients)]
+        refs: list[ClientRef] = []
+        for name, task in self.tasks.items():
+            refs += [ClientRef(len(refs) + local, name, local) for local in range(task.clients)]
+        return refs
+
+    @property
+    def num_clients(self) -> int:
+        """How many clients the run has (across its tasks)."""
+        return len(self.clients)
 
     @property
     def pretrained(self) -> str | None:
