@@ -23,6 +23,15 @@ REFERENCE_STYLES = {
     "ensemble": {"color": "tab:purple", "linestyle": ":"},
     "centralized": {"color": "tab:red", "linestyle": "-"},
 }
+# A multi-task run's references (mergeflow.task_scores): lines across each task's group of bars.
+TASK_REFERENCE_STYLES = {
+    "floor": REFERENCE_STYLES["base"],
+    "individual": {"color": "black", "linestyle": ":"},
+    "best_single": REFERENCE_STYLES["best_client"],
+    "centralized": REFERENCE_STYLES["centralized"],
+}
+# The bars of a multi-task plot: no colour of its reference lines.
+BAR_COLOURS = ("tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 # Per federated algorithm, so that curves which coincide (FedAvg and FedProx) stay visible.
 LINE_STYLES = ("-", "--", "-.", ":")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
@@ -86,6 +95,60 @@ def plot_comparison(
 ) -> None:
     """Write :func:`comparison_figure` as a PNG, atomically, so readers never see a partial one."""
     save_figure(comparison_figure(metrics, task=task, title=title), path)
+
+
+def task_comparison_figure(summary: dict, *, title: str = "Test metrics by task") -> Figure:
+    """A multi-task run's summary (:func:`mergeflow.task_scores.summarise`) as grouped bars: one group per
+    task and one for the average over tasks, one bar per merged and federated model; a panel for the
+    normalised and one for the absolute accuracy (the NLL where a task has no accuracy). The floor, the
+    task's own model, the best single client and the ceiling (centralized) are labelled lines across each
+    group. Each panel's axis spans the data, not zero, so close models differ visibly.
+    """
+    from matplotlib.figure import Figure
+
+    from mergeflow.metric_direction import lower_is_better
+    from mergeflow.task_scores import headline, models
+
+    rows = models(summary)
+    keys = ("normalized_accuracy", "accuracy") if headline(summary) == "avg_normalized_accuracy" else ("nll",)
+    groups = [*summary["tasks"], "average"]
+    compared = [name for name in rows if name.startswith(("merged/", "federated/"))]
+    references = [name for name in TASK_REFERENCE_STYLES if name in rows]
+    width = 0.8 / max(len(compared), 1)
+
+    def values(name: str, key: str) -> list[float]:
+        row = rows[name]
+        return [float(row["tasks"][task].get(key, math.nan)) for task in summary["tasks"]] + [
+            float(row.get(f"avg_{key}", math.nan))
+        ]
+
+    size = (max(6.0, 1.0 + 0.22 * len(groups) * max(len(compared), 2)), 3.4 * len(keys))
+    fig = Figure(figsize=size, layout="constrained")
+    axes = fig.subplots(len(keys), 1, squeeze=False)[:, 0]
+    for ax, key in zip(axes, keys, strict=True):
+        shown = []
+        for i, name in enumerate(compared):
+            heights = values(name, key)
+            offsets = [g - 0.4 + width * (i + 0.5) for g in range(len(groups))]
+            ax.bar(offsets, heights, width, color=BAR_COLOURS[i % len(BAR_COLOURS)], label=name)
+            shown += heights
+        for name in references:
+            heights = values(name, key)
+            ax.hlines(heights, [g - 0.45 for g in range(len(groups))], [g + 0.45 for g in range(len(groups))],
+                      linewidth=1.5, label=name, **TASK_REFERENCE_STYLES[name])  # fmt: skip
+            shown += heights
+        ax.set_ylim(*_zoomed(shown))
+        ax.set_xticks(range(len(groups)), groups)
+        ax.set_title(f"test {key.replace('_', ' ')} ({'lower' if lower_is_better(key) else 'higher'} is better)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(title)
+    return fig
+
+
+def plot_task_comparison(summary: dict, path: str | Path, *, title: str = "Test metrics by task") -> None:
+    """Write :func:`task_comparison_figure` as a PNG, atomically."""
+    save_figure(task_comparison_figure(summary, title=title), path)
 
 
 def barrier_figure(report: dict) -> Figure:

@@ -14,7 +14,8 @@ from mergeflow.data.encode import target_scale
 from mergeflow.evaluation import best_model, sanity_check
 from mergeflow.files import write_json
 from mergeflow.objectives import get_objective
-from mergeflow.plots import plot_comparison, plot_selection
+from mergeflow.plots import plot_comparison, plot_selection, plot_task_comparison
+from mergeflow.task_scores import AVERAGED, models, summarise
 from mergeflow.training import predict
 from tasks.layout import (
     BASE,
@@ -150,12 +151,7 @@ def headline_metrics(metrics: dict[str, dict[str, Any]], headline: str) -> dict[
     A merge and a federated algorithm are keyed by their own name (``task_arithmetic``, not
     ``merged/task_arithmetic``): the columns of ``dvc exp show`` are these keys.
     """
-    kinds: dict[str, dict[str, dict[str, Any]]] = {kind: {} for kind in HEADLINE_KINDS}
-    for name, scores in metrics.items():
-        kind, _, model = name.partition("/")
-        kind, model = (kind, model) if model else ("models", name)
-        kinds[kind][model] = {key: scores[key] for key in (headline, "nll", "ece") if key in scores}
-    return kinds
+    return _by_kind(metrics, (headline, "nll", "ece"))
 
 
 def _selections(root: Path, methods: list[str]) -> dict[str, dict]:
@@ -172,3 +168,34 @@ def _likely_causes(info: dict[str, Any], source_causes: list[str]) -> str:
         causes.insert(0, "unscaled features (data.standardize)")
     causes += source_causes
     return ", ".join(causes) + "."
+
+
+def report_tasks(per_task: dict[str, dict[str, dict]], objectives: dict[str, str], out: Path) -> dict[str, Any]:
+    """A multi-task run's reports under ``out``, from each task's test metrics (``{task: {model: metrics}}``,
+    each task's ``evaluate.json``) and objective names: ``metrics/evaluate.json`` (the summary,
+    :func:`mergeflow.task_scores.summarise`), the comparison plot per task and on average, and the DVC
+    headline metrics (:func:`task_headline_metrics`). Returns the summary."""
+    summary = summarise(per_task, objectives)
+    plot_task_comparison(summary, out / PLOT)
+    write_json(out / METRICS, summary)
+    for kind, rows in task_headline_metrics(summary).items():
+        write_json(out / HEADLINE.format(kind=kind), rows)
+    return summary
+
+
+def task_headline_metrics(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """A multi-task run's numbers people compare, by kind of model as :func:`headline_metrics` gives them:
+    each model's averages over tasks (``avg_accuracy``, ``avg_normalized_accuracy``, ``avg_nll`` where it
+    has them)."""
+    return _by_kind(models(summary), tuple(f"avg_{key}" for key in AVERAGED))
+
+
+def _by_kind(metrics: dict[str, dict[str, Any]], keys: tuple[str, ...]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each model's ``keys`` by kind: ``merged/<m>`` and ``federated/<a>`` under their kind and own name, any
+    other model (``single/client_000`` too) under ``models`` and its full name."""
+    kinds: dict[str, dict[str, dict[str, Any]]] = {kind: {} for kind in HEADLINE_KINDS}
+    for name, scores in metrics.items():
+        kind, _, model = name.partition("/")
+        kind, model = (kind, model) if kind in kinds and model else ("models", name)
+        kinds[kind][model] = {key: scores[key] for key in keys if key in scores}
+    return kinds
