@@ -60,9 +60,11 @@ from tasks.steps import Step
 
 def plan_align(params: Params) -> list[Step]:
     """One step: alignment is cheap next to training, and every client needs the reference."""
-    clients = range(params.partition.num_clients)
+    clients = range(params.num_clients)
     statistics = statistics_read(params)
-    inputs = [f"{PREPARED}/test.parquet", f"{PREPARED}/info.json", f"{PARTITIONS}/info.json"]
+    # A multi-task run's clients have heads of their own: no path between two of them is one model's.
+    barriers = not params.multitask
+    inputs = [f"{PREPARED}/test.parquet", f"{PREPARED}/info.json", f"{PARTITIONS}/info.json"] if barriers else []
     for c in clients:
         inputs += [client_checkpoint(c), client_file(c), *statistics_files(statistics, c)]
     if params.align.method == "activations" and params.data.server_fraction > 0:
@@ -75,6 +77,8 @@ def plan_align(params: Params) -> list[Step]:
         "checkpoints": bool(params.merge.methods),
         "seed": params.seed,
     }
+    if not barriers:
+        step_params["barriers"] = False
     return [
         Step(
             "align",
@@ -170,11 +174,16 @@ def align_clients(params: dict[str, Any], root: Path, out: Path, settings: dict[
             shapes = [tuple(state[n].shape) for n in names]
             _save_tensors(out / aligned_factors(c), {"U": permuted(c, factors, names, shapes)})
 
+    report: dict[str, Any] = {"method": alignment["method"], "reference": reference, "excluded": diverged, "after": {}}
+    if not params.get("barriers", True):
+        report["before"] = {}
+        write_json(out / ALIGN_METRICS, report)
+        plot_barriers(report, out / BARRIER_PLOT)
+        return {"reference": reference}
     info = read_info(root)
     X, y = read_arrays(root / PREPARED / "test.parquet", info)
     X, y = _sample(X, alignment["barrier_examples"], params["seed"], y)
     others = {c: states[c] for c in clients if c != reference and c not in diverged}
-    report: dict[str, Any] = {"method": alignment["method"], "reference": reference, "excluded": diverged, "after": {}}
     report["before"] = _barriers(model, X, y, info["task"], states[reference], others, alignment["barrier_points"])
     if alignment["method"] != "none":
         moved = {c: permuted(c, states[c]) for c in others}

@@ -7,17 +7,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mergeflow.config import Params
+from mergeflow.config import DataConfig, Params
 from tasks.store import STATE_DIR, file_signature
 
 CHECKED = f"{STATE_DIR}/checked"  # markers of tables that passed the pre-flight check
 
 
-def local_data_files(params: Params) -> tuple[str, ...]:
-    """The local files the data source reads (glob patterns expanded), so that editing one re-runs prepare."""
+def local_data_files(params: Params, data: DataConfig | None = None) -> tuple[str, ...]:
+    """The local files the data source reads (glob patterns expanded), so that editing one re-runs prepare;
+    ``data``: a task's data section instead of the params' own."""
     import glob
 
-    local = [f for f in params.data.declaration.data_files(params.data.options) if "://" not in f]
+    data = data or params.data
+    local = [f for f in data.declaration.data_files(data.options) if "://" not in f]
     return tuple(sorted({str(Path(p).expanduser()) for f in local for p in (glob.glob(f) or [f])}))
 
 

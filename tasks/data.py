@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,13 @@ import numpy as np
 
 from mergeflow.config import Params
 from mergeflow.data.encode import encode_splits
-from mergeflow.data.partition import partition_dataset, partition_stats, plot_partition_stats
+from mergeflow.data.partition import (
+    combine_partition_stats,
+    partition_dataset,
+    partition_stats,
+    plot_partition_stats,
+)
+from mergeflow.data.relabel import relabel_dataset, relabel_raw
 from mergeflow.data.rows import make_text_dataset
 from mergeflow.data.split import split_dataset
 from mergeflow.data.storage import load_dataset_file, save_dataset, to_arrays
@@ -30,28 +37,40 @@ from tasks.layout import (
     DATA_METRICS,
     PARTITION_METRICS,
     PARTITION_PLOT,
-    PARTITIONS,
-    PREPARED,
-    TEXT,
     TOKENIZER,
+    TaskPaths,
     client_file,
 )
 from tasks.prepared import read_info
 from tasks.steps import Step
 
+_REPORT = "report.json"  # a task's data or partition report, beside its files (multi-task runs)
+
 
 def plan_prepare(params: Params) -> list[Step]:
-    """One step: build the dataset and its splits (keyed also by the content of local data files, and by the
-    chosen source's modules only: another source's code or a new source re-keys nothing)."""
-    return [
-        Step(
-            "prepare",
-            "tasks.data:prepare",
-            {"seed": params.seed, "data": params.data.for_prepare()},
-            inputs=local_data_files(params),
-            members=params.data.declaration.modules,
-        )
-    ]
+    """One step per task (one in a single-task run): build the dataset and its splits (keyed also by the content
+    of local data files, and by the chosen source's modules only: another source's code or a new source re-keys
+    nothing)."""
+    return [_prepare_step(params, task) for task in params.task_names]
+
+
+def _prepare_step(params: Params, task: str | None) -> Step:
+    data = params.task_data(task)
+    step_params: dict[str, Any] = {"seed": params.seed, "data": data.for_prepare()}
+    if task is not None:
+        step_params |= {"task": task, "labels": params.tasks[task].labels}
+    return Step(
+        _named("prepare", task),
+        "tasks.data:prepare",
+        step_params,
+        inputs=local_data_files(params, data),
+        members=data.declaration.modules,
+    )
+
+
+def _named(step: str, task: str | None) -> str:
+    """A step's name: its own in a single-task run, ``<step>/<task>`` for one task of several."""
+    return step if task is None else f"{step}/{task}"
 
 
 def prepare(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
@@ -60,24 +79,30 @@ def prepare(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, 
 
     Text sources are saved as text under ``data/prepared/text``, for the tokenize step.
     """
-    data = params["data"]
+    data, paths = params["data"], TaskPaths(params.get("task"))
+    labels = {int(k): v for k, v in params["labels"].items()} if params.get("labels") else None
     source = get_source(data["source"])
     options, loader = source.parse(data[source.name]), source.loader
     fractions = {key: data[key] for key in ("test_fraction", "server_fraction", "validation_fraction")}
     if source.modality(options) == "tokens":
         dataset, info = loader.load(options, seed=params["seed"], data=data)
+        if labels:
+            dataset, info = relabel_dataset(dataset, info, labels)
         splits = split_dataset(dataset, info, **fractions, seed=params["seed"])
         corpus = loader.corpus(options, seed=params["seed"])
         if corpus:  # unlabelled (y = -1): read only by the tokenizer and language-model pre-training
             splits[CORPUS] = make_text_dataset(corpus, np.full(len(corpus), -1, dtype=np.int64))
-        directory = out / TEXT
-        write_json(out / DATA_METRICS, {"source": info["source"], "standardized": False, "tokenized": True})
+        directory = out / paths.text
+        report = {"source": info["source"], "standardized": False, "tokenized": True}
     else:
         policies = {"missing": data["missing"], "categorical": data["categorical"]}
         raw = loader.load_raw(options, seed=params["seed"], data=data)
+        if labels:
+            raw = relabel_raw(raw, labels)
         splits, info = encode_splits(raw, **fractions, seed=params["seed"], standardize=data["standardize"], **policies)
-        directory = out / PREPARED
-        write_json(out / DATA_METRICS, feature_report(info, data))
+        directory = out / paths.prepared
+        report = feature_report(info, data)
+    write_json(out / (DATA_METRICS if paths.task is None else f"{paths.prepared}/{_REPORT}"), report)
     for name, split in splits.items():
         save_dataset(split, directory / f"{name}.parquet")
     info["sizes"] = {name: len(split) for name, split in splits.items()}
@@ -103,23 +128,27 @@ def feature_report(info: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]
 
 
 def plan_tokenize(params: Params) -> list[Step]:
-    """For text sources, one step: the tokenizer (pretrained, or trained on the training split) and token ids."""
-    if not params.data.is_text:
-        return []
-    step_params = {
-        "tokenizer": params.section("data.tokenizer"),
-        "pretrained": params.pretrained,
-    }
-    if params.objective != params.data.task:  # a model's own objective (a causal LM): the texts' labels stay, for
+    """For text sources, one step per task: the tokenizer (pretrained, or trained on the training split) and
+    token ids."""
+    return [_tokenize_step(params, task) for task in params.task_names if params.task_data(task).is_text]
+
+
+def _tokenize_step(params: Params, task: str | None) -> Step:
+    data = params.task_data(task)
+    step_params = {"tokenizer": params.section("data.tokenizer"), "pretrained": params.pretrained}
+    if params.objective != data.task:  # a model's own objective (a causal LM): the texts' labels stay, for
         step_params["task"] = params.objective  # partitions and groups
-    return [Step("tokenize", "tasks.data:tokenize", step_params, inputs=(TEXT,))]
+    if task is not None:
+        step_params["of_task"] = task
+    return Step(_named("tokenize", task), "tasks.data:tokenize", step_params, inputs=(TaskPaths(task).text,))
 
 
 def tokenize(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
     """Tokenize every text split into right-padded token ids; save the tokenizer beside them."""
-    settings = params["tokenizer"]
-    info = read_info(root, TEXT)
-    splits = {path.stem: load_dataset_file(path) for path in sorted((root / TEXT).glob("*.parquet"))}
+    settings, paths = params["tokenizer"], TaskPaths(params.get("of_task"))
+    tokenizer_dir = TOKENIZER if paths.task is None else f"{paths.prepared}/tokenizer"
+    info = read_info(root, paths.text)
+    splits = {path.stem: load_dataset_file(path) for path in sorted((root / paths.text).glob("*.parquet"))}
     if params["pretrained"]:
         tokenizer = load_tokenizer(params["pretrained"])
         check_vocabulary(tokenizer, params["pretrained"])
@@ -129,16 +158,16 @@ def tokenize(params: dict[str, Any], root: Path, out: Path, _settings: dict[str,
             texts, kind=settings["kind"], vocab_size=settings["vocab_size"], min_frequency=settings["min_frequency"]
         )
     tokenizer.model_max_length = settings["max_length"]  # so a reloaded tokenizer cuts where the model was trained
-    tokenizer.save_pretrained(str(out / TOKENIZER))
+    tokenizer.save_pretrained(str(out / tokenizer_dir))
     lengths = {}
     for name, split in splits.items():
         encoded = encode_dataset(split, tokenizer, settings["max_length"])
-        save_dataset(encoded, out / PREPARED / f"{name}.parquet")
+        save_dataset(encoded, out / paths.prepared / f"{name}.parquet")
         lengths[name] = _mean_length(encoded, tokenizer.pad_token_id)
     info["input_shape"] = [settings["max_length"]]
     info["task"] = params.get("task", info["task"])
-    info["tokenizer"] = tokenizer_facts(tokenizer, settings["max_length"]) | {"directory": TOKENIZER}
-    write_json(out / PREPARED / "info.json", info)
+    info["tokenizer"] = tokenizer_facts(tokenizer, settings["max_length"]) | {"directory": tokenizer_dir}
+    write_json(out / paths.prepared / "info.json", info)
     return {"vocab_size": info["tokenizer"]["vocab_size"], "mean_tokens": lengths}
 
 
@@ -148,22 +177,26 @@ def _mean_length(encoded, pad_token_id: int) -> float:
 
 
 def plan_partition(params: Params) -> list[Step]:
-    """One step: partition the training split across the clients."""
-    return [
-        Step(
-            "partition",
-            "tasks.data:partition",
-            {"seed": params.seed, "partition": params.section("partition")},
-            inputs=(f"{PREPARED}/train.parquet", f"{PREPARED}/info.json"),
-        )
-    ]
+    """One step per task (one in a single-task run): partition its training split across its clients."""
+    steps, first = [], 0
+    for task in params.task_names:
+        paths = TaskPaths(task)
+        step_params: dict[str, Any] = {"seed": params.seed, "partition": params.section("partition")}
+        if task is not None:
+            clients = params.tasks[task].clients
+            step_params["partition"]["num_clients"] = clients
+            step_params |= {"task": task, "first_client": first}
+            first += clients
+        inputs = (f"{paths.prepared}/train.parquet", f"{paths.prepared}/info.json")
+        steps.append(Step(_named("partition", task), "tasks.data:partition", step_params, inputs=inputs))
+    return steps
 
 
 def partition(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
-    """Write one parquet file per client, the partition statistics and their plot."""
-    partitioning = params["partition"]
-    info = read_info(root)
-    train = load_dataset_file(root / PREPARED / "train.parquet")
+    """Write one parquet file per client (named by its global id), the partition statistics and their plot."""
+    partitioning, paths = params["partition"], TaskPaths(params.get("task"))
+    info = read_info(root, paths.prepared)
+    train = load_dataset_file(root / paths.prepared / "train.parquet")
     parts = partition_dataset(
         train,
         method=partitioning["method"],
@@ -173,10 +206,46 @@ def partition(params: dict[str, Any], root: Path, out: Path, _settings: dict[str
         classes_per_client=partitioning["classes_per_client"],
         min_partition_size=partitioning["min_partition_size"],
     )
-    for client, part in enumerate(parts):
-        save_dataset(part, out / client_file(client))
-    write_json(out / PARTITIONS / "info.json", info)
+    first = params.get("first_client", 0)
+    for local, part in enumerate(parts):
+        save_dataset(part, out / client_file(first + local))
+    write_json(out / paths.partitions_info, info | ({"clients": [first, first + len(parts)]} if paths.task else {}))
     stats = partition_stats(parts, info)
-    write_json(out / PARTITION_METRICS, stats)
-    plot_partition_stats(stats, out / PARTITION_PLOT)
+    if paths.task is None:
+        write_json(out / PARTITION_METRICS, stats)
+        plot_partition_stats(stats, out / PARTITION_PLOT)
+    else:
+        write_json(out / paths.partitions_info.replace("info.json", _REPORT), stats)
     return {"sizes": stats["sizes"]}
+
+
+def plan_data_report(params: Params) -> list[Step]:
+    """In a multi-task run, one step: ``metrics/data.json``, the tasks' data reports by task."""
+    return _report_step(params, "prepare", {task: f"{TaskPaths(task).prepared}/{_REPORT}" for task in params.tasks})
+
+
+def plan_partition_report(params: Params) -> list[Step]:
+    """In a multi-task run, one step: ``metrics/partition.json`` by task, and the plot of every client's classes."""
+    reports = {task: TaskPaths(task).partitions_info.replace("info.json", _REPORT) for task in params.tasks}
+    return _report_step(params, "partition", reports)
+
+
+def _report_step(params: Params, stage: str, reports: dict[str, str]) -> list[Step]:
+    if not params.multitask:
+        return []
+    step_params = {"stage": stage, "reports": reports, "order": list(reports)}
+    return [Step(f"{stage}/report", "tasks.data:write_report", step_params, inputs=tuple(reports.values()))]
+
+
+def write_report(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
+    """A stage's report of a multi-task run, by task: ``metrics/data.json``, or ``metrics/partition.json`` and the
+    partition plot of every client (its task's classes, named ``<task>:<class>``)."""
+    reports = {task: json.loads((root / params["reports"][task]).read_text()) for task in params["order"]}
+    if params["stage"] == "prepare":
+        write_json(out / DATA_METRICS, reports)
+        return {"tasks": len(reports)}
+    combined = combine_partition_stats(reports)
+    # The clients' sizes by global id, as in a single-task run's report, and each task's own statistics.
+    write_json(out / PARTITION_METRICS, {"sizes": combined["sizes"], "tasks": reports})
+    plot_partition_stats(combined, out / PARTITION_PLOT)
+    return {"clients": combined["num_clients"]}

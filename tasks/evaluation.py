@@ -2,86 +2,99 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mergeflow import cancel
-from mergeflow.checkpoints import load_checkpoint_meta, load_model
+from mergeflow.checkpoints import load_checkpoint, load_checkpoint_meta, load_model
 from mergeflow.config import Params
 from mergeflow.data.encode import target_scale
 from mergeflow.evaluation import best_model, sanity_check
 from mergeflow.files import write_json
+from mergeflow.models import build_from_spec
 from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_comparison, plot_selection, plot_task_comparison
 from mergeflow.task_scores import AVERAGED, models, summarise
 from mergeflow.training import predict
 from tasks.layout import (
-    BASE,
-    CENTRALIZED,
     HEADLINE,
     HEADLINE_KINDS,
     METRICS,
     PLOT,
-    PREPARED,
     SELECTION,
     SELECTION_PLOT,
+    SINGLE_TASK,
+    TaskPaths,
     client_checkpoint,
-    global_checkpoint,
-    merged_checkpoint,
 )
 from tasks.prepared import read_arrays, read_groups, read_info
 from tasks.reports import SANITY
-from tasks.scoring import score_outputs
+from tasks.scoring import mean_scores, score_outputs
 from tasks.step_devices import device_settings, step_device
 from tasks.steps import Step
 
 
-def plan_evaluate(params: Params) -> list[Step]:
-    """One step over every model the pipeline produced."""
-    clients = tuple(client_checkpoint(c) for c in range(params.partition.num_clients))
-    merged = tuple(merged_checkpoint(m) for m in params.merge.methods)
-    federated = {name: global_checkpoint(name, params.federated.rounds) for name in params.federated.algorithms}
+def plan_evaluate(params: Params) -> list[list[Step]] | list[Step]:
+    """One step over every model the pipeline produced; in a multi-task run, one per task (each on its own test
+    split, with its own head), then the summary over the tasks."""
+    if not params.multitask:
+        return [_evaluate_step(params, None)]
+    per_task = [_evaluate_step(params, task) for task in params.tasks]
+    reports = {task: TaskPaths(task).evaluation for task in params.tasks}
+    summary = {"tasks": reports, "methods": list(params.merge.methods), "objective": params.objective}
+    summary_step = Step("evaluate", "tasks.evaluation:summarise_tasks", summary, inputs=tuple(reports.values()))
+    return [per_task, [summary_step]]
+
+
+def _evaluate_step(params: Params, task: str | None) -> Step:
+    paths = TaskPaths(task)
+    client_ids = [ref.index for ref in params.clients if ref.task == task]
+    clients = tuple(client_checkpoint(c) for c in client_ids)
+    merged = tuple(paths.merged_checkpoint(m) for m in params.merge.methods)
+    federated = {name: paths.global_checkpoint(name, params.federated.rounds) for name in params.federated.algorithms}
     step_params = {
         "evaluate": params.section("evaluate"),
         "num_clients": len(clients),
         "methods": list(params.merge.methods),
         "federated": federated,
         # the source's hints for the sanity warning: in the params, as the step does not import the source
-        "likely_causes": list(params.data.declaration.likely_causes),
+        "likely_causes": list(params.task_data(task).declaration.likely_causes),
     }
-    return [
-        Step(
-            "evaluate",
-            "tasks.evaluation:evaluate",
-            step_params,
-            inputs=(
-                f"{PREPARED}/train.parquet",
-                f"{PREPARED}/test.parquet",
-                f"{PREPARED}/info.json",
-                BASE,
-                CENTRALIZED,
-                *clients,
-                *merged,
-                *federated.values(),
-            ),
-            settings=device_settings(params),
-            members=params.model_members,
-        )
-    ]
+    if task is not None:
+        step_params |= {"task": task, "clients": client_ids}
+    inputs = (
+        f"{paths.prepared}/train.parquet",
+        f"{paths.prepared}/test.parquet",
+        f"{paths.prepared}/info.json",
+        paths.base,
+        paths.centralized,
+        *clients,
+        *merged,
+        *federated.values(),
+    )
+    name = "evaluate" if task is None else f"evaluate/{task}"
+    return Step(
+        name, "tasks.evaluation:evaluate", step_params, inputs, device_settings(params), members=params.model_members
+    )
 
 
 def evaluate(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """Metrics for base, clients, best client, ensemble, centralized, each merge and each federated
     algorithm's final global model; the objective's comparison with centralized (the accuracy gain) for
     the last two. An objective without an output ensemble (a causal LM's outputs are per-row NLLs, not
-    token distributions) has no ensemble row."""
-    evaluation = params["evaluate"]
-    info = read_info(root)
+    token distributions) has no ensemble row.
+
+    For one task of a multi-task run (``task``): on the task's own test split, every model with the task's own
+    head; and the ``floor`` (the base body with the head of the task's fine-tuned clients) and the ``individual``
+    model (the task's own fine-tuned model: its client's scores, or with several clients their mean)."""
+    evaluation, paths = params["evaluate"], TaskPaths(params.get("task"))
+    info = read_info(root, paths.prepared)
     objective = get_objective(info["task"])
-    X, y = read_arrays(root / PREPARED / "test.parquet", info)
-    groups = read_groups(root / PREPARED / "test.parquet")
+    X, y = read_arrays(root / paths.prepared / "test.parquet", info)
+    groups = read_groups(root / paths.prepared / "test.parquet")
     scale = target_scale(info)  # a standardised regression target
 
     def score(outputs: np.ndarray) -> dict[str, Any]:
@@ -99,16 +112,17 @@ def evaluate(params: dict[str, Any], root: Path, out: Path, settings: dict[str, 
 
     device = step_device(settings)
 
-    def outputs_of(path: str, name: str) -> np.ndarray:
+    def outputs_of(path: str | None, name: str, model=None) -> np.ndarray:
+        """``model``'s outputs, or those of the checkpoint at ``path``."""
         cancel.check()  # a stop waits for one model's scoring at most
-        model = load_model(root / path).to(device)
+        model = (model if path is None else load_model(root / path)).to(device)
         outputs = predict(model, X, task=objective, batch_size=evaluation["batch_size"])
         predictions[name] = objective.predictions(outputs, scale)
         return outputs
 
-    metrics: dict[str, dict[str, Any]] = {"base": score(outputs_of(BASE, "base"))}
+    metrics: dict[str, dict[str, Any]] = {"base": score(outputs_of(paths.base, "base"))}
     client_outputs = {}
-    for client in range(params["num_clients"]):
+    for client in params.get("clients", range(params["num_clients"])):
         name = f"client_{client:03d}"
         outputs = outputs_of(client_checkpoint(client), name)
         metrics[name] = score(outputs)
@@ -118,23 +132,28 @@ def evaluate(params: dict[str, Any], root: Path, out: Path, settings: dict[str, 
             client_outputs[name] = outputs
     best = best_model({name: metrics[name] for name in client_outputs}, task=objective)
     metrics["best_client"] = {**metrics[best], "client": int(best.removeprefix("client_"))}
+    if paths.task is not None:
+        metrics["individual"] = mean_scores([metrics[name] for name in client_outputs])
+        metrics["floor"] = score(outputs_of(None, "floor", _floor_model(root, paths, params["clients"])))
     if objective.declaration.ensembles:
         ensemble = objective.ensemble(list(client_outputs.values()))
         predictions["ensemble"] = objective.predictions(ensemble, scale)
         metrics["ensemble"] = score(ensemble)
-    metrics["centralized"] = score(outputs_of(CENTRALIZED, "centralized"))
-    combined = {f"merged/{m}": merged_checkpoint(m) for m in params["methods"]}
+    metrics["centralized"] = score(outputs_of(paths.centralized, "centralized"))
+    combined = {f"merged/{m}": paths.merged_checkpoint(m) for m in params["methods"]}
     combined |= {f"federated/{name}": path for name, path in params["federated"].items()}
     for name, path in combined.items():
         result = score(outputs_of(path, name))
         metrics[name] = result | objective.versus(result, metrics["centralized"])
-    train = read_arrays(root / PREPARED / "train.parquet", info)
+    train = read_arrays(root / paths.prepared / "train.parquet", info)
     y_train, y_blind = objective.baseline_targets(train, (X, y), info)
     hints = _likely_causes(info, params["likely_causes"])
     sanity = sanity_check(predictions, y_train, y_blind, task=objective, hints=hints)
-    plot_comparison(metrics, out / PLOT, task=objective.name)
     splits = {"models": "test", SANITY: "test", "selection": "validation"}  # where each number comes from
-    write_json(out / METRICS, {**metrics, SANITY: sanity, "splits": splits})
+    write_json(out / paths.evaluation, {**metrics, SANITY: sanity, "splits": splits})
+    if paths.task is not None:
+        return {"best_client": best, "warning": sanity["warning"]}
+    plot_comparison(metrics, out / PLOT, task=objective.name)
     for kind, rows in headline_metrics(metrics, objective.declaration.headline).items():
         write_json(out / HEADLINE.format(kind=kind), rows)
     selection = _selections(root, params["methods"])
@@ -142,6 +161,30 @@ def evaluate(params: dict[str, Any], root: Path, out: Path, settings: dict[str, 
     if selection:
         plot_selection(selection, out / SELECTION_PLOT)
     return {"best_client": best, "warning": sanity["warning"]}
+
+
+def summarise_tasks(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
+    """A multi-task run's summary over its tasks' test metrics (:func:`report_tasks`): ``metrics/evaluate.json``,
+    the comparison plot and the DVC headline metrics; and the searched merges' choices."""
+    per_task = {task: json.loads((root / path).read_text()) for task, path in params["tasks"].items()}
+    summary = report_tasks(per_task, dict.fromkeys(per_task, params["objective"]), out)
+    selections = {task: _selections(root, params["methods"], TaskPaths(task)) for task in per_task}
+    write_json(out / SELECTION, {m: {t: s[m] for t, s in selections.items()} for m in next(iter(selections.values()))})
+    return {"tasks": len(per_task), "models": len(summary.get("models", {}))}
+
+
+def _floor_model(root: Path, paths: TaskPaths, clients: list[int]):
+    """The floor of a task: the base body with the head of the task's fine-tuned clients
+    (:func:`mergeflow.heads.task_head`)."""
+    from mergeflow.heads import assemble, head_names, split_head, task_head
+
+    base, meta = load_checkpoint(root / paths.base)
+    names = head_names(meta["spec"])
+    loaded = [load_checkpoint(root / client_checkpoint(c)) for c in clients]
+    head = task_head([split_head(state, names)[1] for state, _ in loaded], [m["num_examples"] for _, m in loaded])
+    model = build_from_spec(meta["spec"])
+    model.load_state_dict(assemble(split_head(base, names)[0], head))
+    return model
 
 
 def headline_metrics(metrics: dict[str, dict[str, Any]], headline: str) -> dict[str, dict[str, dict[str, Any]]]:
@@ -154,9 +197,9 @@ def headline_metrics(metrics: dict[str, dict[str, Any]], headline: str) -> dict[
     return _by_kind(metrics, (headline, "nll", "ece"))
 
 
-def _selections(root: Path, methods: list[str]) -> dict[str, dict]:
-    """The searched merges' candidates, validation scores and choices, from their checkpoints."""
-    metas = {name: load_checkpoint_meta(root / merged_checkpoint(name)) for name in methods}
+def _selections(root: Path, methods: list[str], paths: TaskPaths = SINGLE_TASK) -> dict[str, dict]:
+    """The searched merges' candidates, validation scores and choices, from their checkpoints (one task's)."""
+    metas = {name: load_checkpoint_meta(root / paths.merged_checkpoint(name)) for name in methods}
     return {name: meta["selection"] for name, meta in metas.items() if "selection" in meta}
 
 

@@ -21,7 +21,7 @@ from mergeflow.files import atomic_path
 from mergeflow.fisher import diagonal_fisher, factor_rows_within, fisher_factors, fisher_sketch
 from mergeflow.grams import linear_input_grams
 from mergeflow.seeding import derive_seed
-from tasks.layout import PARTITIONS, client_checkpoint, client_file, factors_file, fisher_file, grams_file
+from tasks.layout import TaskPaths, client_checkpoint, client_file, factors_file, fisher_file, grams_file
 from tasks.merge_statistics import statistics_read
 from tasks.prepared import read_arrays, read_info
 from tasks.step_devices import device_settings, on_cpu, step_device
@@ -41,14 +41,14 @@ def plan_fisher(params: Params) -> list[Step]:
     }
     return [
         Step(
-            f"fisher/client_{client:03d}",
+            f"fisher/client_{ref.index:03d}",
             "tasks.fisher:client_fisher",
-            {**settings, "client": client},
-            inputs=(client_checkpoint(client), client_file(client), f"{PARTITIONS}/info.json"),
+            {**settings, "client": ref.index, **({"task": ref.task} if ref.task else {})},
+            inputs=(client_checkpoint(ref.index), client_file(ref.index), TaskPaths(ref.task).partitions_info),
             settings=device_settings(params),
             members=params.model_members,
         )
-        for client in range(params.partition.num_clients)
+        for ref in params.clients
     ]
 
 
@@ -60,9 +60,10 @@ def _subset(n: int, size: int, seed: int) -> np.ndarray:
 
 def client_fisher(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """The ``statistics`` asked for: the diagonal Fisher and linear-layer input Grams on up to n_examples of
-    the client's data, factors on rank_examples (or sketched within factor_memory_mb)."""
+    the client's data, factors on rank_examples (or sketched within factor_memory_mb); in a multi-task run, of
+    the client's own model (its own head) on its own task's data."""
     fisher, client, statistics = params["fisher"], params["client"], params["statistics"]
-    info = read_info(root, PARTITIONS)
+    info = read_info(root, TaskPaths(params.get("task")).partitions)
     X, y = read_arrays(root / client_file(client), info)
     model = load_model(root / client_checkpoint(client)).to(step_device(settings))
     seed = derive_seed(params["seed"], "fisher", client)

@@ -190,9 +190,15 @@ class TaskPaths:
         return f"{self.prepared}/text"
 
     @property
+    def partitions(self) -> str:
+        """The directory of the description of the task's client partitions (the clients' own files lie in
+        :data:`PARTITIONS`, by global id)."""
+        return self._in(PARTITIONS)
+
+    @property
     def partitions_info(self) -> str:
         """The description (``info.json``) of the task's client partitions."""
-        return f"{self._in(PARTITIONS)}/info.json"
+        return f"{self.partitions}/info.json"
 
     @property
     def base(self) -> str:
@@ -221,3 +227,6 @@ class TaskPaths:
     def evaluation(self) -> str:
         """The test metrics of every model on the task (the single-task run: the whole report)."""
         return METRICS if self.task is None else f"{TASK_METRICS}/{self.task}/evaluate.json"
+
+
+SINGLE_TASK = TaskPaths()

@@ -7,10 +7,12 @@ then keeps the best as the merge's model. The test split is never read here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from mergeflow.heads import head_names
 from pydantic import BaseModel
 from safetensors.torch import load_file
 
@@ -18,6 +20,7 @@ from mergeflow.checkpoints import checkpoint_header, load_checkpoint, load_check
 from mergeflow.config import Params
 from mergeflow.merge.engine import Scorer, run_merge
 from mergeflow.merge.streaming import merge_files
+from mergeflow.merge.tasks import merge_tasks
 from mergeflow.metric_direction import lower_is_better
 from mergeflow.models import family_of, parameter_names
 from mergeflow.schema.merge import DECLARED
@@ -26,16 +29,18 @@ from tasks.layout import (
     BASE,
     EXTRA_INPUTS,
     PREPARED,
+    TaskPaths,
     aligned_checkpoint,
     aligned_factors,
     aligned_fisher,
     aligned_grams,
     candidate_checkpoint,
+    client_checkpoint,
     merged_checkpoint,
     merged_pretrained_dir,
 )
-from tasks.scoring import split_metrics
-from tasks.step_devices import device_settings, on_cpu, step_device
+from tasks.scoring import mean_scores, split_metrics
+from tasks.step_devices import device_settings, on_cpu, on_device, step_device
 from tasks.steps import Step
 
 
@@ -43,7 +48,7 @@ def _uses_factors(method: str, params: Params) -> bool:
     return "factors" in DECLARED[method].uses and params.fisher.low_rank
 
 
-def _inputs(method: str, clients: range, with_factors: bool) -> tuple[str, ...]:
+def _inputs(method: str, clients: Sequence[int], with_factors: bool) -> tuple[str, ...]:
     paths = [BASE, *(aligned_checkpoint(c) for c in clients)]
     if "fishers" in DECLARED[method].uses:
         paths += [aligned_fisher(c) for c in clients]
@@ -58,6 +63,8 @@ _VALIDATION = (f"{PREPARED}/validation.parquet", f"{PREPARED}/info.json")
 
 
 def _merge_step(params: Params, name: str, method: str, validated: BaseModel, candidate: bool) -> Step:
+    if params.multitask:
+        return _task_merge_step(params, name, method, validated, candidate)
     clients = range(params.partition.num_clients)
     options = validated.model_dump(mode="json", exclude_unset=True)  # the options given, as the step's params
     factors = _uses_factors(method, params)
@@ -94,12 +101,168 @@ def plan_merge(params: Params) -> list[list[Step]]:
             continue
         steps = [_merge_step(params, name, entry.method, candidate, candidate=True) for candidate in entry.candidates]
         merges += steps
+        if params.multitask:
+            selections.append(_task_selection_step(params, name, steps, list(entry.searched)))
+            continue
         paths = [step.params["path"] for step in steps]
         select = {"name": name, "candidates": paths, "searched": list(entry.searched)}
         select["select_by"] = params.merge.selection_metric(params.objective)
         inputs = (*paths, BASE) + _extra_inputs(params)
         selections.append(Step(f"merge/{name}", "tasks.merging:select_candidate", select, inputs))
     return [merges, selections] if selections else [merges]
+
+
+def _task_merge_step(params: Params, name: str, method: str, validated: BaseModel, candidate: bool) -> Step:
+    """A merge of a multi-task run: the clients' bodies merged, each task's own head kept
+    (:func:`mergeflow.merge.tasks.merge_tasks`); a search candidate is scored on every task's validation split."""
+    declaration = DECLARED[method]
+    options = validated.model_dump(mode="json", exclude_unset=True)
+    step_params = {"name": name, "method": method, "options": options, "clients": _task_clients(params)}
+    if "base" in declaration.uses and "base" not in declaration.needs:
+        step_params["shared_base"] = params.finetune.init == "shared"
+    every = [ref.index for ref in params.clients]
+    inputs = (*(TaskPaths(task).base for task in params.tasks), *_inputs(method, every, with_factors=False)[1:])
+    members = (*declaration.modules, *params.model_members)
+    if not candidate:
+        return Step(f"merge/{name}", "tasks.merging:merge_task_clients", step_params, inputs, members=members)
+    step_params |= {"candidate": candidate_id(options), "noise_std": params.evaluate.noise_std}
+    inputs += tuple(f"{TaskPaths(task).prepared}/{name}" for task in params.tasks for name in _VALIDATION_FILES)
+    step_name = f"merge/{name}/{candidate_id(options)}"
+    return Step(step_name, "tasks.merging:merge_task_candidate", step_params, inputs, members=members)
+
+
+_VALIDATION_FILES = ("validation.parquet", "info.json")
+
+
+def _task_clients(params: Params) -> dict[str, list[int]]:
+    """Each task's clients, by global id."""
+    return {task: [ref.index for ref in params.clients if ref.task == task] for task in params.tasks}
+
+
+def _task_selection_step(params: Params, name: str, steps: list[Step], searched: list[str]) -> Step:
+    """The choice among a multi-task search's candidates: the best average normalised validation accuracy."""
+    candidates = [step.params["candidate"] for step in steps]
+    clients = _task_clients(params)
+    select = {"name": name, "candidates": candidates, "searched": searched, "clients": clients}
+    select["noise_std"] = params.evaluate.noise_std
+    inputs = [TaskPaths(task).candidate_checkpoint(name, c) for task in params.tasks for c in candidates]
+    inputs += [client_checkpoint(c) for ids in clients.values() for c in ids]
+    inputs += [f"{TaskPaths(task).prepared}/{name}" for task in params.tasks for name in _VALIDATION_FILES]
+    fn = "tasks.merging:select_task_candidate"
+    return Step(f"merge/{name}", fn, select, tuple(inputs), members=params.model_members)
+
+
+def _merge_tasks_into(
+    params: dict[str, Any], settings: dict[str, Any], root: Path, out: Path, path_of, scored: bool = False
+) -> dict[str, dict[str, Any]]:
+    """Merge the aligned client checkpoints of every task with one method: their bodies merged, each task's model
+    the merged body with its own clients' head, saved at ``path_of(task)``; ``scored``: each task's model scored on
+    the task's validation split (``validation`` in its metadata). Returns each task's metadata."""
+    method = params["method"]
+    declaration = DECLARED[method]
+    metas = {c: load_checkpoint_meta(root / aligned_checkpoint(c)) for ids in params["clients"].values() for c in ids}
+    excluded = [c for c, meta in metas.items() if meta.get("diverged")]
+    clients = [(task, c) for task, ids in params["clients"].items() for c in ids if c not in excluded]
+    base_state, base_meta = load_checkpoint(root / TaskPaths(next(iter(params["clients"]))).base)
+    device = str(step_device(settings))
+    uses = declaration.uses
+
+    def load(relative: str) -> dict[str, torch.Tensor]:
+        return load_file(root / relative, device=device)
+
+    merged, result = merge_tasks(
+        method,
+        [load(aligned_checkpoint(c)) for _, c in clients],
+        [task for task, _ in clients],
+        head_names(base_meta["spec"]),
+        base=on_device(base_state, device) if "base" in uses and params.get("shared_base", True) else None,
+        weights=[metas[c]["num_examples"] for _, c in clients],
+        fishers=[load(aligned_fisher(c)) for _, c in clients] if "fishers" in uses else None,
+        grams=[load(aligned_grams(c)) for _, c in clients] if "grams" in uses else None,
+        options=declaration.parse(params["options"]),
+    )
+    metas_out = {}
+    for task, state in merged.items():
+        paths = TaskPaths(task)
+        spec = load_checkpoint_meta(root / paths.base)["spec"]
+        meta = {
+            "spec": spec,
+            "role": "merged",
+            "task": task,
+            "name": params["name"],
+            "method": method,
+            "options": params["options"],
+            "excluded_clients": excluded,
+            "curves": result.curves,
+            "summary": result.summary,
+        }
+        if scored:
+            meta["validation"] = split_metrics(root, "validation", spec, state, params["noise_std"], paths.prepared)
+        save_checkpoint(out / path_of(task), on_cpu(state), meta)
+        metas_out[task] = meta
+    return metas_out
+
+
+def merge_task_clients(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """One merge of a multi-task run (:func:`_merge_tasks_into`), saved as each task's merged model."""
+    metas = _merge_tasks_into(
+        params, settings, root, out, lambda task: TaskPaths(task).merged_checkpoint(params["name"])
+    )
+    return {"method": params["method"], "tasks": len(metas), **next(iter(metas.values()))["summary"]}
+
+
+def merge_task_candidate(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """One candidate of a multi-task search: merged, and each task's model scored on its validation split."""
+    name, candidate = params["name"], params["candidate"]
+    metas = _merge_tasks_into(
+        params, settings, root, out, lambda task: TaskPaths(task).candidate_checkpoint(name, candidate), scored=True
+    )
+    return {
+        "method": params["method"],
+        **{f"{task}.val_{k}": v for task, m in metas.items() for k, v in m["validation"].items()},
+    }
+
+
+def select_task_candidate(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
+    """Keep the candidate whose tasks' models have the best average normalised validation accuracy (each task's
+    validation accuracy ÷ its own fine-tuned clients' mean, :func:`mergeflow.task_scores.normalised_validation_score`)
+    as the merge's models; record every candidate's score and the choice (``selection`` in their metadata)."""
+    from mergeflow.task_scores import normalised_validation_score
+
+    name, tasks = params["name"], list(params["clients"])
+    individual = {}
+    for task, clients in params["clients"].items():
+        prepared = TaskPaths(task).prepared
+        scores = []
+        for client in clients:
+            state, meta = load_checkpoint(root / client_checkpoint(client))
+            scores.append(split_metrics(root, "validation", meta["spec"], state, params["noise_std"], prepared))
+        individual[task] = mean_scores(scores)
+    validation = {
+        c: {t: load_checkpoint_meta(root / TaskPaths(t).candidate_checkpoint(name, c))["validation"] for t in tasks}
+        for c in params["candidates"]
+    }
+    scores = [normalised_validation_score(validation[c], individual) for c in params["candidates"]]
+    best = max(range(len(scores)), key=lambda k: (scores[k], -k))
+    chosen = params["candidates"][best]
+    for task in tasks:
+        state, meta = load_checkpoint(root / TaskPaths(task).candidate_checkpoint(name, chosen))
+        meta["selection"] = {
+            "split": "validation",
+            "select_by": "avg_normalized_accuracy",
+            "searched": params["searched"],
+            "chosen": best,
+            "candidates": [
+                {
+                    "options": load_checkpoint_meta(root / TaskPaths(task).candidate_checkpoint(name, c))["options"],
+                    "avg_normalized_validation": s,
+                    "validation": validation[c][task],
+                }
+                for c, s in zip(params["candidates"], scores, strict=True)
+            ],
+        }
+        save_checkpoint(out / TaskPaths(task).merged_checkpoint(name), state, meta)
+    return {"chosen": chosen, "avg_normalized_validation": scores[best]}
 
 
 def _merge_into(

@@ -27,11 +27,23 @@ def score_outputs(outputs: np.ndarray, y: np.ndarray, info: dict[str, Any], nois
 
 
 def split_metrics(
-    root: Path, split: str, spec: dict[str, Any], state: dict[str, torch.Tensor], noise_std: float
+    root: Path,
+    split: str,
+    spec: dict[str, Any],
+    state: dict[str, torch.Tensor],
+    noise_std: float,
+    prepared: str = PREPARED,
 ) -> dict[str, float]:
-    """Accuracy/NLL/ECE (or MSE/NLL, in the target's units) of ``state`` on ``data/prepared/<split>.parquet``."""
-    info = read_info(root)
-    X, y = read_arrays(root / PREPARED / f"{split}.parquet", info)
+    """Accuracy/NLL/ECE (or MSE/NLL, in the target's units) of ``state`` on ``<prepared>/<split>.parquet`` (the
+    prepared data, or one task's: ``prepared``)."""
+    info = read_info(root, prepared)
+    X, y = read_arrays(root / prepared / f"{split}.parquet", info)
     model = build_from_spec(spec).to(next(iter(state.values())).device)  # where the state is
     model.load_state_dict(state)
     return score_outputs(predict(model.eval(), X, task=info["task"]), y, info, noise_std)
+
+
+def mean_scores(scores: list[dict[str, Any]]) -> dict[str, Any]:
+    """The mean of several models' numeric metrics (a task's clients: its individual model's scores)."""
+    keys = [key for key, value in scores[0].items() if isinstance(value, int | float) and not isinstance(value, bool)]
+    return {key: float(np.mean([s[key] for s in scores])) for key in keys}

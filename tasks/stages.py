@@ -89,8 +89,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="prepare",
         summary="Load the data source, split train/test/server (tokenize text), save as parquet datasets.",
-        phases=("tasks.data:plan_prepare", "tasks.data:plan_tokenize"),
-        params=("seed", "data", *_PRETRAINED_KEYS),
+        phases=("tasks.data:plan_prepare", "tasks.data:plan_tokenize", "tasks.data:plan_data_report"),
+        params=("seed", "data", "tasks", *_PRETRAINED_KEYS),
         outs=("data/prepared",),
         files=("metrics/data.json",),
         members=_SOURCE_MODULES,
@@ -98,9 +98,9 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="partition",
         summary="Split the training set across clients with flwr-datasets partitioners.",
-        phases=("tasks.data:plan_partition",),
+        phases=("tasks.data:plan_partition", "tasks.data:plan_partition_report"),
         deps=("data/prepared",),
-        params=("seed", "partition"),
+        params=("seed", "partition", "tasks"),
         outs=("data/partitions",),
         files=("metrics/partition.json",),
         plots=("plots/partition.png",),

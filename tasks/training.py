@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,13 +12,24 @@ import torch
 
 from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import Params
+from mergeflow.errors import MergeflowError
 from mergeflow.models import build_from_spec, family_of
 from mergeflow.objectives import get_objective
 from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError, TrainResult, predict, train
-from tasks.layout import BASE, CENTRALIZED, CORPUS, PARTITIONS, PREPARED, client_checkpoint, client_file
+from tasks.layout import (
+    BASE,
+    CENTRALIZED,
+    CORPUS,
+    PARTITIONS,
+    PREPARED,
+    SINGLE_TASK,
+    TaskPaths,
+    client_checkpoint,
+    client_file,
+)
 from tasks.prepared import read_arrays, read_info
-from tasks.step_devices import device_settings, step_device
+from tasks.step_devices import device_settings, on_cpu, step_device
 from tasks.steps import Step
 
 _TRAIN_KEYS = ("epochs", "lr", "optimizer", "momentum", "weight_decay", "batch_size")
@@ -46,18 +58,12 @@ def _fit(
 
 
 def plan_pretrain(params: Params) -> list[Step]:
-    """One step: the shared base model."""
+    """One step: the shared base model (in a multi-task run, its body with each task's own head)."""
     step_params = {"seed": params.seed, "model": params.section("model"), "pretrain": params.section("pretrain")}
-    return [
-        Step(
-            "pretrain",
-            "tasks.training:pretrain",
-            step_params,
-            inputs=(PREPARED,),
-            settings=device_settings(params),
-            members=params.model_members,
-        )
-    ]
+    if params.multitask:
+        step_params["tasks"] = list(params.tasks)
+    fn = "tasks.training:pretrain_tasks" if params.multitask else "tasks.training:pretrain"
+    return [Step("pretrain", fn, step_params, (PREPARED,), device_settings(params), members=params.model_members)]
 
 
 def pretrain(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
@@ -78,6 +84,53 @@ def pretrain(params: dict[str, Any], root: Path, out: Path, settings: dict[str, 
         losses = result.epoch_losses
     save_checkpoint(out / BASE, model.state_dict(), meta | {"epoch_losses": losses})
     return {"trained": bool(losses), "language_model_losses": meta.get("language_model_losses")}
+
+
+def pretrain_tasks(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """The base model of every task: one body (the first task's data describes its inputs), each task's own
+    head (seeded by its name), pre-trained jointly on the tasks' server splits if enabled (one body, K heads:
+    :func:`mergeflow.multitask.train_jointly`)."""
+    from mergeflow.heads import head_names, task_base
+    from mergeflow.multitask import train_jointly
+
+    tasks = params["tasks"]
+    infos = {task: read_info(root, TaskPaths(task).prepared) for task in tasks}
+    _check_inputs_agree(infos)
+    seed = params["seed"]
+    first = infos[tasks[0]]
+    model, spec = _base_model(params["model"], first, derive_seed(seed, "init"))
+    state = model.state_dict()
+    models, specs = {}, {}
+    for task in tasks:
+        output_dim = get_objective(infos[task]["task"]).output_dim(infos[task])
+        specs[task], task_state = task_base(spec, state, output_dim, derive_seed(seed, "head", task))
+        models[task] = build_from_spec(specs[task])
+        models[task].load_state_dict(task_state)
+        models[task].to(step_device(settings))
+    pretraining = params["pretrain"]
+    servers = {task: root / TaskPaths(task).prepared / "server.parquet" for task in tasks}
+    losses: list[float] = []
+    if pretraining["enabled"] and all(path.is_file() for path in servers.values()):
+        data = {task: read_arrays(servers[task], infos[task]) for task in tasks}
+        train_settings = {k: pretraining[k] for k in _TRAIN_KEYS}
+        objective = first["task"]
+        heads = head_names(spec)
+        result = train_jointly(
+            models, data, heads=heads, task=objective, seed=derive_seed(seed, "pretrain"), **train_settings
+        )
+        losses = result.epoch_losses
+    for task in tasks:
+        meta = {"spec": specs[task], "role": "base", "task": task, "epoch_losses": losses}
+        save_checkpoint(out / TaskPaths(task).base, on_cpu(models[task].state_dict()), meta)
+    return {"trained": bool(losses), "tasks": len(tasks)}
+
+
+def _check_inputs_agree(infos: dict[str, dict[str, Any]]) -> None:
+    """The tasks share one body: their inputs must have one shape (and one tokenizer's ids)."""
+    shapes = {task: info.get("input_shape") for task, info in infos.items()}
+    if len({json.dumps(shape) for shape in shapes.values()}) > 1:
+        listed = ", ".join(f"{task} {shape}" for task, shape in shapes.items())
+        raise MergeflowError(f"tasks: the tasks share one body, and their inputs differ in shape ({listed})")
 
 
 def _pretrain_language_model(
@@ -130,29 +183,29 @@ def _precision(params: Params) -> dict[str, str]:
 
 
 def plan_finetune(params: Params) -> list[Step]:
-    """One step per client, keyed by that client's own settings and partition only."""
-    return [
-        Step(
-            f"finetune/client_{client:03d}",
-            "tasks.training:finetune_client",
-            {
-                "seed": params.seed,
-                "client": client,
-                "init": params.finetune.init,
-                "train": _client_settings(params, client),
-            },
-            inputs=(BASE, client_file(client), f"{PARTITIONS}/info.json"),
-            settings=device_settings(params),
-            members=params.model_members,
-        )
-        for client in range(params.partition.num_clients)
-    ]
+    """One step per client, keyed by that client's own settings and partition only (and, in a multi-task run,
+    its task's base)."""
+    steps = []
+    for ref in params.clients:
+        paths = TaskPaths(ref.task)
+        step_params = {
+            "seed": params.seed,
+            "client": ref.index,
+            "init": params.finetune.init,
+            "train": _client_settings(params, ref.index),
+        }
+        if ref.task is not None:
+            step_params["task"] = ref.task
+        inputs = (paths.base, client_file(ref.index), paths.partitions_info)
+        name, fn = f"finetune/client_{ref.index:03d}", "tasks.training:finetune_client"
+        steps.append(Step(name, fn, step_params, inputs, device_settings(params), members=params.model_members))
+    return steps
 
 
-def _start_model(root: Path, init_seed: int | None = None, device: torch.device | None = None):
-    """The base model, or a fresh random init of its architecture with ``init_seed``, on ``device`` (the
-    CPU by default); and its spec."""
-    state, meta = load_checkpoint(root / BASE)
+def _start_model(root: Path, init_seed: int | None = None, device: torch.device | None = None, base: str = BASE):
+    """The base model (``base``: a task's), or a fresh random init of its architecture with ``init_seed``, on
+    ``device`` (the CPU by default); and its spec."""
+    state, meta = load_checkpoint(root / base)
     spec = meta["spec"] if init_seed is None else {**meta["spec"], "seed": init_seed}
     model = build_from_spec(spec)
     if init_seed is None:
@@ -169,30 +222,32 @@ def _train_from_base(
     label: str,
     init_seed: int | None = None,
     device: torch.device | None = None,
+    paths: TaskPaths = SINGLE_TASK,
 ):
     """Train from the start model (see ``_start_model``) on ``device``."""
-    info = read_info(root, PARTITIONS)
-    model, spec = _start_model(root, init_seed, device)
+    info = read_info(root, paths.partitions)
+    model, spec = _start_model(root, init_seed, device, paths.base)
     result = _fit(model, X, y, info["task"], settings, seed, label)
     return model, spec, result
 
 
 def finetune_client(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """Fine-tune the base model on one client's partition."""
-    client = params["client"]
-    info = read_info(root, PARTITIONS)
+    client, paths = params["client"], TaskPaths(params.get("task"))
+    info = read_info(root, paths.partitions)
     X, y = read_arrays(root / client_file(client), info)
     seed = derive_seed(params["seed"], "finetune", client)
     init_seed = derive_seed(params["seed"], "init", client) if params["init"] == "independent" else None
     try:
         device = step_device(settings)
-        model, spec, result = _train_from_base(root, X, y, params["train"], seed, f"client {client}", init_seed, device)
+        label = f"client {client}"
+        model, spec, result = _train_from_base(root, X, y, params["train"], seed, label, init_seed, device, paths)
         if not all(torch.isfinite(p).all() for p in model.parameters()):
             raise DivergenceError("non-finite weights after training")
     except DivergenceError as error:
         # Kept as a valid checkpoint (the start weights) with the reason: the align stage
         # applies finetune.on_divergence, so changing it re-trains nothing.
-        model, spec = _start_model(root, init_seed)
+        model, spec = _start_model(root, init_seed, base=paths.base)
         result = TrainResult()
         meta_extra = {"diverged": True, "divergence": str(error)}
     else:
@@ -201,6 +256,7 @@ def finetune_client(params: dict[str, Any], root: Path, out: Path, settings: dic
         "spec": spec,
         "role": "client",
         "client": client,
+        **({"task": paths.task} if paths.task else {}),
         "num_examples": len(y),
         "init": params["init"],
         "train": params["train"],
@@ -222,6 +278,8 @@ def plan_centralized(params: Params) -> list[Step]:
     if params.finetune.lora:
         settings["lora"] = params.section("finetune.lora")
     settings |= _precision(params)
+    if params.multitask:
+        return [_ceiling_step(params, settings)]
     files = tuple(client_file(c) for c in range(params.partition.num_clients))
     best = params.centralized.keep == "best_validation"
     step_params = {"seed": params.seed, "train": settings, "num_clients": params.partition.num_clients}
@@ -263,6 +321,51 @@ def centralized(params: dict[str, Any], root: Path, out: Path, settings: dict[st
         meta |= {"best_epoch": tracker.best_epoch, "validation_curve": tracker.curve, "split": "validation"}
     save_checkpoint(out / CENTRALIZED, model.state_dict(), meta)
     return {"num_examples": len(y), **({"best_epoch": tracker.best_epoch} if tracker else {})}
+
+
+def _ceiling_step(params: Params, settings: dict[str, Any]) -> Step:
+    """A multi-task run's ceiling: one body trained jointly on every task's clients' data, with K heads."""
+    clients: dict[str, list[int]] = {task: [] for task in params.tasks}
+    for ref in params.clients:
+        clients[ref.task].append(ref.index)
+    inputs = [path for task in params.tasks for path in (TaskPaths(task).base, TaskPaths(task).partitions_info)]
+    inputs += [client_file(ref.index) for ref in params.clients]
+    step_params = {"seed": params.seed, "train": settings, "clients": clients}
+    fn = "tasks.training:centralized_tasks"
+    return Step("centralized", fn, step_params, tuple(inputs), device_settings(params), members=params.model_members)
+
+
+def centralized_tasks(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """The multi-task ceiling (the analogue of the centralized oracle): from the shared base, one body trained
+    jointly on every task's pooled client data, each task with its own head
+    (:func:`mergeflow.multitask.train_jointly`); each task's view of it is saved as its ``centralized`` model."""
+    from mergeflow.heads import head_names
+    from mergeflow.multitask import train_jointly
+
+    models, specs, data = {}, {}, {}
+    device = step_device(settings)
+    for task, clients in params["clients"].items():
+        paths = TaskPaths(task)
+        info = read_info(root, paths.partitions)
+        arrays = [read_arrays(root / client_file(c), info) for c in clients]
+        data[task] = (np.concatenate([a[0] for a in arrays]), np.concatenate([a[1] for a in arrays]))
+        models[task], specs[task] = _start_model(root, device=device, base=paths.base)
+        objective = info["task"]
+    train_settings = {k: params["train"][k] for k in _TRAIN_KEYS}
+    precision = params["train"].get("precision", _FP32)
+    seed = derive_seed(params["seed"], "centralized")
+    heads = head_names(next(iter(specs.values())))
+    result = train_jointly(models, data, heads=heads, task=objective, seed=seed, precision=precision, **train_settings)
+    for task, model in models.items():
+        meta = {
+            "spec": specs[task],
+            "role": "centralized",
+            "task": task,
+            "num_examples": len(data[task][1]),
+            "epoch_losses": result.epoch_losses,
+        }
+        save_checkpoint(out / TaskPaths(task).centralized, on_cpu(model.state_dict()), meta)
+    return {"num_examples": {task: len(y) for task, (_, y) in data.items()}}
 
 
 class _BestEpoch:

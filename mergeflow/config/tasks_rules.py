@@ -30,6 +30,9 @@ def check_tasks(params: Params) -> None:
             raise ValueError(
                 f"merge.methods: {entry!r} ({method.name}) needs {why}; a multi-task run has a head per task"
             )
+    if params.centralized.keep != "last" or params.finetune.lora:
+        key = "centralized.keep" if params.centralized.keep != "last" else "finetune.lora"
+        raise ValueError(f"{key}: not supported in a multi-task run yet")
     if params.federated.algorithms:
         raise ValueError(
             "federated.algorithms: federated rounds with a head per task are not supported yet; set it to []"

@@ -157,6 +157,30 @@ def partition_stats(parts: list[datasets.Dataset], info: dict[str, Any]) -> dict
     return stats
 
 
+def combine_partition_stats(by_task: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One set of statistics for the clients of several tasks (in task order), each task's classes named
+    ``<task>:<class>``: a client's histogram counts its own task's classes, zeros elsewhere."""
+    names: list[str] = []
+    for task, stats in by_task.items():
+        classes = stats.get("class_names") or [str(c) for c in range(len(stats["label_histograms"][0]))]
+        names += [f"{task}:{name}" for name in classes]
+    histograms, offset = [], 0
+    for stats in by_task.values():
+        width = len(stats["label_histograms"][0])
+        for counts in stats["label_histograms"]:
+            histograms.append([0] * offset + list(counts) + [0] * (len(names) - offset - width))
+        offset += width
+    sizes = [size for stats in by_task.values() for size in stats["sizes"]]
+    return {
+        "num_clients": len(sizes),
+        "sizes": sizes,
+        "total": sum(sizes),
+        "label_histograms": histograms,
+        "classes_per_client": [sum(c > 0 for c in h) for h in histograms],
+        "class_names": names,
+    }
+
+
 def _class_colors(num_classes: int) -> np.ndarray:
     """Distinct colours for up to 20 classes, a continuous colormap beyond."""
     from matplotlib import colormaps
