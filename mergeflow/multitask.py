@@ -51,7 +51,7 @@ def tie_bodies(models: Sequence[nn.Module], heads: Collection[str]) -> None:
         missing = [name for name in heads if name not in own]
         if missing:
             raise ValueError(f"model {k} has no head parameter {missing[0]!r}")
-        for name in own.keys() | shared.keys():
+        for name in [*shared, *(name for name in own if name not in shared)]:
             if name in heads:
                 continue
             if name not in own or name not in shared or not _same(own[name], shared[name]):
