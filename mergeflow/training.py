@@ -31,15 +31,18 @@ class DivergenceError(RuntimeError):
 
 @dataclass
 class TrainResult:
-    """Loss history of one :func:`train` call.
+    """Loss history of one :func:`train` (or :func:`fit`) call.
 
     Attributes:
         losses: mean mini-batch loss of every optimisation step.
         epoch_losses: mean loss over the examples of every epoch.
+        part_epoch_losses: for each model trained (:func:`train`'s one; :func:`fit`'s parts in order), the
+            mean loss over its own examples every epoch.
     """
 
     losses: list[float] = field(default_factory=list)
     epoch_losses: list[float] = field(default_factory=list)
+    part_epoch_losses: list[list[float]] = field(default_factory=list)
 
 
 def _sgd(params: Iterable[nn.Parameter], *, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -120,21 +123,27 @@ class _EpochLosses:
 
     epoch: int
     result: TrainResult
+    parts: int = 1
     total: float = 0.0
-    unread: list[tuple[int, int, Callable[[], float]]] = field(default_factory=list)  # (step, rows, read)
+    part_totals: list[float] = field(default_factory=list)
+    unread: list[tuple[int, int, int, Callable[[], float]]] = field(default_factory=list)  # (step, rows, part, read)
 
-    def add(self, step: int, rows: int, loss: torch.Tensor) -> None:
-        self.unread.append((step, rows, _read_later(loss)))
+    def __post_init__(self) -> None:
+        self.part_totals = [0.0] * self.parts
+
+    def add(self, step: int, rows: int, loss: torch.Tensor, part: int = 0) -> None:
+        self.unread.append((step, rows, part, _read_later(loss)))
 
     def settle(self, through: float) -> None:
         """Read the losses of the steps up to ``through``: into the history, or a DivergenceError."""
         while self.unread and self.unread[0][0] <= through:
-            step, rows, read = self.unread.pop(0)
+            step, rows, part, read = self.unread.pop(0)
             value = read()
             if not math.isfinite(value):
                 raise DivergenceError(f"non-finite training loss {value} at epoch {self.epoch}, step {step}")
             self.result.losses.append(value)
             self.total += value * rows
+            self.part_totals[part] += value * rows
 
 
 def _on(batches: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -163,6 +172,49 @@ def _read_later(loss: torch.Tensor) -> Callable[[], float]:
     return read
 
 
+@dataclass(frozen=True)
+class Part:
+    """One model and its training split, resident where the model is (a split small enough goes there whole):
+    a part of a :func:`fit`.
+
+    Attributes:
+        model: the model the split trains.
+        inputs, targets: the split's inputs and the objective's training targets.
+        loss: the objective's mean loss of outputs against targets.
+        lengths: tokens per row for a :class:`TokenModel` over token ids (length-bucketed batches), else None.
+    """
+
+    model: nn.Module
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    lengths: torch.Tensor | None
+
+    @classmethod
+    def of(
+        cls, model: nn.Module, X: np.ndarray | torch.Tensor, y: np.ndarray | torch.Tensor, objective: Objective
+    ) -> Part:
+        """``model``'s part with inputs ``X`` and labels ``y`` under ``objective``."""
+        inputs = as_inputs(X)
+        targets = objective.targets(y, inputs, model)
+        lengths = token_lengths(model, inputs)
+        inputs, targets = resident((inputs, targets), module_device(model))
+        return cls(model, inputs, targets, objective.loss, lengths)
+
+    def epoch(self, generator: torch.Generator, batch_size: int) -> list[torch.Tensor]:
+        """One epoch's index batches, drawn from ``generator`` (:func:`minibatches`), where the inputs are."""
+        return _on(list(minibatches(len(self.inputs), batch_size, generator, self.lengths)), self.inputs.device)
+
+
+def round_robin(epochs: list[list[torch.Tensor]]) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(part, batch)``: the first batch of every part in order, then the second of each, …; a part with fewer
+    batches drops out when it has none left."""
+    for i in range(max(map(len, epochs), default=0)):
+        for part, batches in enumerate(epochs):
+            if i < len(batches):
+                yield part, batches[i]
+
+
 def train(
     model: nn.Module,
     X: np.ndarray | torch.Tensor,
@@ -180,7 +232,7 @@ def train(
     on_epoch: Callable[[int], None] | None = None,
     precision: str = "fp32",
 ) -> TrainResult:
-    """Train ``model`` in place with mini-batches reshuffled every epoch.
+    """Train ``model`` in place with mini-batches reshuffled every epoch (:func:`fit` with one part).
 
     The loss and targets are the objective's: classification minimises cross-entropy on the logits;
     regression ``0.5 * mean((output[:, 0] - y) ** 2)``; a causal LM the mean next-token cross-entropy
@@ -211,27 +263,63 @@ def train(
             queues the next step before it waits for a loss); the weights are then meaningless.
         ValueError: on an unknown task or optimizer.
     """
-    inputs = as_inputs(X)
-    objective = get_objective(task)
-    targets, loss_fn = objective.targets(y, inputs, model), objective.loss
-    opt = make_optimizer(optimizer, model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    return fit(
+        [Part.of(model, X, y, get_objective(task))],
+        epochs=epochs,
+        lr=lr,
+        optimizer=optimizer,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        batch_size=batch_size,
+        seed=seed,
+        progress=progress,
+        on_epoch=on_epoch,
+        precision=precision,
+    )
+
+
+def fit(
+    parts: list[Part],
+    *,
+    epochs: int,
+    lr: float,
+    optimizer: str = "sgd",
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    batch_size: int = 32,
+    seed: int = 0,
+    progress: str | None = None,
+    on_epoch: Callable[[int], None] | None = None,
+    precision: str = "fp32",
+) -> TrainResult:
+    """Train the parts' models in place, together: one optimizer over all their parameters (a parameter that
+    several models share once), every part's split reshuffled every epoch.
+
+    Each epoch draws every part's batches from one generator seeded with ``seed``, in the parts' order, and
+    then takes them round-robin (:func:`round_robin`); each step is its own part's loss of its own model's
+    outputs. A parameter that a step's model does not use gets no gradient there, and the optimizer leaves it
+    as it is (no weight decay, no momentum): :func:`train` is the one part case. The models run on the first
+    one's device. Arguments and errors as :func:`train`'s.
+    """
+    unique = {id(parameter): parameter for part in parts for parameter in part.model.parameters()}
+    opt = make_optimizer(optimizer, list(unique.values()), lr=lr, momentum=momentum, weight_decay=weight_decay)
     gen = torch.Generator().manual_seed(int(seed))
-    n = inputs.shape[0]
-    lengths = token_lengths(model, inputs)
-    device = module_device(model)
-    inputs, targets = resident((inputs, targets), device)  # a small split goes to the device whole
+    n = sum(len(part.inputs) for part in parts)
+    device = module_device(parts[0].model)
     scaler = grad_scaler(device, precision)
-    result = TrainResult()
+    result = TrainResult(part_epoch_losses=[[] for _ in parts])
     bar = tqdm(range(epochs), desc=progress, leave=False, disable=None) if progress else None
-    model.train()
+    for part in parts:
+        part.model.train()
     for epoch in bar if bar is not None else range(epochs):
-        losses = _EpochLosses(epoch, result)
-        for step, idx in enumerate(_on(list(minibatches(n, batch_size, gen, lengths)), inputs.device)):
+        losses = _EpochLosses(epoch, result, len(parts))
+        for step, (k, idx) in enumerate(round_robin([part.epoch(gen, batch_size) for part in parts])):
             cancel.check()
-            batch, batch_targets = to_device(inputs[idx], device), to_device(targets[idx], device)
+            part = parts[k]
+            batch, batch_targets = to_device(part.inputs[idx], device), to_device(part.targets[idx], device)
             with autocast(device, precision):
-                loss = loss_fn(model(batch), batch_targets)
-            losses.add(step, len(idx), loss)
+                loss = part.loss(part.model(batch), batch_targets)
+            losses.add(step, len(idx), loss, k)
             opt.zero_grad(set_to_none=True)
             if scaler is None:
                 loss.backward()
@@ -243,6 +331,8 @@ def train(
             losses.settle(step - 1)
         losses.settle(math.inf)
         result.epoch_losses.append(losses.total / n)
+        for k, part in enumerate(parts):
+            result.part_epoch_losses[k].append(losses.part_totals[k] / len(part.inputs))
         if bar is not None:
             bar.set_postfix(loss=f"{losses.total / n:.4g}")
         if on_epoch is not None:

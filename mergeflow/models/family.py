@@ -50,6 +50,16 @@ class ModelFamily(ABC):
     def from_spec(self, spec: dict[str, Any]) -> nn.Module:
         """The architecture a checkpoint's spec describes, deterministically initialised."""
 
+    def head_names(self, spec: dict[str, Any]) -> tuple[str, ...]:
+        """The state-dict keys of the task head of ``spec``'s model: the parameters a multi-task run keeps per
+        task (``()``: a model without a head, every parameter shared by the tasks)."""
+        raise TypeError(f"model family {self.name!r} declares no task head: it has no multi-task runs")
+
+    def with_outputs(self, spec: dict[str, Any], output_dim: int, seed: int | None = None) -> dict[str, Any]:
+        """``spec``'s architecture with a head of ``output_dim`` outputs, initialised from ``seed`` (None: the
+        spec's own); a model without a head (:meth:`head_names` empty) keeps its spec."""
+        raise TypeError(f"model family {self.name!r} declares no task head: it has no multi-task runs")
+
     def export(
         self, spec: dict[str, Any], state: dict[str, torch.Tensor], directory: Path, inputs: dict[str, Path]
     ) -> None:

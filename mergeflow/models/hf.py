@@ -197,6 +197,12 @@ def build_from_hf_spec(spec: dict[str, Any]) -> TokenModel:
     return _wrapper(task)(model.float(), spec["pad_token_id"], spec["sep_token_id"], spec["causal"])
 
 
+def head_names(model: nn.Module) -> list[str]:
+    """Parameter names of a transformers classifier outside its base model (the head: ``classifier``, ``score``)."""
+    prefix = f"{model.base_model_prefix}."
+    return [name for name, _ in model.named_parameters() if not name.startswith(prefix)]
+
+
 def transformers_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A :class:`TokenModel` state dict with transformers' own key names."""
     return {key.removeprefix("model."): value for key, value in state.items()}
@@ -243,6 +249,27 @@ class TransformersFamily(ModelFamily):
 
     def from_spec(self, spec: dict[str, Any]) -> nn.Module:
         return build_from_hf_spec(spec)
+
+    def head_names(self, spec: dict[str, Any]) -> tuple[str, ...]:
+        """A sequence classifier's parameters outside its base model, under the wrapper's ``model.`` prefix; a causal
+        LM's none (its output layer is the vocabulary's, which every task shares)."""
+        task = spec.get("hf_task", "sequence_classification")
+        if task == "causal_lm":
+            return ()
+        config = _config_from_dict(spec["hf_config"])
+        with torch.device("meta"):  # names only: no weights, no memory
+            model = auto_class(task).from_config(config)
+        return tuple(f"model.{name}" for name in head_names(model))
+
+    def with_outputs(self, spec: dict[str, Any], output_dim: int, seed: int | None = None) -> dict[str, Any]:
+        if not self.head_names(spec):
+            return spec
+        config = _config_from_dict(spec["hf_config"])
+        # The new head's classes are not the old head's: their names (id2label) go with it.
+        config.id2label = {i: f"LABEL_{i}" for i in range(int(output_dim))}
+        config.label2id = {name: i for i, name in config.id2label.items()}
+        outputs = {"output_dim": int(output_dim), "hf_config": config.to_dict()}
+        return spec | outputs | ({} if seed is None else {"seed": int(seed)})
 
     def export(
         self, spec: dict[str, Any], state: dict[str, torch.Tensor], directory: Path, inputs: dict[str, Path]

@@ -18,14 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mergeflow.models.hf import auto_class, seeded
+from mergeflow.models.hf import auto_class, head_names, seeded
 from mergeflow.models.token_model import TokenModel
-
-
-def head_names(model: nn.Module) -> list[str]:
-    """Parameter names of a transformers classifier outside its base model (the head: ``classifier``, ``score``)."""
-    prefix = f"{model.base_model_prefix}."
-    return [name for name, _ in model.named_parameters() if not name.startswith(prefix)]
 
 
 def unmatched_targets(model: nn.Module, target_modules: list[str]) -> list[str]:

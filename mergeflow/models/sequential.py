@@ -161,6 +161,15 @@ def build_sequential_from_spec(spec: dict[str, Any]) -> nn.Sequential:
     return build_model(spec["arch"], spec["input_shape"], spec["output_dim"], **options)
 
 
+def head_names(model: nn.Module) -> tuple[str, ...]:
+    """The state-dict keys of ``model``'s head: its last ``nn.Linear`` layer's weight and bias."""
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    if not linears:
+        raise ValueError("the model has no Linear layer, so no head")
+    name, module = linears[-1]
+    return tuple(f"{name}.{key}" if name else key for key, _ in module.named_parameters())
+
+
 class SequentialFamily(ModelFamily):
     """Linear, MLP and CNN models as plain ``nn.Sequential`` (``model.arch``: linear, mlp, cnn)."""
 
@@ -173,3 +182,9 @@ class SequentialFamily(ModelFamily):
 
     def from_spec(self, spec: dict[str, Any]) -> nn.Module:
         return build_sequential_from_spec(spec)
+
+    def head_names(self, spec: dict[str, Any]) -> tuple[str, ...]:
+        return head_names(build_sequential_from_spec(spec))
+
+    def with_outputs(self, spec: dict[str, Any], output_dim: int, seed: int | None = None) -> dict[str, Any]:
+        return spec | {"output_dim": int(output_dim)} | ({} if seed is None else {"seed": int(seed)})
