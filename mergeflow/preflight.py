@@ -31,7 +31,7 @@ def check_paths(params: Params, source: str = "params") -> None:
     Raises:
         ConfigError: one line per problem, ``source: key: problem``.
     """
-    lines = [f"{source}: {problem}" for problem in params.data.declaration.preflight(params.data.options)]
+    lines = [f"{source}: {problem}" for task in params.task_names for problem in _data_problems(params, task)]
     if params.pretrained:
         problem = pretrained_problem(params.pretrained)
         if problem:
@@ -40,6 +40,13 @@ def check_paths(params: Params, source: str = "params") -> None:
             lines += [f"{source}: {line}" for line in _alignment_problems(params)]
     if lines:
         raise ConfigError(lines)
+
+
+def _data_problems(params: Params, task: str | None) -> list[str]:
+    """The problems of a task's data source (of ``data``, for None), each naming its key (``tasks.<task>.data.…``)."""
+    data = params.task_data(task)
+    problems = data.declaration.preflight(data.options)
+    return problems if task is None else [f"tasks.{task}.{problem}" for problem in problems]
 
 
 def check_model(params: Params, source: str = "params") -> None:

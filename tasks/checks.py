@@ -34,14 +34,16 @@ def check_data(params: Params, root: Path) -> None:
 
     from mergeflow.data.check import check_inputs
 
-    data = params.data.for_prepare()
-    table = params.data.declaration.user_table
+    datas = [params.task_data(task) for task in params.task_names]
+    data = [section.for_prepare() for section in datas]
+    table = any(section.declaration.user_table for section in datas)
     pretrained = params.pretrained
     if not table and not pretrained:
         return
-    local = [*(local_data_files(params) if table else ()), *(_model_files(pretrained) if pretrained else ())]
+    tables = [file for section in datas for file in local_data_files(params, section)] if table else []
+    local = [*tables, *(_model_files(pretrained) if pretrained else ())]
     marker = None
-    remote = table and any("://" in f for f in params.data.declaration.data_files(params.data.options))
+    remote = table and any("://" in f for d in datas for f in d.declaration.data_files(d.options))
     if not remote and all(Path(f).is_file() for f in local):
         signatures = [file_signature(Path(f)) for f in local]
         checked = {

@@ -33,7 +33,8 @@ def check_source(data: dict[str, Any], seed: int = 0) -> None:
 def check_inputs(params: Any) -> None:
     """Every pre-flight check that reads the user's files: the table (``check_source``), and for a pretrained
     transformer its tokenizer against its embeddings (``check_vocabulary``). ``params``: validated Params."""
-    check_source(params.data.for_prepare(), params.seed)
+    for task in params.task_names:
+        check_source(params.task_data(task).for_prepare(), params.seed)
     if params.pretrained:  # a pretrained model's family is one over token ids
         from mergeflow.data.tokenize import check_vocabulary, load_tokenizer
 
