@@ -232,12 +232,13 @@ def _best(args: argparse.Namespace) -> int:
             f"other data ({others}) left out: --all-data ranks them together",
             file=sys.stderr,
         )
-    print(_fit(f"{'name':20s} {'kind':9s} {ranking.metric:>14s} {'version':>7s}  {'data':12s} {'started':16s}  "
+    width = max(14, len(ranking.metric))  # test_avg_normalized_accuracy
+    print(_fit(f"{'name':20s} {'kind':9s} {ranking.metric:>{width}s} {'version':>7s}  {'data':12s} {'started':16s}  "
                f"{'run_id':32s}  differs"))  # fmt: skip
     for row in ranking.rows:
         version = f"v{row['version']}" if row["version"] is not None else "-"
         differs = " ".join(f"{key}={value}" for key, value in row["differs"].items())
-        line = f"{row['name']:20s} {row['kind']:9s} {row[ranking.metric]:14.4f} {version:>7s}  {row['data']:12s} "
+        line = f"{row['name']:20s} {row['kind']:9s} {row[ranking.metric]:{width}.4f} {version:>7s}  {row['data']:12s} "
         print(_fit(f"{line}{row['started']:16s}  {row['run_id']:32s}  {differs}".rstrip()))
     return 0
 

@@ -127,3 +127,14 @@ def test_best_by_another_average_and_all_data_mixes_in_single_task_runs_only_whe
     assert main(["best", "--experiment", "mergeflow", "--metric", "test_accuracy", "--all-data"]) == 0
     _, rows = _rows(capsys.readouterr().out)
     assert [(row[0], row[4]) for row in rows] == [("average", "iris")]  # the multi-task runs log no test_accuracy
+
+
+def test_which_way_the_multitask_metrics_improve_and_the_runs_data_name():
+    from mergeflow.metric_direction import lower_is_better
+    from tasks.tracking_params import tasks_label
+
+    higher = ("avg_normalized_accuracy", "test_avg_accuracy", "loss.test_normalized_accuracy", "val_avg_accuracy")
+    lower = ("avg_nll", "test_avg_nll", "accuracy.test_nll", "floor.news.test_perplexity")
+    assert not any(lower_is_better(metric) for metric in higher)
+    assert all(lower_is_better(metric) for metric in lower)
+    assert tasks_label(["low", "high", "parity"]) == "low-high-parity"
