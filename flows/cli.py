@@ -67,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--name", default="mergeflow", help="deployment name")
     _add_params_options(serve)
     best = commands.add_parser("best", help="the best merged models of the experiment in MLflow")
-    best.add_argument("--metric", default="test_accuracy", help="e.g. test_accuracy (highest first), test_nll (lowest)")
+    best.add_argument(
+        "--metric",
+        help="e.g. test_accuracy (highest first), test_nll (lowest), avg_normalized_accuracy (multi-task); "
+        "default: the latest run's headline (test_accuracy, test_avg_normalized_accuracy)",
+    )
     best.add_argument("--experiment", help="MLflow experiment (default: tracking.experiment of the params)")
     best.add_argument("--top", type=int, default=5)
     best.add_argument("--all-data", action="store_true", help="rank all data together (default: the latest run's)")
@@ -228,12 +232,13 @@ def _best(args: argparse.Namespace) -> int:
             f"other data ({others}) left out: --all-data ranks them together",
             file=sys.stderr,
         )
-    print(_fit(f"{'name':20s} {'kind':9s} {args.metric:>14s} {'version':>7s}  {'data':12s} {'started':16s}  "
+    width = max(14, len(ranking.metric))  # test_avg_normalized_accuracy
+    print(_fit(f"{'name':20s} {'kind':9s} {ranking.metric:>{width}s} {'version':>7s}  {'data':12s} {'started':16s}  "
                f"{'run_id':32s}  differs"))  # fmt: skip
     for row in ranking.rows:
         version = f"v{row['version']}" if row["version"] is not None else "-"
         differs = " ".join(f"{key}={value}" for key, value in row["differs"].items())
-        line = f"{row['name']:20s} {row['kind']:9s} {row[args.metric]:14.4f} {version:>7s}  {row['data']:12s} "
+        line = f"{row['name']:20s} {row['kind']:9s} {row[ranking.metric]:{width}.4f} {version:>7s}  {row['data']:12s} "
         print(_fit(f"{line}{row['started']:16s}  {row['run_id']:32s}  {differs}".rstrip()))
     return 0
 

@@ -106,18 +106,15 @@ def task_comparison_figure(summary: dict, *, title: str = "Test metrics by task"
     """
     from matplotlib.figure import Figure
 
-    from mergeflow.metric_direction import lower_is_better
-    from mergeflow.task_scores import headline, models
-
-    rows = models(summary)
-    keys = ("normalized_accuracy", "accuracy") if headline(summary) == "avg_normalized_accuracy" else ("nll",)
+    compared = [name for name in summary if name.startswith(("merged/", "federated/"))]
+    references = [name for name in TASK_REFERENCE_STYLES if name in summary]
+    averaged = [key for key in ("normalized_accuracy", "accuracy") if f"avg_{key}" in summary["individual"]]
+    keys = averaged or ["nll"]  # accuracy only where every task has it, as the summary averages it
     groups = [*summary["tasks"], "average"]
-    compared = [name for name in rows if name.startswith(("merged/", "federated/"))]
-    references = [name for name in TASK_REFERENCE_STYLES if name in rows]
     width = 0.8 / max(len(compared), 1)
 
     def values(name: str, key: str) -> list[float]:
-        row = rows[name]
+        row = summary[name]
         return [float(row["tasks"][task].get(key, math.nan)) for task in summary["tasks"]] + [
             float(row.get(f"avg_{key}", math.nan))
         ]
@@ -139,7 +136,7 @@ def task_comparison_figure(summary: dict, *, title: str = "Test metrics by task"
             shown += heights
         ax.set_ylim(*_zoomed(shown))
         ax.set_xticks(range(len(groups)), groups)
-        ax.set_title(f"test {key.replace('_', ' ')} ({'lower' if lower_is_better(key) else 'higher'} is better)")
+        ax.set_title(f"test {key.replace('_', ' ')} ({'lower' if key == 'nll' else 'higher'} is better)")
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(title)

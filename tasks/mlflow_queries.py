@@ -15,6 +15,7 @@ from tasks.model_registry import registered_model_name
 
 _UNSET = ("{}", "[]", "null", "None", "")  # a logged value that means no setting, as an absent param does
 _UNKNOWN = "?"  # the data of a run logged before runs named it
+DEFAULT_METRIC = "test_accuracy"  # what ranks a run that names no headline (a single-task run)
 
 
 def runs_url(root: Path, experiment: str, base: str) -> str:
@@ -41,14 +42,20 @@ class Ranking:
     models of other data were left out."""
 
     rows: list[dict[str, Any]]
+    metric: str = DEFAULT_METRIC
     data: str | None = None
     left_out: int = 0
     other_data: list[str] = field(default_factory=list)
 
 
-def best_runs(root: Path, experiment: str, metric: str, top: int = 5, all_data: bool = False) -> Ranking:
+def best_runs(root: Path, experiment: str, metric: str | None, top: int = 5, all_data: bool = False) -> Ranking:
     """The best merged and federated models of an experiment by ``metric`` (lowest first where lower is better:
     :func:`mergeflow.metric_direction.lower_is_better`).
+
+    ``metric`` is a logged metric (``test_accuracy``), or a metric as ``metrics/evaluate.json`` names it, read as
+    its test value where no run logged it by that name (``avg_normalized_accuracy``: ``test_avg_normalized_accuracy``);
+    None: the headline the latest run names (a multi-task run's ``mergeflow.headline`` tag), else
+    :data:`DEFAULT_METRIC`. :attr:`Ranking.metric` is the logged metric ranked.
 
     Only models scored on the same test split compare: by default those of the data of the latest pipeline
     run (``all_data`` ranks every model). Each model (by checkpoint sha256) counts once, with the run that
@@ -63,26 +70,26 @@ def best_runs(root: Path, experiment: str, metric: str, top: int = 5, all_data: 
     mlflow.set_tracking_uri(uri)
     if mlflow.get_experiment_by_name(experiment) is None:
         raise MergeflowError(f"tracking.experiment: no MLflow experiment {experiment!r} at {uri}")
-    ascending = lower_is_better(metric)
     every = mlflow.search_runs(experiment_names=[experiment])
+    for tag in ("tags.mergeflow.test_data", "tags.mergeflow.data"):
+        every[tag] = every[tag].fillna(_UNKNOWN) if tag in every.columns else _UNKNOWN
+    latest = _latest_run(every)
+    metric = _logged_metric(every, metric, latest)
+    ascending = lower_is_better(metric)
     column = f"metrics.{metric}"
     if every.empty or column not in every.columns:
         raise MergeflowError(f"--metric: no run of experiment {experiment!r} has a metric {metric!r}")
-    for tag in ("tags.mergeflow.test_data", "tags.mergeflow.data"):
-        every[tag] = every[tag].fillna(_UNKNOWN) if tag in every.columns else _UNKNOWN
     pipelines = every[every["tags.mergeflow.kind"] == "pipeline"].set_index("run_id")["start_time"]
     runs = every[every["tags.mergeflow.kind"].isin(["merge", "federated"]) & every[column].notna()].copy()
     if runs.empty:
-        return Ranking(rows=[])
+        return Ranking(rows=[], metric=metric)
     # The same model is logged again by every later pipeline run, its run spanning the step that made it (the
     # same times each time): keep the run of the latest pipeline run.
     runs["pipeline_start"] = runs["tags.mlflow.parentRunId"].map(pipelines)  # model runs are nested: a parent
     runs = runs.sort_values(["pipeline_start", "start_time"], ascending=False, kind="stable", na_position="last")
     runs = runs.drop_duplicates("tags.mergeflow.checkpoint_sha256")
-    ranking = Ranking(rows=[])
+    ranking = Ranking(rows=[], metric=metric)
     if not all_data:
-        latest = every.loc[every["tags.mergeflow.kind"].isin(["pipeline", "merge", "federated"])]
-        latest = latest.sort_values("start_time", ascending=False, kind="stable").iloc[0]
         same = runs["tags.mergeflow.test_data"] == latest["tags.mergeflow.test_data"]
         ranking.data, ranking.left_out = latest["tags.mergeflow.data"], int((~same).sum())
         ranking.other_data = sorted(set(runs[~same]["tags.mergeflow.data"]))
@@ -108,6 +115,24 @@ def best_runs(root: Path, experiment: str, metric: str, top: int = 5, all_data: 
     for row, differs in zip(ranking.rows, _differences(names, params), strict=True):
         row["differs"] = differs
     return ranking
+
+
+def _latest_run(every: Any) -> Any:
+    """The latest pipeline, merge or federated run of ``search_runs``' rows; None for none."""
+    if "tags.mergeflow.kind" not in every.columns:
+        return None
+    logged = every.loc[every["tags.mergeflow.kind"].isin(["pipeline", "merge", "federated"])]
+    return None if logged.empty else logged.sort_values("start_time", ascending=False, kind="stable").iloc[0]
+
+
+def _logged_metric(every: Any, metric: str | None, latest: Any) -> str:
+    """The logged metric that ``best_runs``' ``metric`` names (its docstring)."""
+    if metric is None:
+        named = latest.get("tags.mergeflow.headline") if latest is not None else None
+        return named if isinstance(named, str) else DEFAULT_METRIC
+    if f"metrics.{metric}" not in every.columns and f"metrics.test_{metric}" in every.columns:
+        return f"test_{metric}"
+    return metric
 
 
 def _run_params(run: Any, parent: Any) -> dict[str, str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mergeflow.checkpoints import load_checkpoint
+from mergeflow.task_scores import is_summary
 from tasks.layout import PREPARED, client_checkpoint, client_file, global_checkpoint, merged_checkpoint
 from tasks.mlflow_flavours import log_model, logged_model_uri
 from tasks.mlflow_logging import flatten, log_curves, log_params
@@ -46,7 +47,17 @@ def log_dataset(mlflow, root: Path, relative: str, info: dict[str, Any], context
 
 
 def test_metrics(values: dict[str, Any]) -> dict[str, float]:
-    """``test_<metric>``, and ``test_<group>_<metric>`` for the per-group metrics of a group column."""
+    """``test_<metric>``, and ``test_<group>_<metric>`` for the per-group metrics of a group column.
+
+    A model's row of a multi-task run (:mod:`mergeflow.task_scores`): its averages over tasks as
+    ``test_avg_<metric>`` (the headline: ``test_avg_normalized_accuracy``), each task's metrics as
+    ``<task>.test_<metric>`` (``low.test_accuracy``, ``low.test_normalized_accuracy``).
+    """
+    if is_summary(values):
+        flat = {f"test_{k}": float(v) for k, v in values.items() if k.startswith("avg_")}
+        for task, metrics in values["tasks"].items():
+            flat |= {f"{task}.{k}": v for k, v in test_metrics(metrics).items()}
+        return flat
     flat = {f"test_{k}": float(v) for k, v in values.items() if k not in ("client", "by_group")}
     for group, metrics in values.get("by_group", {}).items():
         flat |= {f"test_{_metric_key(group)}_{k}": float(v) for k, v in metrics.items()}

@@ -20,6 +20,7 @@ from typing import Any
 
 from mergeflow.config import Params
 from mergeflow.import_graph import third_party_versions
+from mergeflow.task_scores import headline, is_summary
 from tasks.layout import (
     ALIGN_METRICS,
     BARRIER_PLOT,
@@ -62,6 +63,9 @@ _ARTIFACTS = (
     FEDERATED_PLOT,
 )
 STANDARDIZED = "data.standardized"  # a param the data step chose, logged beside the params in use
+# The models every merge is judged against, logged in the parent run as <name>.test_<metric>: single-task
+# base, centralized, ensemble and best client; multi-task (mergeflow.task_scores) floor, individual, best single.
+_REFERENCES = ("base", "centralized", "ensemble", "best_client", "floor", "individual", "best_single")
 
 
 def plan_track(params: Params) -> list[Step]:
@@ -145,10 +149,34 @@ def _log_data(mlflow, root: Path, info: dict[str, Any], sanity: dict[str, Any]) 
     mlflow.log_params({STANDARDIZED: str(report["standardized"]).lower()})
     if "standardize_reason" in report:
         mlflow.set_tag("mergeflow.standardize_reason", report["standardize_reason"])
-    baseline = {k: v for k, v in sanity.items() if k in ("baseline_accuracy", "baseline_mse")}
-    mlflow.log_metrics({f"baseline.test_{k.removeprefix('baseline_')}": float(v) for k, v in baseline.items()})
+    mlflow.log_metrics(_baseline_metrics(sanity))
     if sanity["warning"]:
         mlflow.set_tag("mergeflow.warning", sanity["warning"])
+
+
+def _baseline_metrics(sanity: dict[str, Any], prefix: str = "baseline.") -> dict[str, float]:
+    """The input-blind baseline's test score (``baseline.test_accuracy``, ``_mse``); in a multi-task run each
+    task's (``baseline.<task>.test_accuracy``)."""
+    scores = {k: v for k, v in sanity.items() if k in ("baseline_accuracy", "baseline_mse")}
+    metrics = {f"{prefix}test_{k.removeprefix('baseline_')}": float(v) for k, v in scores.items()}
+    for task, report in sanity.get("tasks", {}).items():
+        metrics |= _baseline_metrics(report, f"{prefix}{task}.")
+    return metrics
+
+
+def _task_tags(metrics: dict[str, Any]) -> dict[str, str]:
+    """A multi-task run's tags (none for a single-task run): ``mergeflow.tasks``, its tasks' names, and
+    ``mergeflow.headline``, the metric that ranks its models (``mergeflow best``'s default)."""
+    if not is_summary(metrics):
+        return {}
+    return {"mergeflow.tasks": ",".join(metrics["tasks"]), "mergeflow.headline": f"test_{headline(metrics)}"}
+
+
+def _clients(config: dict[str, Any], metrics: dict[str, Any]) -> list[int]:
+    """The clients' global ids: every task's in a multi-task run."""
+    if is_summary(metrics):
+        return [client for task in metrics["tasks"].values() for client in task["clients"]]
+    return list(range(config["partition"]["num_clients"]))
 
 
 def _previous_params(mlflow, experiment: str, data: str) -> dict[str, str] | None:
@@ -187,7 +215,7 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
     example = input_example(root, info)
     # Which data: its name, and the test split's digest (models scored on the same split compare: `best`).
     test_split = sha256_file(root / PREPARED / "test.parquet")[:16]
-    data_tags = {"mergeflow.data": params["data"], "mergeflow.test_data": test_split}
+    data_tags = {"mergeflow.data": params["data"], "mergeflow.test_data": test_split, **_task_tags(metrics)}
     tags = {
         "mergeflow.kind": "pipeline",
         "mergeflow.git_commit": _git_commit(root),
@@ -201,8 +229,8 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
     named = run_name(params["data"], logged, _previous_params(mlflow, experiment, params["data"]))
     with _pipeline_run(mlflow, experiment, named, tags, run_started(root)) as parent:
         log_params(mlflow, logged)
-        for name in ("base", "centralized", "ensemble", "best_client"):
-            if name not in metrics:  # a causal LM has no output ensemble
+        for name in _REFERENCES:
+            if name not in metrics:  # a causal LM has no output ensemble; a single-task run no floor
                 continue
             mlflow.log_metrics({f"{name}.{k}": v for k, v in test_metrics(metrics[name]).items()})
         for artifact in _ARTIFACTS:
@@ -226,7 +254,7 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
         made_on = sorted({facts.get("device_name", facts["device"]) for facts in context["devices"].values()})
         if made_on:  # the devices this run's models were made on (several: a run that reused other devices' steps)
             mlflow.set_tag("mergeflow.devices", ", ".join(made_on))
-        for client in range(config["partition"]["num_clients"]):
+        for client in _clients(config, metrics):
             log_client(mlflow, root, client, metrics, context)
         for name in config["merge"]["methods"]:
             log_merge(mlflow, root, name, metrics, example, context)

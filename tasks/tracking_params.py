@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,12 @@ def data_label(params: Params) -> str:
         label = source
     label = re.sub(r"[^\w.-]", "_", label).strip("._-")
     return label if re.search(r"[A-Za-z0-9]", label) else source
+
+
+def tasks_label(tasks: Iterable[str]) -> str:
+    """The data's name in a multi-task run: its tasks' names joined by ``-`` (``low-high-parity``), so that its
+    runs, and its merges' registered models, are named apart from a single-task run's on the same source."""
+    return "-".join(tasks)
 
 
 def params_in_use(params: Params) -> dict[str, Any]:

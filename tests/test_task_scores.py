@@ -84,6 +84,8 @@ def test_the_best_single_client_is_the_best_on_average_over_every_task():
 
 
 def test_tasks_scored_by_nll_have_no_normalised_accuracy_and_rank_by_the_average_nll():
+    from mergeflow.plots import task_comparison_figure
+
     per_task = {
         task: {
             name: {"nll": nll, "perplexity": math.exp(nll)} for name, nll in (("individual", 2.0), ("merged/a", 2.5))
@@ -96,6 +98,7 @@ def test_tasks_scored_by_nll_have_no_normalised_accuracy_and_rank_by_the_average
         "avg_nll": 2.5,
     }
     assert headline(summary) == "avg_nll"
+    assert [ax.get_title() for ax in task_comparison_figure(summary).axes] == ["test nll (lower is better)"]
 
 
 def test_a_task_without_its_individual_model_is_refused():
