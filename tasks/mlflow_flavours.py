@@ -12,9 +12,9 @@ from mergeflow.checkpoints import load_checkpoint_meta
 from tasks.layout import PREPARED, merged_pretrained_dir
 
 
-def input_example(root: Path, info: dict[str, Any]):
+def input_example(root: Path, info: dict[str, Any], prepared: str = PREPARED):
     """Two raw rows as a logged model takes them: a DataFrame of the source's columns, or an array of
-    features (a built-in source's, or token ids for text)."""
+    features (a built-in source's, or token ids for text), from ``prepared`` (a task's prepared data)."""
     import numpy as np
     import pandas as pd
 
@@ -22,7 +22,7 @@ def input_example(root: Path, info: dict[str, Any]):
 
     raw = info.get("raw_example")
     if raw is None or list(raw) == ["x"]:
-        features = read_arrays(root / PREPARED / "test.parquet", info)[0][:2]
+        features = read_arrays(root / prepared / "test.parquet", info)[0][:2]
         return features.reshape(len(features), -1).astype(np.float64)
     frame = pd.DataFrame(raw)
     numbers = frame.select_dtypes("number").columns  # as doubles, so that whole-number columns also take 1.5 or NaN

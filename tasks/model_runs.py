@@ -7,6 +7,7 @@ times and devices (:mod:`tasks.provenance`), and the registry versions made so f
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from typing import Any
 
 from mergeflow.checkpoints import load_checkpoint
 from mergeflow.task_scores import is_summary
-from tasks.layout import PREPARED, client_checkpoint, client_file, global_checkpoint, merged_checkpoint
+from tasks.layout import PREPARED, TaskPaths, client_checkpoint, client_file, global_checkpoint, merged_checkpoint
 from tasks.mlflow_flavours import log_model, logged_model_uri
 from tasks.mlflow_logging import flatten, log_curves, log_params
 from tasks.model_registry import register, registered_model_name, signature_digest
@@ -103,8 +104,8 @@ def _made_when(root: Path, context: dict[str, Any], relative: str) -> tuple[int,
 
 def log_client(mlflow, root: Path, client: int, metrics: dict[str, Any], context: dict[str, Any]) -> None:
     """A client's run: its partition, training settings, loss curve and test metrics."""
-    info = context["info"]
     _, meta = load_checkpoint(root / client_checkpoint(client))
+    info = context["infos"][meta.get("task")]  # its task's data (a multi-task run's)
     tags = {"mergeflow.kind": "client", "mergeflow.diverged": str(bool(meta.get("diverged"))).lower()}
     tags |= context["data_tags"] | _device_tags(root, context, client_checkpoint(client))
     name = f"client_{client:03d}"
@@ -131,7 +132,12 @@ def _log_selection(mlflow, selection: dict[str, Any]) -> None:
 
 def log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, context: dict[str, Any]) -> None:
     """A merge's run: its options, metrics, curves and checkpoint (once per experiment), and with
-    ``tracking.log_models`` its logged model and Model Registry version."""
+    ``tracking.log_models`` its logged model and Model Registry version. A multi-task run's merge has a
+    checkpoint per task (the merged body with each task's head), logged as artifacts under ``checkpoint/<task>``."""
+    tasks = list(context["infos"])
+    if tasks != [None]:
+        _log_task_merge(mlflow, root, name, metrics, context, tasks)
+        return
     path = root / merged_checkpoint(name)
     _, meta = load_checkpoint(path)
     digest = sha256_file(path)
@@ -177,6 +183,41 @@ def log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, c
             registered, refused = register(mlflow, model_uri, registered_name, version_tags)
             context["registered"] += [registered] if registered else []
             context["not_registered"] += [refused] if refused else []
+
+
+def _log_task_merge(
+    mlflow, root: Path, name: str, metrics: dict[str, Any], context: dict[str, Any], tasks: list[str]
+) -> None:
+    """A multi-task merge's run: its options, per-task and average metrics, curves, each task's test (and, for a
+    search, validation) split and each task's checkpoint. Its models are not logged as MLflow models: each
+    task's model is the merged body with that task's head, and the pyfunc flavour serves one model."""
+    paths = [TaskPaths(task).merged_checkpoint(name) for task in tasks]
+    metas = [load_checkpoint(root / path)[1] for path in paths]
+    meta = metas[0]
+    digest = hashlib.sha256("".join(sha256_file(root / path) for path in paths).encode()).hexdigest()
+    tags = {"mergeflow.kind": "merge", "mergeflow.method": meta["method"], "mergeflow.merge": name}
+    tags |= {"mergeflow.checkpoint_sha256": digest} | context["data_tags"]
+    tags |= _device_tags(root, context, paths[0])
+    with _child_run(mlflow, f"merge_{name}", tags, _made_when(root, context, paths[0])) as run:
+        for task in tasks:
+            prepared, info = TaskPaths(task).prepared, context["infos"][task]
+            log_dataset(mlflow, root, f"{prepared}/test.parquet", info, "evaluation")
+            if "selection" in meta:
+                log_dataset(mlflow, root, f"{prepared}/validation.parquet", info, "validation")
+        excluded = ",".join(str(c) for c in meta.get("excluded_clients", [])) or "none"
+        log_params(
+            mlflow, {"method": meta["method"], "excluded_clients": excluded, **flatten(meta["options"], "option.")}
+        )
+        mlflow.log_metrics({**test_metrics(metrics[f"merged/{name}"]), **meta.get("summary", {})})
+        log_curves(mlflow, meta.get("curves", {}))
+        if "selection" in meta:
+            _log_selection(mlflow, meta["selection"])
+        earlier = _earlier_merge_run(mlflow, run, name, digest)
+        if earlier is not None:  # the same merged weights as an earlier run (a cached step): point to its copy
+            mlflow.set_tag("mergeflow.reused_from_run", earlier)
+            return
+        for task, path in zip(tasks, paths, strict=True):
+            mlflow.log_artifact(str(root / path), f"checkpoint/{task}")
 
 
 def _earlier_merge_run(mlflow, run, name: str, digest: str) -> str | None:

@@ -35,6 +35,7 @@ from tasks.layout import (
     PREPARED,
     SELECTION,
     SELECTION_PLOT,
+    TaskPaths,
     client_checkpoint,
     global_checkpoint,
     merged_checkpoint,
@@ -139,16 +140,21 @@ def _barrier_metrics(report: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def _log_data(mlflow, root: Path, info: dict[str, Any], sanity: dict[str, Any]) -> None:
-    """The prepared splits as dataset inputs, the feature encoding's choices, and the input-blind baseline
-    (with the run's warning as the ``mergeflow.warning`` tag when the models did not beat it)."""
-    for split, context in SPLIT_CONTEXTS.items():
-        if (root / PREPARED / f"{split}.parquet").is_file():
-            log_dataset(mlflow, root, f"{PREPARED}/{split}.parquet", info, context)
+def _log_data(mlflow, root: Path, infos: dict[str | None, dict[str, Any]], sanity: dict[str, Any]) -> None:
+    """The prepared splits (every task's) as dataset inputs, the feature encoding's choices, and the input-blind
+    baseline (with the run's warning as the ``mergeflow.warning`` tag when the models did not beat it)."""
+    for task, info in infos.items():
+        prepared = TaskPaths(task).prepared
+        for split, context in SPLIT_CONTEXTS.items():
+            if (root / prepared / f"{split}.parquet").is_file():
+                log_dataset(mlflow, root, f"{prepared}/{split}.parquet", info, context)
     report = json.loads((root / DATA_METRICS).read_text())
-    mlflow.log_params({STANDARDIZED: str(report["standardized"]).lower()})
-    if "standardize_reason" in report:
-        mlflow.set_tag("mergeflow.standardize_reason", report["standardize_reason"])
+    reports = report if None not in infos else {None: report}  # a multi-task run's: by task
+    for task, own in reports.items():
+        prefix = "" if task is None else f"{task}."
+        mlflow.log_params({f"{prefix}{STANDARDIZED}": str(own["standardized"]).lower()})
+        if "standardize_reason" in own:
+            mlflow.set_tag(f"mergeflow.{prefix}standardize_reason", own["standardize_reason"])
     mlflow.log_metrics(_baseline_metrics(sanity))
     if sanity["warning"]:
         mlflow.set_tag("mergeflow.warning", sanity["warning"])
@@ -211,10 +217,13 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
     experiment = experiment_id(mlflow, config["tracking"]["experiment"], root)
     mlflow.set_experiment(experiment_id=experiment)  # nested child runs follow the active experiment
     metrics = json.loads((root / METRICS).read_text())
-    info = read_info(root)
-    example = input_example(root, info)
+    tasks = list(metrics["tasks"]) if is_summary(metrics) else [None]
+    infos = {task: read_info(root, TaskPaths(task).prepared) for task in tasks}
+    info = infos[tasks[0]]
+    example = input_example(root, info, TaskPaths(tasks[0]).prepared)
     # Which data: its name, and the test split's digest (models scored on the same split compare: `best`).
-    test_split = sha256_file(root / PREPARED / "test.parquet")[:16]
+    test_splits = [sha256_file(root / TaskPaths(task).prepared / "test.parquet") for task in tasks]
+    test_split = (test_splits[0] if len(tasks) == 1 else hashlib.sha256("".join(test_splits).encode()).hexdigest())[:16]
     data_tags = {"mergeflow.data": params["data"], "mergeflow.test_data": test_split, **_task_tags(metrics)}
     tags = {
         "mergeflow.kind": "pipeline",
@@ -238,7 +247,7 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
         if json.loads((root / SELECTION).read_text()):
             mlflow.log_artifact(str(root / SELECTION_PLOT), "plots")
         mlflow.log_metrics(_barrier_metrics(json.loads((root / ALIGN_METRICS).read_text())))
-        _log_data(mlflow, root, info, metrics[SANITY])
+        _log_data(mlflow, root, infos, metrics[SANITY])
         context = {
             "experiment": config["tracking"]["experiment"],
             "log_models": config["tracking"]["log_models"],
@@ -246,6 +255,7 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
             "data_tags": data_tags,
             "params_hash": tags["mergeflow.params_hash"],
             "info": info,
+            "infos": infos,
             "times": step_times(root),
             "registered": [],
             "not_registered": [],
