@@ -14,17 +14,18 @@ format) and :func:`summarise` turns those into the run's ``metrics/evaluate.json
         "avg_accuracy": 0.91, "avg_normalized_accuracy": 0.95, "avg_nll": 0.31
       },
       ...
-      "best_single": {<the row of the best single/<client>>, "client": "client_003"},
+      "best_single": {<the row of the best single/client_XXX>, "client": 3},
       "client_XXX": {"tasks": {"<its task>": {...}}, "avg_...": ...},
       "sanity": {"warning": "<t>: ..." or null, "tasks": {"<t>": <the task's sanity report>}},
       "splits": {"models": "test", "sanity": "test", "selection": "validation"}
     }
 
-Rows (``<model>``): every model scored on every task: ``base`` (the base body with a fresh head),
-``floor`` (the base body with the task's fine-tuned head), ``individual`` (the task's own fine-tuned
+Rows (``<model>``): every model scored on every task: ``base`` (the base model with the task's starting
+head), ``floor`` (the base body with the task's fine-tuned head), ``individual`` (the task's own fine-tuned
 model: its client, with several clients their mean score), ``centralized`` (the ceiling: one body
 trained jointly with a head per task; only when it ran), ``merged/<m>``, ``federated/<alg>`` and
-``single/client_XXX`` (optional: one client's body with each task's head, scored on every task);
+``single/client_XXX`` (optional: one client's fine-tuned body with each task's fine-tuned head, scored
+on every task);
 ``best_single`` is the best of those by the headline average. A client (``client_XXX``) is scored on
 its own task only: its row holds that task. ``tasks.<t>.clients`` are the global ids of the task's clients.
 
@@ -107,7 +108,7 @@ def summarise(per_task: Mapping[str, Mapping[str, dict]], objectives: Mapping[st
     singles = {name: summary[name] for name in everywhere if name.startswith(SINGLE)}
     if singles:
         best = _best(singles, headline(summary))
-        summary[BEST_SINGLE] = {**singles[best], "client": best.removeprefix(SINGLE)}
+        summary[BEST_SINGLE] = {**singles[best], "client": int(best.removeprefix(f"{SINGLE}client_"))}
     for task in tasks:
         for name in clients[task]:
             summary[name] = _row({task: scored[task][name]}, individual)

@@ -79,7 +79,7 @@ def test_a_run_without_a_ceiling_has_no_centralized_row():
 def test_the_best_single_client_is_the_best_on_average_over_every_task():
     summary = summarise(_per_task(singles=True), OBJECTIVES)
     best = max((f"single/client_{c:03d}" for c in range(3)), key=lambda name: summary[name]["avg_normalized_accuracy"])
-    assert summary["best_single"] == {**summary[best], "client": best.removeprefix("single/")}
+    assert summary["best_single"] == {**summary[best], "client": int(best.removeprefix("single/client_"))}
     assert "best_single" not in summarise(_per_task(), OBJECTIVES)  # only when clients are scored on every task
 
 
