@@ -156,10 +156,7 @@ def evaluate(params: dict[str, Any], root: Path, out: Path, settings: dict[str, 
     plot_comparison(metrics, out / PLOT, task=objective.name)
     for kind, rows in headline_metrics(metrics, objective.declaration.headline).items():
         write_json(out / HEADLINE.format(kind=kind), rows)
-    selection = _selections(root, params["methods"])
-    write_json(out / SELECTION, selection)
-    if selection:
-        plot_selection(selection, out / SELECTION_PLOT)
+    _write_selection(root, out, params["methods"], SINGLE_TASK)
     return {"best_client": best, "warning": sanity["warning"]}
 
 
@@ -168,8 +165,8 @@ def summarise_tasks(params: dict[str, Any], root: Path, out: Path, _settings: di
     the comparison plot and the DVC headline metrics; and the searched merges' choices."""
     per_task = {task: json.loads((root / path).read_text()) for task, path in params["tasks"].items()}
     summary = report_tasks(per_task, dict.fromkeys(per_task, params["objective"]), out)
-    selections = {task: _selections(root, params["methods"], TaskPaths(task)) for task in per_task}
-    write_json(out / SELECTION, {m: {t: s[m] for t, s in selections.items()} for m in next(iter(selections.values()))})
+    # Every task's merged model records the same choice, on the average normalised validation accuracy.
+    _write_selection(root, out, params["methods"], TaskPaths(next(iter(per_task))))
     return {"tasks": len(per_task), "models": len(summary.get("models", {}))}
 
 
@@ -197,7 +194,15 @@ def headline_metrics(metrics: dict[str, dict[str, Any]], headline: str) -> dict[
     return _by_kind(metrics, (headline, "nll", "ece"))
 
 
-def _selections(root: Path, methods: list[str], paths: TaskPaths = SINGLE_TASK) -> dict[str, dict]:
+def _write_selection(root: Path, out: Path, methods: list[str], paths: TaskPaths) -> None:
+    """``metrics/selection.json`` (the searched merges' candidates and choices) and, for a search, its plot."""
+    selection = _selections(root, methods, paths)
+    write_json(out / SELECTION, selection)
+    if selection:
+        plot_selection(selection, out / SELECTION_PLOT)
+
+
+def _selections(root: Path, methods: list[str], paths: TaskPaths) -> dict[str, dict]:
     """The searched merges' candidates, validation scores and choices, from their checkpoints (one task's)."""
     metas = {name: load_checkpoint_meta(root / paths.merged_checkpoint(name)) for name in methods}
     return {name: meta["selection"] for name, meta in metas.items() if "selection" in meta}

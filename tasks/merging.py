@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mergeflow.heads import head_names
 from pydantic import BaseModel
 from safetensors.torch import load_file
 
 from mergeflow.checkpoints import checkpoint_header, load_checkpoint, load_checkpoint_meta, save_checkpoint
 from mergeflow.config import Params
+from mergeflow.heads import head_names
 from mergeflow.merge.engine import Scorer, run_merge
 from mergeflow.merge.streaming import merge_files
 from mergeflow.merge.tasks import merge_tasks
@@ -132,6 +132,8 @@ def _task_merge_step(params: Params, name: str, method: str, validated: BaseMode
 
 
 _VALIDATION_FILES = ("validation.parquet", "info.json")
+# What a multi-task search chooses by: the mean over tasks of the validation accuracy ÷ the task's own model's.
+_SELECT_BY = "avg_normalized_accuracy"
 
 
 def _task_clients(params: Params) -> dict[str, list[int]]:
@@ -245,23 +247,27 @@ def select_task_candidate(params: dict[str, Any], root: Path, out: Path, _settin
     scores = [normalised_validation_score(validation[c], individual) for c in params["candidates"]]
     best = max(range(len(scores)), key=lambda k: (scores[k], -k))
     chosen = params["candidates"][best]
+    options = [
+        load_checkpoint_meta(root / TaskPaths(tasks[0]).candidate_checkpoint(name, c))["options"]
+        for c in params["candidates"]
+    ]
+    selection = {
+        "split": "validation",
+        "select_by": _SELECT_BY,
+        "searched": params["searched"],
+        "chosen": best,
+        "candidates": [
+            {
+                "options": own,
+                "validation": {_SELECT_BY: score}
+                | {f"{task}.{key}": value for task in tasks for key, value in validation[c][task].items()},
+            }
+            for c, own, score in zip(params["candidates"], options, scores, strict=True)
+        ],
+    }
     for task in tasks:
         state, meta = load_checkpoint(root / TaskPaths(task).candidate_checkpoint(name, chosen))
-        meta["selection"] = {
-            "split": "validation",
-            "select_by": "avg_normalized_accuracy",
-            "searched": params["searched"],
-            "chosen": best,
-            "candidates": [
-                {
-                    "options": load_checkpoint_meta(root / TaskPaths(task).candidate_checkpoint(name, c))["options"],
-                    "avg_normalized_validation": s,
-                    "validation": validation[c][task],
-                }
-                for c, s in zip(params["candidates"], scores, strict=True)
-            ],
-        }
-        save_checkpoint(out / TaskPaths(task).merged_checkpoint(name), state, meta)
+        save_checkpoint(out / TaskPaths(task).merged_checkpoint(name), state, meta | {"selection": selection})
     return {"chosen": chosen, "avg_normalized_validation": scores[best]}
 
 

@@ -37,8 +37,6 @@ from tasks.layout import (
     SELECTION_PLOT,
     TaskPaths,
     client_checkpoint,
-    global_checkpoint,
-    merged_checkpoint,
 )
 from tasks.mlflow_flavours import input_example
 from tasks.mlflow_logging import experiment_id, flatten, log_params
@@ -48,7 +46,7 @@ from tasks.provenance import run_started, step_devices, step_times
 from tasks.reports import SANITY
 from tasks.steps import Step
 from tasks.store import STATE_DIR, hash_paths, sha256_file
-from tasks.tracking_params import data_label, params_in_use, run_name
+from tasks.tracking_params import data_label, params_in_use, run_name, tasks_label
 
 # Files logged as artifacts of the parent run.
 _ARTIFACTS = (
@@ -71,15 +69,17 @@ _REFERENCES = ("base", "centralized", "ensemble", "best_client", "floor", "indiv
 
 def plan_track(params: Params) -> list[Step]:
     """One step that logs the whole pipeline's results to MLflow."""
-    clients = tuple(client_checkpoint(c) for c in range(params.partition.num_clients))
-    merged = tuple(merged_checkpoint(m) for m in params.merge.methods)
+    clients = tuple(client_checkpoint(ref.index) for ref in params.clients)
+    tasks = [TaskPaths(task) for task in params.task_names]
+    merged = tuple(paths.merged_checkpoint(m) for m in params.merge.methods for paths in tasks)
     step_params = {
         "params": params.model_dump(mode="json", exclude={"orchestration"}),
         "in_use": params_in_use(params),  # what the pipeline run logs as its params
-        "data": data_label(params),
+        "data": tasks_label(params.tasks) if params.multitask else data_label(params),
         "uri": os.environ.get("MLFLOW_TRACKING_URI", "local"),
     }
-    federated = tuple(global_checkpoint(name, params.federated.rounds) for name in params.federated.algorithms)
+    rounds = params.federated.rounds
+    federated = tuple(paths.global_checkpoint(a, rounds) for a in params.federated.algorithms for paths in tasks)
     inputs = (*_ARTIFACTS, *clients, *merged, *federated)
     # A hit only while the store still holds the logged runs: a pulled clone's or an emptied store is filled.
     # The record of a run logged to a server travels with the data: a clone that logs there too finds it.
