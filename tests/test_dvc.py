@@ -26,21 +26,6 @@ LIGHT = {
 }
 
 
-@pytest.fixture(scope="module")
-def dvc_env(cli_env, tmp_path_factory) -> dict[str, str]:
-    """The CLI environment, with DVC's global and system config (and its site cache) in empty directories."""
-    home = tmp_path_factory.mktemp("dvc-home")
-    dirs = {name: home / name for name in ("global", "system", "site")}
-    for path in dirs.values():
-        path.mkdir()
-    return cli_env | {
-        "DVC_GLOBAL_CONFIG_DIR": str(dirs["global"]),
-        "DVC_SYSTEM_CONFIG_DIR": str(dirs["system"]),
-        "DVC_SITE_CACHE_DIR": str(dirs["site"]),
-        "DVC_NO_ANALYTICS": "1",
-    }
-
-
 def test_committed_dvc_yaml_is_generated_from_the_registry():
     assert (ROOT / "dvc.yaml").read_text() == render(), "run `mergeflow dvc-yaml --write`"
 

@@ -1,0 +1,121 @@
+"""Multi-task runs: tasks with their own labels and heads, bodies merged with each task's head kept, every task
+scored on its own test split (absolute and normalised), searches chosen on validation; the digits preset end to end
+with DVC and MLflow."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+import yaml
+from conftest import ROOT, ran_steps, run_cli, schema_defaults
+from safetensors.torch import load_file
+from test_dvc import _copy_project, _dvc
+
+from mergeflow.config import validate_params
+from mergeflow.data.errors import DataError
+from mergeflow.data.relabel import relabel_raw
+from mergeflow.data.rows import RawData
+from mergeflow.errors import ConfigError
+
+PRESET = yaml.safe_load((ROOT / "experiments/multitask_digits.yaml").read_text())
+TASKS = list(PRESET["tasks"])
+
+
+def _raw(y: list[int]) -> RawData:
+    features = pa.table({"x": pa.array([float(v) for v in range(len(y))])})
+    info = {"num_classes": 4, "class_names": ["a", "b", "c", "d"], "task": "classification"}
+    return RawData(features, np.array(y), None, info, np.arange(len(y)))
+
+
+def test_relabelling_keeps_the_mapped_rows_and_renumbers_the_task_classes():
+    raw = relabel_raw(_raw([0, 1, 2, 3, 2, 0]), {0: 5, 2: 5, 3: 9})
+    assert raw.y.tolist() == [0, 0, 1, 0, 0]
+    assert raw.source_rows.tolist() == [0, 2, 3, 4, 5]
+    assert raw.features.column("x").to_pylist() == [0.0, 2.0, 3.0, 4.0, 5.0]
+    assert raw.info["num_classes"] == 2 and raw.info["class_names"] == ["a+c", "d"]
+    with pytest.raises(DataError, match="no class 7"):
+        relabel_raw(_raw([0, 1]), {0: 0, 7: 1})
+
+
+@pytest.mark.parametrize(
+    ("changes", "key"),
+    [
+        ({"align": {"method": "weights"}}, "align.method"),
+        ({"merge": {"methods": ["exact"]}}, "merge.methods"),
+        ({"tasks": {"Low": {}}}, "tasks.Low"),
+        ({"tasks": {"low": {"labels": {0: 0}}}}, "tasks.low.labels"),
+        ({"tasks": {"low": {"data": {"source": "digitz"}}}}, "tasks.low.data.source"),
+        ({"tasks": {"low": {"data": {"source": "linreg"}, "labels": {0: 0, 1: 1}}}}, "tasks.low.labels"),
+    ],
+)
+def test_a_multi_task_run_refuses_what_needs_one_head_in_one_line_naming_the_key(changes, key):
+    raw = {"tasks": {"low": {"labels": {0: 0, 1: 1}}, "high": {"labels": {8: 0, 9: 1}}}} | changes
+    with pytest.raises(ConfigError) as error:
+        validate_params(raw)
+    assert len(error.value.lines) == 1 and f": {key}: " in error.value.lines[0], error.value.lines
+
+
+def test_clients_are_numbered_across_tasks():
+    params = validate_params({"tasks": {"a": {"labels": {0: 0, 1: 1}, "clients": 2}, "b": {"labels": {2: 0, 3: 1}}}})
+    assert [(c.index, c.task, c.local) for c in params.clients] == [(0, "a", 0), (1, "a", 1), (2, "b", 0)]
+
+
+@pytest.fixture(scope="module")
+def preset_run(tmp_path_factory, dvc_env):
+    """The multi-task digits preset as a project's params.yaml (every other key at its default, as DVC needs),
+    run once cold; the project and the finished run."""
+    project = _copy_project(tmp_path_factory.mktemp("multitask"), dvc_env)
+    params = schema_defaults()
+    for section, value in PRESET.items():
+        params[section] = params[section] | value if isinstance(value, dict) and section != "tasks" else value
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    done = run_cli(["run"], project, dvc_env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return project, dvc_env
+
+
+@pytest.mark.slow
+def test_the_digits_preset_keeps_every_tasks_head_and_reports_normalised_accuracy(preset_run):
+    project, env = preset_run
+    clients = {task: f"client_{k:03d}" for k, task in enumerate(TASKS)}  # one client per task, in order
+    for method in PRESET["merge"]["methods"]:
+        for task, client in clients.items():
+            merged = load_file(project / f"models/merged/tasks/{task}/{method}.safetensors")
+            own = load_file(project / f"models/clients/{client}.safetensors")
+            # The head (the last layer) is the task's client's, bit for bit; the body is merged.
+            assert torch.equal(merged["3.weight"], own["3.weight"]) and torch.equal(merged["3.bias"], own["3.bias"])
+            assert not torch.equal(merged["1.weight"], own["1.weight"]), (method, task)
+    summary = json.loads((project / "metrics/evaluate.json").read_text())
+    assert set(summary["tasks"]) == set(TASKS)
+    for name in ("floor", "individual", "centralized", *(f"merged/{m}" for m in PRESET["merge"]["methods"])):
+        row = summary[name]
+        for task in TASKS:
+            scores = row["tasks"][task]
+            own = json.loads((project / f"metrics/tasks/{task}/evaluate.json").read_text())
+            assert scores["accuracy"] == own[name]["accuracy"]
+            assert scores["normalized_accuracy"] == pytest.approx(own[name]["accuracy"] / own["individual"]["accuracy"])
+        assert row["avg_accuracy"] == pytest.approx(np.mean([row["tasks"][t]["accuracy"] for t in TASKS]))
+        normalized = [row["tasks"][t]["normalized_accuracy"] for t in TASKS]
+        assert row["avg_normalized_accuracy"] == pytest.approx(np.mean(normalized))
+        assert row["avg_accuracy"] > 0.8, name  # far above chance (1/5 and 1/2 per task)
+    assert summary["splits"]["models"] == "test"
+    headline = json.loads((project / "metrics/headline/merged.json").read_text())
+    assert set(headline) == set(PRESET["merge"]["methods"]) and "avg_normalized_accuracy" in headline["average"]
+
+    selection = json.loads((project / "metrics/selection.json").read_text())
+    for name, record in selection.items():
+        assert record["split"] == "validation" and record["select_by"] == "avg_normalized_accuracy"
+        scores = [c["validation"]["avg_normalized_accuracy"] for c in record["candidates"]]
+        assert record["chosen"] == int(np.argmax(scores)), name
+
+    assert _dvc(["status"], project, env).stdout.strip() == "Data and pipelines are up to date."
+    best = run_cli(["best"], project, env)
+    assert best.returncode == 0 and "test_avg_normalized_accuracy" in best.stdout, best.stdout + best.stderr
+    assert all(method in best.stdout for method in PRESET["merge"]["methods"][:3])
+
+    again = run_cli(["run"], project, env)
+    assert again.returncode == 0 and ran_steps(project) == set(), again.stderr[-2000:]
