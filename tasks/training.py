@@ -46,8 +46,11 @@ def _fit(
 
 
 def plan_pretrain(params: Params) -> list[Step]:
-    """One step: the shared base model."""
-    step_params = {"seed": params.seed, "model": params.section("model"), "pretrain": params.section("pretrain")}
+    """One step: the shared base model; none when ``pretrain.checkpoint`` gives it (:mod:`tasks.given` plans that)."""
+    if params.pretrain.checkpoint is not None:
+        return []
+    pretraining = params.pretrain.model_dump(mode="json", exclude={"checkpoint"})  # the keys of steps made before it
+    step_params = {"seed": params.seed, "model": params.section("model"), "pretrain": pretraining}
     return [
         Step(
             "pretrain",
@@ -130,7 +133,8 @@ def _precision(params: Params) -> dict[str, str]:
 
 
 def plan_finetune(params: Params) -> list[Step]:
-    """One step per client, keyed by that client's own settings and partition only."""
+    """One step per client trained here (not given in ``finetune.checkpoints``: :mod:`tasks.given` plans those),
+    keyed by that client's own settings and partition only."""
     return [
         Step(
             f"finetune/client_{client:03d}",
@@ -146,6 +150,7 @@ def plan_finetune(params: Params) -> list[Step]:
             members=params.model_members,
         )
         for client in range(params.partition.num_clients)
+        if client not in params.finetune.checkpoints
     ]
 
 
