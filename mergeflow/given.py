@@ -15,6 +15,7 @@ import json
 import os
 import re
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,10 +114,13 @@ def detect_kind(path: Path) -> str:
             return PEFT_LORA
         if (path / "config.json").is_file() and ((path / WEIGHTS).is_file() or (path / INDEX).is_file()):
             return HF_DIRECTORY
-        found = "config.json but no safetensors weights" if (path / "config.json").is_file() else "no config.json"
+        found = (
+            f"config.json but no {WEIGHTS}: pickled weights are never read"
+            if (path / "config.json").is_file()
+            else "no config.json"
+        )
         raise ValueError(
-            f"{path}: not a Hugging Face model directory ({found}: pickled weights are never read) "
-            f"nor a PEFT adapter directory (no {ADAPTER_CONFIG})"
+            f"{path}: not a Hugging Face model directory ({found}) nor a PEFT adapter directory (no {ADAPTER_CONFIG})"
         )
     _, metadata = read_header(path)
     if _META_KEY not in metadata:
@@ -194,34 +198,73 @@ def adapter_config(path: Path) -> dict[str, Any]:
 
 def given_problems(params: Params, *, fetch: bool = False) -> list[str]:
     """``key: why`` for every given source that cannot be used: not found, of an unknown format, a Hub name offline,
-    of another model family, a base that is no mergeflow checkpoint, an adapter of another base (or of a base that
-    this run trains further). Hub names not cached are downloaded when ``fetch``, else left to the run."""
-    problems = []
+    of another model family or architecture, with other parameter names or shapes than the first given model
+    (the base first), a base that is no mergeflow checkpoint, an adapter of another base (or of a base that this
+    run trains further). Hub names not cached are downloaded when ``fetch``, else left to the run. What needs the
+    data (a head for another number of classes, the base made here) is checked by the step that reads the source."""
+    problems, reference = [], None
     for key, source in given_keys(params).items():
         try:
             given = resolve(key, source, fetch=fetch)
-            if given is not None:
-                _check_kind(params, given)
+            if given is None:
+                continue
+            _check_kind(params, given)
+            if given.kind != PEFT_LORA:
+                layout = tensor_layout(given)
+                if reference is None:
+                    reference = (key, layout)
+                else:
+                    _check_same_layout(layout, *reference)
         except ValueError as error:
             problems.append(f"{key}: {error}")
     return problems
+
+
+def tensor_layout(given: Given) -> dict[str, tuple[int, ...]]:
+    """The shapes of a checkpoint's or model directory's tensors by name, from the headers of its files."""
+    layout: dict[str, tuple[int, ...]] = {}
+    for file in given.files:
+        if file.endswith(".safetensors"):
+            layout |= read_header(Path(file))[0]
+    return layout
+
+
+def _check_same_layout(layout: dict[str, tuple[int, ...]], key: str, reference: dict[str, tuple[int, ...]]) -> None:
+    """Raise ValueError unless ``layout`` has ``reference``'s names (below a common prefix) and shapes."""
+    prefix, theirs = common_prefix(reference, layout), ""
+    if not prefix:
+        theirs = common_prefix(layout, reference)
+    mine = {name.removeprefix(theirs): shape for name, shape in layout.items()}
+    names = {prefix + name: shape for name, shape in mine.items()}
+    missing = [name for name in reference if name not in names]
+    unknown = [name for name in names if name not in reference]
+    if missing or unknown:
+        first = (missing or unknown)[0]
+        raise ValueError(
+            f"its parameter names are not those of {key} ({len(missing)} missing, {len(unknown)} unknown: {first}, …)"
+        )
+    for name, shape in names.items():
+        if shape != reference[name]:
+            raise ValueError(f"{name} has shape {shape}, and {key}'s {reference[name]}")
+
+
+def common_prefix(ours: Iterable[str], names: Iterable[str]) -> str:
+    """The prefix below which ``ours`` holds the most of ``names`` (a wrapper's, such as ``model.``; empty when none
+    fits better)."""
+    ours, names = set(ours), set(names)
+    candidates = {""}
+    for key in ours:
+        candidates |= {key[: len(key) - len(name)] for name in names if key.endswith("." + name)}
+        if len(candidates) > 1:
+            break
+    return max(sorted(candidates), key=lambda prefix: sum(prefix + name in ours for name in names))
 
 
 def _check_kind(params: Params, given: Given) -> None:
     """Raise ValueError if the run's model family or base rule the source out."""
     family = params.model.family
     if given.kind == MERGEFLOW:
-        arch = checkpoint_spec(given.path).get("arch")
-        if arch is None:
-            raise ValueError(f"{given.path}: its header holds no model spec")
-        from mergeflow.schema.families import family_of_arch
-
-        try:
-            theirs = family_of_arch(arch).name
-        except ValueError:
-            theirs = None
-        if theirs != family.name:
-            raise ValueError(f"a model of arch {arch!r}, and model.arch is {params.model.arch!r}")
+        _check_spec(params, checkpoint_spec(given.path))
         return
     if given.key == "pretrain.checkpoint":
         where = f"as {family.pretrained_key}" if family.pretrained_key else "as a client (finetune.checkpoints)"
@@ -230,6 +273,25 @@ def _check_kind(params: Params, given: Given) -> None:
         raise ValueError(f"a {given.kind.replace('_', ' ')} needs model.arch transformers, not {params.model.arch!r}")
     if given.kind == PEFT_LORA:
         _check_adapter(params, given)
+
+
+def _check_spec(params: Params, spec: dict[str, Any]) -> None:
+    """A mergeflow checkpoint's spec is of the run's model: its family, and the values of the ``model`` keys it
+    records (``arch``, an MLP's ``widths`` and ``activation``)."""
+    from mergeflow.schema.families import family_of_arch
+
+    if "arch" not in spec:
+        raise ValueError("its header holds no model spec")
+    try:
+        family = family_of_arch(spec["arch"]).name
+    except ValueError:
+        family = None
+    if family != params.model.family.name:
+        raise ValueError(f"a model of arch {spec['arch']!r}, and model.arch is {params.model.arch!r}")
+    model = params.section("model")
+    for key, value in model.items():
+        if key in spec and not isinstance(value, dict) and spec[key] != value:
+            raise ValueError(f"a model of {key} {spec[key]!r}, and model.{key} is {value!r}: another architecture")
 
 
 def _check_adapter(params: Params, given: Given) -> None:

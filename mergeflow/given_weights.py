@@ -9,14 +9,14 @@ folded onto the base's weights (:func:`mergeflow.lora_fold.fold_lora`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from mergeflow.checkpoints import load_checkpoint
 from mergeflow.errors import MergeflowError
-from mergeflow.given import ADAPTER_WEIGHTS, HF_DIRECTORY, MERGEFLOW, PEFT_LORA, Given, adapter_config
+from mergeflow.given import ADAPTER_WEIGHTS, HF_DIRECTORY, MERGEFLOW, PEFT_LORA, Given, adapter_config, common_prefix
 from mergeflow.hf_checkpoints import open_checkpoint
 from mergeflow.lora_fold import fold_lora, touched
 
@@ -62,7 +62,7 @@ def _read_all(given: Given, path=None) -> State:
 def _folded(given: Given, base: Mapping[str, torch.Tensor]) -> State:
     """An adapter folded onto the base, under the base's names."""
     adapter = _read_all(given, given.path / ADAPTER_WEIGHTS)
-    prefix = _prefix(base, touched(adapter))
+    prefix = common_prefix(base, touched(adapter))
     theirs = {key.removeprefix(prefix): value for key, value in base.items()}
     return {prefix + key: value for key, value in fold_lora(theirs, adapter, adapter_config(given.path)).items()}
 
@@ -70,20 +70,9 @@ def _folded(given: Given, base: Mapping[str, torch.Tensor]) -> State:
 def _renamed(state: State, base: Mapping[str, torch.Tensor]) -> State:
     """A model directory's tensors under the base's names (its own names below the base's common prefix), in the
     base's dtypes."""
-    prefix = _prefix(base, state)
+    prefix = common_prefix(base, state)
     renamed = {prefix + key: value for key, value in state.items()}
     return {key: value.to(base[key].dtype) if key in base else value for key, value in renamed.items()}
-
-
-def _prefix(base: Mapping[str, torch.Tensor], names: Iterable[str]) -> str:
-    """The prefix under which the base holds the most of ``names`` (empty when none fits better)."""
-    names = set(names)
-    candidates = {""}
-    for key in base:
-        candidates |= {key[: len(key) - len(name)] for name in names if key.endswith("." + name)}
-        if len(candidates) > 1:
-            break
-    return max(sorted(candidates), key=lambda prefix: sum(prefix + name in base for name in names))
 
 
 def _check_outputs(outputs: int | None, base_spec: dict[str, Any]) -> None:
