@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,6 +60,29 @@ def test_given_copies_of_trained_clients_give_bit_identical_merges(runs):
     assert meta["given"]["kind"] == "mergeflow" and meta["given"]["source"] == str(copies[1])
     assert list(meta["given"]["files"]) == [str(copies[1])]
     assert meta["num_examples"] == load_checkpoint(trained / "models/clients/client_001.safetensors")[1]["num_examples"]
+
+
+def test_a_pipeline_given_its_base_and_every_client_trains_none_of_them_and_merges_the_same(runs, cli_env, tmp_path):
+    trained, *_ = runs
+    given = tmp_path / "given"
+    given.mkdir()
+    for name in ("base/base", *(f"clients/client_{c:03d}" for c in range(3))):
+        (given / f"{Path(name).name}.safetensors").write_bytes((trained / f"models/{name}.safetensors").read_bytes())
+    params = fast_params(**QUICK)
+    params["pretrain"]["checkpoint"] = str(given / "base.safetensors")
+    params["finetune"]["checkpoints"] = {c: str(given / f"client_{c:03d}.safetensors") for c in range(3)}
+    workspace = make_workspace(tmp_path / "run", params)
+    done = run_cli(["run"], workspace, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours, theirs = _merged(trained), _merged(workspace)
+    assert all(torch.equal(ours[m][key], theirs[m][key]) for m in METHODS for key in ours[m])
+    base, meta = load_checkpoint(workspace / "models/base/base.safetensors")
+    assert meta["given"]["kind"] == "mergeflow" and meta["role"] == "base"
+    trained_base = load_checkpoint(trained / "models/base/base.safetensors")[0]
+    assert all(torch.equal(base[key], trained_base[key]) for key in trained_base)
+    steps = {step["name"]: step for step in json.loads((workspace / ".mergeflow/last_run.json").read_text())["steps"]}
+    read = ("pretrain", *(f"finetune/client_{c:03d}" for c in range(3)))  # read, none trained
+    assert all(steps[name]["summary"]["given"] == "mergeflow" for name in read)
 
 
 def test_the_client_run_in_mlflow_records_where_it_came_from(runs):
