@@ -31,19 +31,22 @@ BASE_KEY = "pretrain.checkpoint"
 
 def plan_given_clients(params: Params) -> list[Step]:
     """One step per client of ``finetune.checkpoints``, keyed by its files, its partition and the base model."""
-    steps = []
-    for client, source in sorted(params.finetune.checkpoints.items()):
-        given = _resolved(f"finetune.checkpoints.{client}", source)
-        steps.append(
-            Step(
-                f"finetune/client_{client:03d}",
-                "tasks.given:import_client",
-                {"client": client, **_given_params(given)},
-                inputs=(BASE, client_file(client), f"{PARTITIONS}/info.json", *given.files),
-                members=params.model_members,
-            )
-        )
-    return steps
+    return [
+        given_client_step(params, client, f"finetune.checkpoints.{client}", source)
+        for client, source in sorted(params.finetune.checkpoints.items())
+    ]
+
+
+def given_client_step(params: Params, client: int, key: str, source: str) -> Step:
+    """The step that makes client ``client`` (its global id) from ``source``, given as params ``key``."""
+    given = _resolved(key, source)
+    return Step(
+        f"finetune/client_{client:03d}",
+        "tasks.given:import_client",
+        {"client": client, **_given_params(given)},
+        inputs=(BASE, client_file(client), f"{PARTITIONS}/info.json", *given.files),
+        members=params.model_members,
+    )
 
 
 def plan_given_base(params: Params) -> list[Step]:
