@@ -170,7 +170,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "dvc-yaml":
         from tasks.dvcfile import render
 
-        text = render()
+        text = render(_given_files(Path("params.yaml")))
         if args.write:
             Path("dvc.yaml").write_text(text)
         else:
@@ -211,6 +211,17 @@ def _dispatch(args: argparse.Namespace) -> int:
         sys.stdout.write(render_methods() if args.command == "methods" else render_algorithms())
         return 0
     return _ui(args)
+
+
+def _given_files(params_file: Path) -> dict[str, tuple[str, ...]]:
+    """The files of the models ``params_file`` gives (the deps DVC adds to the stages that read them); none without
+    the file."""
+    if not params_file.is_file():
+        return {}
+    from mergeflow.config import load_params
+    from mergeflow.given import given_files
+
+    return given_files(load_params(str(params_file)))
 
 
 def _best(args: argparse.Namespace) -> int:

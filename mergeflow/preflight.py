@@ -5,11 +5,13 @@ span sections, so it can run inside the flow and at every sweep point for free. 
 name outside themselves is checked here, each problem one line that names its key:
 
 - :func:`check_paths`: what the data source reads (its ``preflight``: a table's local files, the
-  WordNet database), a pretrained model's directory (or, for a hub name, its cache or the Hub); no
-  torch, so ``mergeflow validate`` stays fast;
+  WordNet database), a pretrained model's directory (or, for a hub name, its cache or the Hub), the
+  models given instead of made (:func:`mergeflow.given.given_problems`); no torch, so ``mergeflow
+  validate`` stays fast;
 - :func:`check_model`: LoRA target modules against the model's architecture, built on the meta
   device (it imports torch and transformers, so ``mergeflow run`` does it and ``validate`` does not),
-  and the device and precision the params ask for (:func:`check_device`).
+  the device and precision the params ask for (:func:`check_device`), and given models named on the
+  Hub, downloaded now.
 
 The reading of the user's table itself (columns, labels, missing values) is
 :func:`mergeflow.data.check.check_inputs`'s.
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from mergeflow.config import Params
 from mergeflow.errors import ConfigError
+from mergeflow.given import given_problems
 
 
 def check_paths(params: Params, source: str = "params") -> None:
@@ -38,6 +41,7 @@ def check_paths(params: Params, source: str = "params") -> None:
             lines.append(f"{source}: {params.model.family.pretrained_key}: {problem}")
         else:
             lines += [f"{source}: {line}" for line in _alignment_problems(params)]
+    lines += [f"{source}: {problem}" for problem in given_problems(params)]
     if lines:
         raise ConfigError(lines)
 
@@ -53,9 +57,13 @@ def check_model(params: Params, source: str = "params") -> None:
     """LoRA's target modules name modules of the model (built on the meta device: no weights, no memory).
 
     Raises:
-        ConfigError: naming ``finetune.lora.target_modules``, ``orchestration.device`` or ``finetune.precision``.
+        ConfigError: naming ``finetune.lora.target_modules``, ``orchestration.device``, ``finetune.precision`` or a
+            given model that cannot be downloaded.
     """
     check_device(params, source)
+    problems = given_problems(params, fetch=True)
+    if problems:
+        raise ConfigError([f"{source}: {problem}" for problem in problems])
     if params.finetune.lora is None:  # the schema allows LoRA only for a family of language models
         return
     from mergeflow.models.lora import missing_modules

@@ -103,18 +103,30 @@ def _made_when(root: Path, context: dict[str, Any], relative: str) -> tuple[int,
 
 
 def log_client(mlflow, root: Path, client: int, metrics: dict[str, Any], context: dict[str, Any]) -> None:
-    """A client's run: its partition, training settings, loss curve and test metrics."""
+    """A client's run: its partition, training settings, loss curve and test metrics; for a client given instead of
+    trained, where it came from (``given.source``, ``given.kind``, ``given.sha256``) instead of its training."""
     _, meta = load_checkpoint(root / client_checkpoint(client))
     info = context["infos"][meta.get("task")]  # its task's data (a multi-task run's)
     tags = {"mergeflow.kind": "client", "mergeflow.diverged": str(bool(meta.get("diverged"))).lower()}
     tags |= context["data_tags"] | _device_tags(root, context, client_checkpoint(client))
     name = f"client_{client:03d}"
+    given = meta.get("given")
     with _child_run(mlflow, name, tags, _made_when(root, context, client_checkpoint(client))):
         mlflow.set_tag("mergeflow.client", str(client))
         log_dataset(mlflow, root, client_file(client), info, "training")
-        log_params(mlflow, {**flatten(meta["train"]), "num_examples": str(meta["num_examples"])})
-        log_curves(mlflow, {"train_loss": meta["step_losses"]})
+        made = flatten(meta["train"]) if given is None else given_params(given)
+        log_params(mlflow, {**made, "num_examples": str(meta["num_examples"])})
+        log_curves(mlflow, {"train_loss": meta.get("step_losses", [])})
         mlflow.log_metrics(test_metrics(metrics[f"client_{client:03d}"]))
+
+
+def given_params(given: dict[str, Any]) -> dict[str, str]:
+    """Where a given client came from, as run params: its source, kind, and its files' sha256 (one digest for a
+    single file, else ``file=digest`` pairs by file name)."""
+    files = given["files"]
+    digests = [f"{Path(file).name}={digest}" for file, digest in files.items()]
+    sha256 = next(iter(files.values())) if len(files) == 1 else ",".join(digests)
+    return {"given.source": given["source"], "given.kind": given["kind"], "given.sha256": sha256}
 
 
 def _log_selection(mlflow, selection: dict[str, Any]) -> None:

@@ -107,16 +107,17 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="pretrain",
-        summary="Train the shared base model on the server split (or initialise it).",
-        phases=("tasks.training:plan_pretrain",),
+        summary="Train the shared base model on the server split (or initialise it, or read the given one).",
+        phases=("tasks.training:plan_pretrain", "tasks.given:plan_given_base"),
         deps=("data/prepared",),
         params=("seed", "model", "pretrain"),
         outs=("models/base",),
     ),
     Stage(
         name="finetune",
-        summary="Fine-tune one model per client from the base model (one cached task per client).",
-        phases=("tasks.training:plan_finetune",),
+        summary="Fine-tune one model per client from the base model, or read the given ones (one cached task per "
+        "client).",
+        phases=("tasks.training:plan_finetune", "tasks.given:plan_given_clients"),
         deps=("models/base", "data/partitions"),
         params=("seed", "finetune"),
         outs=("models/clients",),

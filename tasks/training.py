@@ -58,8 +58,12 @@ def _fit(
 
 
 def plan_pretrain(params: Params) -> list[Step]:
-    """One step: the shared base model (in a multi-task run, its body with each task's own head)."""
-    step_params = {"seed": params.seed, "model": params.section("model"), "pretrain": params.section("pretrain")}
+    """One step: the shared base model (in a multi-task run, its body with each task's own head); none when
+    ``pretrain.checkpoint`` gives it (:mod:`tasks.given` plans that)."""
+    if params.pretrain.checkpoint is not None:
+        return []
+    pretraining = params.pretrain.model_dump(mode="json", exclude={"checkpoint"})  # the keys of steps made before it
+    step_params = {"seed": params.seed, "model": params.section("model"), "pretrain": pretraining}
     if params.multitask:
         step_params["tasks"] = list(params.tasks)
     fn = "tasks.training:pretrain_tasks" if params.multitask else "tasks.training:pretrain"
@@ -183,10 +187,12 @@ def _precision(params: Params) -> dict[str, str]:
 
 
 def plan_finetune(params: Params) -> list[Step]:
-    """One step per client, keyed by that client's own settings and partition only (and, in a multi-task run,
-    its task's base)."""
+    """One step per client trained here (not given in ``finetune.checkpoints``: :mod:`tasks.given` plans those),
+    keyed by that client's own settings and partition only (and, in a multi-task run, its task's base)."""
     steps = []
     for ref in params.clients:
+        if ref.index in params.finetune.checkpoints:
+            continue
         paths = TaskPaths(ref.task)
         step_params = {
             "seed": params.seed,

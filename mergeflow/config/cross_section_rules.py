@@ -12,11 +12,12 @@ from mergeflow.schema.federated import participants_per_round
 def check_cross_section_rules(params: Params) -> None:
     """Raise ``ValueError`` (its message ``key: problem``) for the first rule between sections that ``params`` break."""
     check_tasks(params)
-    for cid in params.finetune.clients:
-        if not 0 <= cid < params.partition.num_clients:
-            raise ValueError(
-                f"finetune.clients.{cid}: no such client (partition.num_clients is {params.partition.num_clients})"
-            )
+    for key, clients in (("clients", params.finetune.clients), ("checkpoints", params.finetune.checkpoints)):
+        for cid in clients:
+            if not 0 <= cid < params.partition.num_clients:
+                raise ValueError(
+                    f"finetune.{key}.{cid}: no such client (partition.num_clients is {params.partition.num_clients})"
+                )
     reference = params.align.reference
     if isinstance(reference, int) and not 0 <= reference < params.partition.num_clients:
         raise ValueError(

@@ -55,11 +55,16 @@ class LanguageModelPretraining(Section):
 
 class PretrainConfig(TrainConfig):
     """Training of the shared base model on the server split (or random init when disabled); for
-    transformers, optionally language-model pre-training first (``language_model``)."""
+    transformers, optionally language-model pre-training first (``language_model``). ``checkpoint``: a base given
+    instead, used as it is (no init, no training): the path of a mergeflow checkpoint (a ``.safetensors`` file with
+    its spec in the header, such as another run's ``models/base/base.safetensors``); its content keys the step. A
+    transformer's pretrained Hugging Face directory or Hub name is ``model.transformers.pretrained`` instead (its
+    body, with a new head for the data's labels)."""
 
     enabled: bool = True
     epochs: int = Field(20, ge=0)
     language_model: LanguageModelPretraining | None = None
+    checkpoint: str | None = None
 
 
 class LoraSettings(Section):
@@ -80,13 +85,19 @@ class FinetuneConfig(TrainConfig):
     ``on_divergence: fail`` the pipeline stops there, with ``exclude`` the merges leave it out.
     ``precision``: ``bf16`` or ``fp16`` run the forward pass and loss under autocast (fp16 with a
     gradient scaler), for the clients and the centralized oracle; the weights, the stored
-    checkpoints, Fishers and merges keep the model's dtype (float32) and their float64 sums."""
+    checkpoints, Fishers and merges keep the model's dtype (float32) and their float64 sums.
+    ``checkpoints``: clients given instead of trained, ``{client id: source}`` (the others are trained). A source is
+    a mergeflow checkpoint (``.safetensors`` with its spec in the header), a local Hugging Face model directory
+    (``config.json`` and ``model.safetensors`` or shards), a PEFT LoRA adapter directory on the run's base (folded
+    into full weights), or a Hub name (downloaded when online); relative paths are read from the directory the
+    command runs in. The files key the client's step: editing one re-runs what depends on it."""
 
     init: Literal["shared", "independent"] = "shared"
     on_divergence: Literal["fail", "exclude"] = "fail"
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     lora: LoraSettings | None = None
     clients: dict[int, TrainOverride] = {}
+    checkpoints: dict[int, str] = {}
 
 
 class CentralizedConfig(Section):
