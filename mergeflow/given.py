@@ -47,9 +47,10 @@ class Given:
 
 
 def given_keys(params: Params) -> dict[str, str]:
-    """Every given source by its params key: ``pretrain.checkpoint`` and ``finetune.checkpoints.N``."""
+    """Every given source by its params key: ``pretrain.checkpoint``, ``finetune.checkpoints.N`` and
+    ``tasks.<task>.checkpoint``."""
     base = {"pretrain.checkpoint": params.pretrain.checkpoint} if params.pretrain.checkpoint is not None else {}
-    return base | {f"finetune.checkpoints.{c}": source for c, source in sorted(params.finetune.checkpoints.items())}
+    return base | dict(params.given_clients.values())
 
 
 def resolve(key: str, source: str, *, fetch: bool = True) -> Given | None:
@@ -214,7 +215,9 @@ def given_problems(params: Params, *, fetch: bool = False) -> list[str]:
                 if reference is None:
                     reference = (key, layout)
                 else:
-                    _check_same_layout(layout, *reference)
+                    # A multi-task run's clients have heads of their own sizes: their step checks each against its
+                    # task's base.
+                    _check_same_layout(layout, *reference, shapes=not params.multitask)
         except ValueError as error:
             problems.append(f"{key}: {error}")
     return problems
@@ -229,8 +232,11 @@ def tensor_layout(given: Given) -> dict[str, tuple[int, ...]]:
     return layout
 
 
-def _check_same_layout(layout: dict[str, tuple[int, ...]], key: str, reference: dict[str, tuple[int, ...]]) -> None:
-    """Raise ValueError unless ``layout`` has ``reference``'s names (below a common prefix) and shapes."""
+def _check_same_layout(
+    layout: dict[str, tuple[int, ...]], key: str, reference: dict[str, tuple[int, ...]], shapes: bool = True
+) -> None:
+    """Raise ValueError unless ``layout`` has ``reference``'s names (below a common prefix) and, with ``shapes``, its
+    shapes."""
     prefix, theirs = common_prefix(reference, layout), ""
     if not prefix:
         theirs = common_prefix(layout, reference)
@@ -243,7 +249,7 @@ def _check_same_layout(layout: dict[str, tuple[int, ...]], key: str, reference: 
         raise ValueError(
             f"its parameter names are not those of {key} ({len(missing)} missing, {len(unknown)} unknown: {first}, …)"
         )
-    for name, shape in names.items():
+    for name, shape in names.items() if shapes else ():
         if shape != reference[name]:
             raise ValueError(f"{name} has shape {shape}, and {key}'s {reference[name]}")
 

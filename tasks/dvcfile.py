@@ -36,9 +36,14 @@ def dvc_stages(given: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, 
 
 
 def _given_deps(stage: Stage, given: Mapping[str, tuple[str, ...]]) -> list[str]:
-    """The given files of the params keys ``stage`` reads (``pretrain.checkpoint``: pretrain's)."""
-    read = [key for key in given if any(key.startswith(f"{param}.") for param in stage.params)]
+    """The given files of the params keys ``stage`` reads (``pretrain.checkpoint``: pretrain's; a task's
+    ``tasks.<task>.checkpoint`` is a client given to the finetune stage, like ``finetune.checkpoints.N``)."""
+    read = [key for key in given if any(_read_as(key).startswith(f"{param}.") for param in stage.params)]
     return sorted({file for key in read for file in given[key]})
+
+
+def _read_as(key: str) -> str:
+    return "finetune.checkpoints" if key.startswith("tasks.") and key.endswith(".checkpoint") else key
 
 
 def render(given: Mapping[str, tuple[str, ...]] | None = None) -> str:

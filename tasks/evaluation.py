@@ -65,12 +65,15 @@ def _evaluate_step(params: Params, task: str | None) -> Step:
     }
     if task is not None:
         step_params |= {"task": task, "clients": client_ids}
+    ceiling = (paths.centralized,) if params.centralized.enabled else ()
+    if not ceiling:
+        step_params["ceiling"] = False
     inputs = (
         f"{paths.prepared}/train.parquet",
         f"{paths.prepared}/test.parquet",
         f"{paths.prepared}/info.json",
         paths.base,
-        paths.centralized,
+        *ceiling,
         *clients,
         *merged,
         *federated.values(),
@@ -139,12 +142,14 @@ def evaluate(params: dict[str, Any], root: Path, out: Path, settings: dict[str, 
         ensemble = objective.ensemble(list(client_outputs.values()))
         predictions["ensemble"] = objective.predictions(ensemble, scale)
         metrics["ensemble"] = score(ensemble)
-    metrics["centralized"] = score(outputs_of(paths.centralized, "centralized"))
+    if params.get("ceiling", True):  # a multi-task run may leave out its ceiling (centralized.enabled)
+        metrics["centralized"] = score(outputs_of(paths.centralized, "centralized"))
     combined = {f"merged/{m}": paths.merged_checkpoint(m) for m in params["methods"]}
     combined |= {f"federated/{name}": path for name, path in params["federated"].items()}
     for name, path in combined.items():
         result = score(outputs_of(path, name))
-        metrics[name] = result | objective.versus(result, metrics["centralized"])
+        versus = objective.versus(result, metrics["centralized"]) if "centralized" in metrics else {}
+        metrics[name] = result | versus
     train = read_arrays(root / paths.prepared / "train.parquet", info)
     y_train, y_blind = objective.baseline_targets(train, (X, y), info)
     hints = _likely_causes(info, params["likely_causes"])

@@ -15,46 +15,49 @@ from typing import Any
 
 from mergeflow.checkpoints import load_checkpoint, save_checkpoint
 from mergeflow.config import Params
-from mergeflow.errors import ConfigError, MergeflowError
-from mergeflow.given import Given, resolve
+from mergeflow.errors import MergeflowError
 from mergeflow.given_weights import read_given
 from mergeflow.models import family_of
 from mergeflow.objectives import get_objective
 from mergeflow.seeding import derive_seed
-from tasks.layout import BASE, PARTITIONS, PREPARED, client_checkpoint, client_file
+from tasks.given_sources import given_of, given_params, provenance, resolved_source
+from tasks.layout import BASE, PREPARED, TaskPaths, client_checkpoint, client_file
 from tasks.prepared import read_arrays, read_info
 from tasks.steps import Step
-from tasks.store import sha256_file
 
 BASE_KEY = "pretrain.checkpoint"
 
 
 def plan_given_clients(params: Params) -> list[Step]:
-    """One step per client of ``finetune.checkpoints``, keyed by its files, its partition and the base model."""
+    """One step per given client (``finetune.checkpoints``, a task's ``checkpoint``), keyed by its files, its
+    partition and its (task's) base model."""
+    tasks = {ref.index: ref.task for ref in params.clients}
     return [
-        given_client_step(params, client, f"finetune.checkpoints.{client}", source)
-        for client, source in sorted(params.finetune.checkpoints.items())
+        given_client_step(params, client, key, source, tasks[client])
+        for client, (key, source) in params.given_clients.items()
     ]
 
 
-def given_client_step(params: Params, client: int, key: str, source: str) -> Step:
-    """The step that makes client ``client`` (its global id) from ``source``, given as params ``key``."""
-    given = _resolved(key, source)
+def given_client_step(params: Params, client: int, key: str, source: str, task: str | None = None) -> Step:
+    """The step that makes client ``client`` (its global id; of ``task`` in a multi-task run) from ``source``,
+    given as params ``key``."""
+    given = resolved_source(key, source)
+    paths = TaskPaths(task)
     return Step(
         f"finetune/client_{client:03d}",
         "tasks.given:import_client",
-        {"client": client, **_given_params(given)},
-        inputs=(BASE, client_file(client), f"{PARTITIONS}/info.json", *given.files),
+        {"client": client, **given_params(given), **({"task": task} if task else {})},
+        inputs=(paths.base, client_file(client), paths.partitions_info, *given.files),
         members=params.model_members,
     )
 
 
 def plan_given_base(params: Params) -> list[Step]:
     """With ``pretrain.checkpoint``, one step that makes it the base model (checked against the data); else none."""
-    if params.pretrain.checkpoint is None:
+    if params.pretrain.checkpoint is None or params.multitask:  # a multi-task run's pretrain step reads it
         return []
-    given = _resolved(BASE_KEY, params.pretrain.checkpoint)
-    step_params = {"seed": params.seed, "model": params.section("model"), **_given_params(given)}
+    given = resolved_source(BASE_KEY, params.pretrain.checkpoint)
+    step_params = {"seed": params.seed, "model": params.section("model"), **given_params(given)}
     return [
         Step(
             "pretrain",
@@ -66,43 +69,21 @@ def plan_given_base(params: Params) -> list[Step]:
     ]
 
 
-def _resolved(key: str, source: str) -> Given:
-    """The source on this machine (a Hub name downloaded when online), or its one line."""
-    try:
-        given = resolve(key, source)
-    except ValueError as error:
-        raise ConfigError([f"{key}: {error}"]) from None
-    assert given is not None  # fetched: a Hub name is downloaded or refused
-    return given
-
-
-def _given_params(given: Given) -> dict[str, Any]:
-    return {"key": given.key, "source": given.source, "kind": given.kind, "path": str(given.path), "files": given.files}
-
-
-def _given(params: dict[str, Any]) -> Given:
-    return Given(params["key"], params["source"], params["kind"], Path(params["path"]), tuple(params["files"]))
-
-
-def provenance(given: Given) -> dict[str, Any]:
-    """What a given model's header says of where it came from: the source as given, its kind and its files' sha256."""
-    return {"source": given.source, "kind": given.kind, "files": {f: sha256_file(Path(f)) for f in given.files}}
-
-
 def import_client(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
     """Read a given client, check it against the base model, and write it as a trained client's checkpoint."""
-    client, given = params["client"], _given(params)
-    base, base_meta = load_checkpoint(root / BASE)
+    client, given, paths = params["client"], given_of(params), TaskPaths(params.get("task"))
+    base, base_meta = load_checkpoint(root / paths.base)
     try:
         spec, state = read_given(given, base, base_meta["spec"])
     except ValueError as error:
         raise MergeflowError(f"{given.key}: {error}") from None
-    _, y = read_arrays(root / client_file(client), read_info(root, PARTITIONS))
+    _, y = read_arrays(root / client_file(client), read_info(root, paths.partitions))
     finite = all(value.isfinite().all() for value in state.values() if value.is_floating_point())
     meta = {
         "spec": spec,
         "role": "client",
         "client": client,
+        **({"task": paths.task} if paths.task else {}),
         "num_examples": len(y),
         "diverged": not finite,
         "given": provenance(given),
@@ -113,7 +94,7 @@ def import_client(params: dict[str, Any], root: Path, out: Path, _settings: dict
 
 def import_base(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
     """Check a given base against the model the params and the data describe, and write it as the base model."""
-    given = _given(params)
+    given = given_of(params)
     info = read_info(root)
     output_dim = get_objective(info["task"]).output_dim(info)
     seed = derive_seed(params["seed"], "init")

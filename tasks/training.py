@@ -17,6 +17,7 @@ from mergeflow.models import build_from_spec, family_of
 from mergeflow.objectives import get_objective
 from mergeflow.seeding import derive_seed
 from mergeflow.training import DivergenceError, TrainResult, predict, train
+from tasks.given_sources import given_of, given_params, resolved_source
 from tasks.layout import (
     BASE,
     CENTRALIZED,
@@ -60,14 +61,19 @@ def _fit(
 def plan_pretrain(params: Params) -> list[Step]:
     """One step: the shared base model (in a multi-task run, its body with each task's own head); none when
     ``pretrain.checkpoint`` gives it (:mod:`tasks.given` plans that)."""
-    if params.pretrain.checkpoint is not None:
+    if params.pretrain.checkpoint is not None and not params.multitask:
         return []
     pretraining = params.pretrain.model_dump(mode="json", exclude={"checkpoint"})  # the keys of steps made before it
     step_params = {"seed": params.seed, "model": params.section("model"), "pretrain": pretraining}
+    inputs: tuple[str, ...] = (PREPARED,)
     if params.multitask:
         step_params["tasks"] = list(params.tasks)
+        if params.pretrain.checkpoint is not None:  # the body given: each task's head is made here
+            given = resolved_source("pretrain.checkpoint", params.pretrain.checkpoint)
+            step_params["given"] = given_params(given)
+            inputs += tuple(given.files)
     fn = "tasks.training:pretrain_tasks" if params.multitask else "tasks.training:pretrain"
-    return [Step("pretrain", fn, step_params, (PREPARED,), device_settings(params), members=params.model_members)]
+    return [Step("pretrain", fn, step_params, inputs, device_settings(params), members=params.model_members)]
 
 
 def pretrain(params: dict[str, Any], root: Path, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
@@ -94,6 +100,7 @@ def pretrain_tasks(params: dict[str, Any], root: Path, out: Path, settings: dict
     """The base model of every task: one body (the first task's data describes its inputs), each task's own
     head (seeded by its name), pre-trained jointly on the tasks' server splits if enabled (one body, K heads:
     :func:`mergeflow.multitask.train_jointly`)."""
+    from mergeflow.given_weights import read_given
     from mergeflow.heads import head_names, task_base
     from mergeflow.multitask import train_jointly
 
@@ -104,6 +111,12 @@ def pretrain_tasks(params: dict[str, Any], root: Path, out: Path, settings: dict
     first = infos[tasks[0]]
     model, spec = _base_model(params["model"], first, derive_seed(seed, "init"))
     state = model.state_dict()
+    if "given" in params:  # a given base (the first task's), checked against the model the params describe
+        given = given_of(params["given"])
+        try:
+            spec, state = read_given(given, state, spec)
+        except ValueError as error:
+            raise MergeflowError(f"{given.key}: {error}") from None
     models, specs = {}, {}
     for task in tasks:
         output_dim = get_objective(infos[task]["task"]).output_dim(infos[task])
@@ -191,7 +204,7 @@ def plan_finetune(params: Params) -> list[Step]:
     keyed by that client's own settings and partition only (and, in a multi-task run, its task's base)."""
     steps = []
     for ref in params.clients:
-        if ref.index in params.finetune.checkpoints:
+        if ref.index in params.given_clients:
             continue
         paths = TaskPaths(ref.task)
         step_params = {
@@ -285,7 +298,7 @@ def plan_centralized(params: Params) -> list[Step]:
         settings["lora"] = params.section("finetune.lora")
     settings |= _precision(params)
     if params.multitask:
-        return [_ceiling_step(params, settings)]
+        return [_ceiling_step(params, settings)] if params.centralized.enabled else []
     files = tuple(client_file(c) for c in range(params.partition.num_clients))
     best = params.centralized.keep == "best_validation"
     step_params = {"seed": params.seed, "train": settings, "num_clients": params.partition.num_clients}

@@ -14,12 +14,12 @@ def check_cross_section_rules(params: Params) -> None:
     check_tasks(params)
     for key, clients in (("clients", params.finetune.clients), ("checkpoints", params.finetune.checkpoints)):
         for cid in clients:
-            if not 0 <= cid < params.partition.num_clients:
+            if not 0 <= cid < params.num_clients:
                 raise ValueError(
                     f"finetune.{key}.{cid}: no such client (partition.num_clients is {params.partition.num_clients})"
                 )
     reference = params.align.reference
-    if isinstance(reference, int) and not 0 <= reference < params.partition.num_clients:
+    if isinstance(reference, int) and not 0 <= reference < params.num_clients:
         raise ValueError(
             f"align.reference: no client {reference} (partition.num_clients is {params.partition.num_clients})"
         )
@@ -69,7 +69,7 @@ def check_cross_section_rules(params: Params) -> None:
                 f"merge.options.{name}.{searched[0]}: a list is a search, chosen on the validation split; "
                 "set data.validation_fraction > 0"
             )
-        count_problem = DECLARED[method].model_count_problem(params.partition.num_clients)
+        count_problem = DECLARED[method].model_count_problem(params.num_clients)
         if count_problem:
             raise ValueError(
                 f"merge.methods: {name!r} ({method}) {count_problem}, and partition.num_clients is "
@@ -78,7 +78,7 @@ def check_cross_section_rules(params: Params) -> None:
         if "factors" in DECLARED[method].needs and not params.fisher.low_rank:
             raise ValueError(f"fisher.low_rank: merge method {name!r} needs Fisher factors; set it to true")
     rows = _known_training_rows(params.data)
-    if rows is not None and params.partition.num_clients > rows:
+    if rows is not None and not params.multitask and params.partition.num_clients > rows:
         raise ValueError(
             f"partition.num_clients: {params.partition.num_clients} clients but only {rows} training samples"
         )
@@ -88,7 +88,7 @@ def _check_federated(params: Params) -> None:
     """Server optimizers, aggregators, attacks and DP: what each entry's maths allows, and sizes."""
     from mergeflow.schema.federated import ALGORITHMS
 
-    federated, clients = params.federated, params.partition.num_clients
+    federated, clients = params.federated, params.num_clients
     attack, dp = federated.attack, federated.dp
     if attack is not None and attack.clients > clients:
         raise ValueError(f"federated.attack.clients: {attack.clients} attackers but partition.num_clients is {clients}")

@@ -70,6 +70,17 @@ class Params(Section):
         return refs
 
     @property
+    def given_clients(self) -> dict[int, tuple[str, str]]:
+        """The clients given instead of trained, by global id: the params key that gives each and its source
+        (``finetune.checkpoints.N``, or a task's ``tasks.<task>.checkpoint``)."""
+        given = {c: (f"finetune.checkpoints.{c}", source) for c, source in sorted(self.finetune.checkpoints.items())}
+        for ref in self.clients:
+            source = self.tasks[ref.task].checkpoint if ref.task is not None else None
+            if source is not None:
+                given[ref.index] = (f"tasks.{ref.task}.checkpoint", source)
+        return given
+
+    @property
     def num_clients(self) -> int:
         """How many clients the run has (across its tasks)."""
         return len(self.clients)

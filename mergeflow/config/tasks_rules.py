@@ -11,6 +11,10 @@ from mergeflow.config.params import Params
 def check_tasks(params: Params) -> None:
     """Raise ``ValueError`` (``key: problem``) for the first rule a multi-task run breaks; nothing without tasks."""
     if not params.multitask:
+        if not params.centralized.enabled:
+            raise ValueError(
+                "centralized.enabled: a single-task run always trains its centralized model; set it to true"
+            )
         return
     for name in params.tasks:
         _check_task(params, name)

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from mergeflow.config.section import Section
 
@@ -24,12 +24,15 @@ class TaskConfig(Section):
 
     ``labels`` maps the source's labels to the task's (the task's label set is the values, renumbered
     0..C-1 in sorted order); rows whose label is not a key are dropped. ``clients``: the clients the task's
-    training split is partitioned across (``partition.method`` and its options).
+    training split is partitioned across (``partition.method`` and its options). ``checkpoint``: the task's
+    fine-tuned model, given instead of trained (a source as ``finetune.checkpoints`` takes: a mergeflow checkpoint,
+    a Hugging Face directory, a PEFT LoRA adapter on the base, a Hub name); the task then has one client.
     """
 
     data: dict[str, Any] = {}
     labels: dict[int, int] | None = None
     clients: int = Field(1, ge=1)
+    checkpoint: str | None = None
 
     @field_validator("labels")
     @classmethod
@@ -37,6 +40,12 @@ class TaskConfig(Section):
         if labels is not None and len(set(labels.values())) < 2:
             raise ValueError("a task needs at least two labels")
         return labels
+
+    @model_validator(mode="after")
+    def _one_given_client(self) -> TaskConfig:
+        if self.checkpoint is not None and self.clients != 1:
+            raise ValueError("clients: a task given as a checkpoint is one client; set clients: 1")
+        return self
 
     def data_section(self, data: dict[str, Any]) -> dict[str, Any]:
         """The task's raw ``data`` section: ``data`` (the params' own, as JSON) updated with the task's keys (a

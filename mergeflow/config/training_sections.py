@@ -105,8 +105,11 @@ class CentralizedConfig(Section):
     fine-tuning settings for ``epochs`` (``finetune.epochs`` when unset). ``keep: best_validation``
     scores the validation split after every epoch and keeps the best epoch's weights (the
     parameter-averaging-laws paper compares with the centralized model at its best); it needs
-    ``data.validation_fraction`` > 0. Test never chooses."""
+    ``data.validation_fraction`` > 0. Test never chooses. In a multi-task run it is the ceiling: one body trained
+    jointly on every task's pooled client data with a head per task; ``enabled: false`` leaves it out there (a
+    run that only merges given models trains nothing)."""
 
+    enabled: bool = True
     epochs: int | None = Field(None, ge=1)
     keep: Literal["last", "best_validation"] = "last"
 
