@@ -242,3 +242,64 @@ def test_the_flow_steps_give_the_plain_loops_numbers(tmp_path, mode):
         assert meta["round"] == 2 and set(final) == set(run.global_state)
         for key, value in final.items():
             assert torch.equal(value, run.global_state[key].to(value.dtype)), key
+
+
+def _task_workspace(root, params: Params) -> dict[str, dict]:
+    """A multi-task run's files: each task's base (the shared body, its own head), test split and partitions'
+    description; the clients' partitions by global id. Returns each task's spec."""
+    from tasks.layout import PARTITION_METRICS, TaskPaths, client_file
+
+    body = _build().state_dict()
+    specs = {}
+    for task, classes in (("low", 3), ("high", 2)):
+        paths, spec = TaskPaths(task), model_spec("mlp", [4], classes, widths=[5], seed=len(task))
+        state = build_sequential_from_spec(spec).state_dict()
+        save_checkpoint(
+            root / paths.base, {**state, "1.weight": body["1.weight"], "1.bias": body["1.bias"]}, {"spec": spec}
+        )
+        info = {"task": "classification", "input_shape": [4], "num_classes": classes}
+        for path in (f"{paths.prepared}/info.json", paths.partitions_info):
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_text(json.dumps(info))
+        _write_table(root / paths.prepared / "test.parquet", ClientData(TEST.X, TEST.y % classes))
+        specs[task] = spec
+    for ref in params.clients:
+        classes = specs[ref.task]["output_dim"]
+        _write_table(root / client_file(ref.index), ClientData(CLIENTS[ref.index].X, CLIENTS[ref.index].y % classes))
+    (root / PARTITION_METRICS).parent.mkdir(parents=True, exist_ok=True)
+    (root / PARTITION_METRICS).write_text(json.dumps({"sizes": [len(data) for data in CLIENTS]}))
+    return specs
+
+
+@pytest.mark.parametrize("mode", ["auto", "frozen"])
+def test_a_multitask_run_keeps_each_tasks_head(tmp_path, mode):
+    from safetensors.torch import load_file
+
+    from tasks.federated import plan_federated
+    from tasks.layout import TaskPaths, client_state_file, round_metrics_file, server_file
+    from tasks.steps import resolve
+
+    raw = _multitask(heads=mode, rounds=2, predictive_samples=0, local={"epochs": 1, "batch_size": 8})
+    raw["tasks"]["low"]["clients"] = 2
+    params = validate_params(raw)
+    assert [(ref.index, ref.task) for ref in params.clients] == [(0, "low"), (1, "low"), (2, "high")]
+    _task_workspace(tmp_path, params)
+    steps = [step for wave in plan_federated(params) for step in wave]
+    assert next(s for s in steps if s.name == "federated/fedavg/r001/client_002").params["task"] == "high"
+    for step in steps:
+        resolve(step.fn)(step.params, tmp_path, tmp_path, step.settings)
+    server = load_file(tmp_path / server_file("fedavg", 2))
+    final = {
+        task: load_checkpoint(tmp_path / TaskPaths(task).global_checkpoint("fedavg", 2))[0] for task in ("low", "high")
+    }
+    for task in final:
+        for name in ("1.weight", "1.bias"):  # the global body, the same in every task's model
+            assert torch.equal(final[task][name], server[MEAN + name].float()), (task, name)
+    assert final["low"]["3.weight"].shape == (3, 5) and final["high"]["3.weight"].shape == (2, 5)
+    if mode == "auto":  # FedPer: a one-client task's head is its client's, bit for bit
+        state = load_checkpoint(tmp_path / client_state_file("fedavg", 2, 2))[0]
+        for name in ("3.weight", "3.bias"):
+            assert torch.equal(final["high"][name], state[HEAD + name].float()), name
+    row = json.loads((tmp_path / round_metrics_file("fedavg", 2)).read_text())
+    accuracies = [row["tasks"][task]["accuracy"] for task in ("low", "high")]
+    assert row["accuracy"] == pytest.approx(sum(accuracies) / 2)
