@@ -31,8 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mergeflow.checkpoints import load_checkpoint, load_checkpoint_meta, save_checkpoint
-from mergeflow.config import Params
-from mergeflow.config.tasks_rules import federated_heads
+from mergeflow.config import Params, federated_heads
 from mergeflow.data.encode import target_scale
 from mergeflow.errors import MergeflowError
 from mergeflow.federated import (
@@ -122,11 +121,6 @@ def _task_settings(params: Params) -> dict[str, Any]:
 def _task_clients(params: dict[str, Any]) -> dict[str | None, list[int]]:
     """A step's clients by task (:func:`_task_settings`): every client in the single task None without tasks."""
     return params.get("tasks") or {None: list(range(params["num_clients"]))}
-
-
-def _client_tasks(params: dict[str, Any]) -> dict[int, str | None]:
-    """Each client's task, by global id."""
-    return {k: task for task, clients in _task_clients(params).items() for k in clients}
 
 
 def _heads(root: Path, params: dict[str, Any], task: str | None) -> LocalHeads | None:
@@ -329,12 +323,12 @@ def plan_federated(params: Params) -> list[list[Step]]:
                     )
                 )
             messages = tuple(message_file(name, r, k) for k in step.participants)
-            kept = {}
+            heads_params: dict[str, Any] = {}
             states: tuple[str, ...] = ()
-            if heads != "shared":
-                kept = {"head_rounds": latest} | (
-                    {"head_finetuning": True} if heads == "frozen" and r == federated.rounds else {}
-                )
+            if heads != "shared":  # every client's latest state: the heads of this round's models
+                heads_params = {"head_rounds": latest}
+                if heads == "frozen" and r == federated.rounds:  # the heads step writes this round's models
+                    heads_params["head_finetuning"] = True
                 states = tuple(client_state_file(name, last, k) for k, last in enumerate(latest))
             servers.append(
                 Step(
@@ -345,7 +339,7 @@ def plan_federated(params: Params) -> list[list[Step]]:
                         **_evaluation_settings(params),
                         **_server_settings(params, name),
                         **tasks,
-                        **kept,
+                        **heads_params,
                         "round": r,
                         "participants": step.participants,
                     },
@@ -373,14 +367,10 @@ def _heads_step(params: Params, name: str, latest: list[int]) -> Step:
     round's models."""
     rounds = params.federated.rounds
     poisoned = [k for k in range(params.num_clients) if _data_attack(params, k)]
-    members = _members(params, name)
-    attack: dict[str, Any] = {}
+    attack, members = {}, _members(params, name)
     if poisoned:
         declaration = params.federated.attack.declaration
-        attack, members = (
-            {"poisoned": {"attack": declaration.name, "clients": poisoned}},
-            members + (declaration.module,),
-        )
+        attack, members = {"attack": declaration.name, "poisoned": poisoned}, members + (declaration.module,)
     step_params = {
         **_settings(params, name),
         **_evaluation_settings(params),
@@ -481,13 +471,14 @@ def _write_models(
     ``states``) as a checkpoint, and the round's metrics: the task's, or in a multi-task run their mean
     over the tasks with each task's under ``tasks``."""
     algorithm = get_algorithm(params["algorithm"])
+    sizes = _sizes(root) if states is not None else {}
     scores = {}
     for task, clients in _task_clients(params).items():
         paths, heads = TaskPaths(task), _heads(root, params, task)
         state = algorithm.global_state(server)
         model = federated_model(root, params, task)
         if heads is not None:
-            head = clients_head(states, _sizes(root), clients)
+            head = clients_head(states, sizes, clients)
             state |= head
             heads.load(heads.prepare(model), head)
         weights = _global_weights(root, params, state, task)
@@ -613,18 +604,16 @@ def finetune_heads(params: dict[str, Any], root: Path, out: Path, settings: dict
         row = json.loads(f.metadata()[_ROW_KEY])
         server = {key: f.get_tensor(key) for key in f.keys()}
     states = _client_states(root, params, str(device))
-    poisoned = params.get("poisoned", {})
     train = LocalTraining(**params["local"])
-    for k, task in _client_tasks(params).items():
-        attack = poisoned["attack"] if k in poisoned.get("clients", ()) else None
-        data = _client_data(root, task, k, attack)
-        model = federated_model(root, params, task).to(device)
-        try:
-            states[k] = head_step(
-                algorithm, _heads(root, params, task), model, server, states[k], data, train, params["seed"], r, k
-            )
-        except DivergenceError as error:
-            raise MergeflowError(f"federated.head_epochs: {name}: client {k}: {error}") from None
+    for task, clients in _task_clients(params).items():
+        heads = _heads(root, params, task)
+        for k in clients:
+            data = _client_data(root, task, k, params["attack"] if k in params.get("poisoned", ()) else None)
+            model = federated_model(root, params, task).to(device)
+            try:
+                states[k] = head_step(algorithm, heads, model, server, states[k], data, train, params["seed"], r, k)
+            except DivergenceError as error:
+                raise MergeflowError(f"federated.head_epochs: {name}: client {k}: {error}") from None
     _write_models(root, out, params, settings, server, r, row, states)
     return {"round": r, "clients": len(states)}
 

@@ -210,8 +210,12 @@ def _workspace(root) -> None:
     (root / PARTITION_METRICS).write_text(json.dumps({"sizes": [len(data) for data in CLIENTS]}))
 
 
-@pytest.mark.parametrize("mode", ["local", "frozen"])
-def test_the_flow_steps_give_the_plain_loops_numbers(tmp_path, mode):
+@pytest.mark.parametrize(
+    ("mode", "attack"),
+    [("local", None), ("frozen", None), ("frozen", {"clients": 1, "kind": "label_flip"})],
+    ids=["local", "frozen", "frozen-label-flip"],
+)
+def test_the_flow_steps_give_the_plain_loops_numbers(tmp_path, mode, attack):
     from tasks.federated import loop_inputs, plan_federated
     from tasks.layout import global_checkpoint
     from tasks.steps import resolve
@@ -223,6 +227,7 @@ def test_the_flow_steps_give_the_plain_loops_numbers(tmp_path, mode):
         "heads": mode,
         "predictive_samples": 0,
         "local": {"epochs": 1, "lr": 0.1, "batch_size": 8, "momentum": 0.0},
+        "attack": attack,
     }
     params = validate_params({"partition": {"num_clients": 3}, "federated": federated})
     _workspace(tmp_path)
@@ -234,7 +239,9 @@ def test_the_flow_steps_give_the_plain_loops_numbers(tmp_path, mode):
     heads = LocalHeads(mode, head_names(SPEC))
     for name in federated["algorithms"]:
         train = LocalTraining(**params.federated.local_for(name).model_dump())
-        run = run_rounds(name, builder, clients, 2, train=train, fraction=0.67, eval_data=test, heads=heads)
+        run = run_rounds(
+            name, builder, clients, 2, train=train, fraction=0.67, eval_data=test, heads=heads, attack=attack
+        )
         assert [row["accuracy"] for row in curves[name]] == [row["accuracy"] for row in run.metrics]
         assert [row["nll"] for row in curves[name]] == [row["nll"] for row in run.metrics]
         assert [row.get("drift") for row in curves[name][1:]] == [row["drift"] for row in run.metrics[1:]]
