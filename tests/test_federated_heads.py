@@ -310,3 +310,23 @@ def test_a_multitask_run_keeps_each_tasks_head(tmp_path, mode):
     row = json.loads((tmp_path / round_metrics_file("fedavg", 2)).read_text())
     accuracies = [row["tasks"][task]["accuracy"] for task in ("low", "high")]
     assert row["accuracy"] == pytest.approx(sum(accuracies) / 2)
+
+
+@pytest.mark.slow
+def test_fedbabu_through_the_cli_and_a_new_head_epochs_reruns_only_the_heads_steps(tmp_path, cli_env):
+    from conftest import fast_params, make_workspace, ran_steps, run_cli
+
+    federated = {"algorithms": ["fedavg", "fedadmm"], "rounds": 2, "heads": "frozen"}
+    workspace = make_workspace(tmp_path, fast_params(merge={"methods": ["average"]}, federated=federated))
+    done = run_cli(["run"], workspace, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {"federated/fedavg/heads", "federated/fedadmm/heads"} <= ran_steps(workspace)
+    curves = json.loads((workspace / "metrics/federated.json").read_text())
+    metrics = json.loads((workspace / "metrics/evaluate.json").read_text())
+    for name in federated["algorithms"]:
+        assert metrics[f"federated/{name}"]["accuracy"] == curves[name][-1]["accuracy"]
+
+    done = run_cli(["run", "-S", "federated.head_epochs=2"], workspace, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = {"federated/fedavg/heads", "federated/fedadmm/heads", "federated/summary", "evaluate", "track"}
+    assert ran_steps(workspace) == expected
