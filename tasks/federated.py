@@ -463,14 +463,14 @@ def _write_models(
     params: dict[str, Any],
     settings: dict[str, Any],
     server: dict,
-    round_index: int,
     row: dict,
     states: dict[int, dict[str, torch.Tensor]] | None = None,
 ) -> None:
-    """Each task's model (the global model, or the global body with the task's clients' average head from
-    ``states``) as a checkpoint, and the round's metrics: the task's, or in a multi-task run their mean
-    over the tasks with each task's under ``tasks``."""
+    """Each task's model after round ``row["round"]`` (the global model, or the global body with the task's
+    clients' average head from ``states``) as a checkpoint, and the round's ``row`` with the metrics: the
+    task's, or in a multi-task run their mean over the tasks with each task's under ``tasks``."""
     algorithm = get_algorithm(params["algorithm"])
+    round_index = row["round"]
     sizes = _sizes(root) if states is not None else {}
     scores = {}
     for task, clients in _task_clients(params).items():
@@ -487,7 +487,7 @@ def _write_models(
         save_checkpoint(out / paths.global_checkpoint(params["name"], round_index), weights, meta)
         scores[task] = _scores(root, params, algorithm, server, model.to(step_device(settings)), task, round_index)
     summary = scores[None] if None in scores else _mean_over_tasks(scores)
-    write_json(out / round_metrics_file(params["name"], round_index), {"round": round_index, **row, **summary})
+    write_json(out / round_metrics_file(params["name"], round_index), {**row, **summary})
 
 
 def _scores(
@@ -534,7 +534,7 @@ def init_rounds(params: dict[str, Any], root: Path, out: Path, settings: dict[st
             state = algorithm.init_client(initial, options)
             states[k] = heads.with_head(state, head) if heads is not None else state
             _save_state(out / client_state_file(params["name"], 0, k), states[k])
-    _write_models(root, out, params, settings, server, 0, {}, states)
+    _write_models(root, out, params, settings, server, {"round": 0}, states)
     return {"algorithm": params["algorithm"]}
 
 
@@ -585,7 +585,7 @@ def server_round(params: dict[str, Any], root: Path, out: Path, settings: dict[s
         return {"round": r}
     _save(out / server_file(name, r), updated)
     states = _client_states(root, params) if "heads" in params else None
-    _write_models(root, out, params, settings, updated, r, row, states)
+    _write_models(root, out, params, settings, updated, {"round": r, **row}, states)
     return {"round": r}
 
 
@@ -614,7 +614,7 @@ def finetune_heads(params: dict[str, Any], root: Path, out: Path, settings: dict
                 states[k] = head_step(algorithm, heads, model, server, states[k], data, train, params["seed"], r, k)
             except DivergenceError as error:
                 raise MergeflowError(f"federated.head_epochs: {name}: client {k}: {error}") from None
-    _write_models(root, out, params, settings, server, r, row, states)
+    _write_models(root, out, params, settings, server, {"round": r, **row}, states)
     return {"round": r, "clients": len(states)}
 
 
