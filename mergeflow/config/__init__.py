@@ -16,6 +16,7 @@ from mergeflow.config.model_section import ModelConfig
 from mergeflow.config.overrides import apply_overrides, parse_override
 from mergeflow.config.params import Params
 from mergeflow.config.run_sections import OrchestrationConfig, TrackingConfig
+from mergeflow.config.tasks_rules import federated_heads
 from mergeflow.config.training_sections import (
     CentralizedConfig,
     FinetuneConfig,
@@ -49,6 +50,7 @@ __all__ = [
     "TrainConfig",
     "TrainOverride",
     "apply_overrides",
+    "federated_heads",
     "load_params",
     "parse_override",
     "validate_params",

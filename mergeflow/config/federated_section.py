@@ -34,6 +34,12 @@ class FederatedConfig(Section):
     Byzantine-robust rule) apply to every entry, or to one entry under its own ``server`` /
     ``aggregator`` key; ``attack`` makes some clients Byzantine; ``dp`` runs client-level DP
     (DP-FedAvg) with Poisson-sampled participants (see :mod:`mergeflow.schema.federated`).
+    ``heads``: ``shared``: the server aggregates the whole model, head included; ``local`` (FedPer): it
+    aggregates the body only, and each client keeps its own head across rounds (from its task's base model's
+    head), trained with the body; ``frozen`` (FedBABU): the heads stay at their initialisation during the
+    rounds (only the body is trained and aggregated), then each client fine-tunes its head on the final body
+    for ``head_epochs`` epochs. ``auto``: local in a multi-task run, else shared (a causal LM has no head). A task's
+    model is the global body with its clients' example-weighted average head.
     """
 
     algorithms: list[str] = []
@@ -41,6 +47,8 @@ class FederatedConfig(Section):
     fraction: float = Field(1.0, gt=0, le=1)
     exchange: Literal["full", "adapters"] = "full"
     on_divergence: Literal["fail", "exclude"] = "fail"
+    heads: Literal["auto", "shared", "local", "frozen"] = "auto"
+    head_epochs: int = Field(1, ge=0)
     predictive_samples: int = Field(32, ge=0)
     local: LocalTrainConfig = LocalTrainConfig()
     server: ServerOptimizerOptions = ServerOptimizerOptions()
@@ -48,6 +56,13 @@ class FederatedConfig(Section):
     attack: AttackOptions | None = None
     dp: DPOptions | None = None
     options: dict[str, dict[str, Any]] = {}
+
+    def heads_of(self, multitask: bool, has_head: bool = True) -> Literal["shared", "local", "frozen"]:
+        """How the run's clients hold their heads: ``heads``, with ``auto`` local in a multi-task run of a model
+        with a head (not a causal LM), shared otherwise."""
+        if self.heads == "auto":
+            return "local" if multitask and has_head else "shared"
+        return self.heads
 
     def algorithm_of(self, name: str) -> str:
         """The registered algorithm of one entry of ``algorithms``."""

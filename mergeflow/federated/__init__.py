@@ -23,6 +23,7 @@ from mergeflow.federated.base import (
     register_algorithm,
     sample_participants,
 )
+from mergeflow.federated.heads import LocalHeads
 from mergeflow.federated.loop import FederatedRun, run_rounds
 from mergeflow.federated.quadratic import exact_posterior, run_quadratic_rounds
 from mergeflow.federated.quadratic_loss import QuadraticProblem, linear_gaussian_problem, scalar_problem
@@ -35,6 +36,7 @@ __all__ = [
     "ClientState",
     "FederatedAlgorithm",
     "FederatedRun",
+    "LocalHeads",
     "LocalTraining",
     "Message",
     "QuadraticProblem",

@@ -251,10 +251,21 @@ def add_prefix(prefix: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, to
     return {prefix + k: v for k, v in tensors.items()}
 
 
-def exchanged_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters clients train and exchange: every parameter that requires a gradient (all of
-    them, unless frozen, e.g. a transformer's body under ``federated.exchange: adapters``)."""
+KEPT_LOCAL = "mergeflow_kept_local"  # a model's attribute: the names of the parameters it trains and never sends
+
+
+def trained_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters local training updates: every parameter that requires a gradient (all of them, unless
+    frozen, e.g. a transformer's body under ``federated.exchange: adapters``, a head under ``federated.heads:
+    frozen``)."""
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def exchanged_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters clients train and exchange with the server: the trained ones but those the model keeps
+    local (its head under ``federated.heads: local``, :class:`mergeflow.federated.heads.LocalHeads`)."""
+    kept = getattr(model, KEPT_LOCAL, frozenset())
+    return [(name, p) for name, p in trained_parameters(model) if name not in kept]
 
 
 def model_parameters(model: nn.Module) -> dict[str, torch.Tensor]:

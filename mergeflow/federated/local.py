@@ -16,7 +16,7 @@ from torch import nn
 
 from mergeflow import cancel
 from mergeflow.device import module_device, to_device
-from mergeflow.federated.base import ClientData, LocalTraining, exchanged_parameters
+from mergeflow.federated.base import ClientData, LocalTraining, trained_parameters
 from mergeflow.objectives import get_objective
 from mergeflow.training import DivergenceError, as_inputs, make_optimizer, minibatches, token_lengths
 
@@ -48,7 +48,7 @@ def local_train(
     inputs, targets, loss_fn = prepared(data, model)
     opt = make_optimizer(
         train.optimizer,
-        [p for _, p in exchanged_parameters(model)],
+        [p for _, p in trained_parameters(model)],
         lr=train.lr,
         momentum=train.momentum,
         weight_decay=train.weight_decay,

@@ -28,7 +28,8 @@ from mergeflow.federated.base import (
     load_parameters,
     model_parameters,
 )
-from mergeflow.federated.rounds import client_step, round_schedule, server_step
+from mergeflow.federated.heads import LocalHeads, clients_head
+from mergeflow.federated.rounds import client_step, head_step, round_schedule, server_step
 from mergeflow.federated.server_plan import ServerPlan
 from mergeflow.objectives import get_objective
 from mergeflow.schema.federated import AggregatorOptions, AttackOptions, DPOptions, ServerOptimizerOptions
@@ -44,7 +45,7 @@ class FederatedRun:
         metrics: one dict per round; index 0 evaluates the initial model (``round`` = 0).
         server: the final server state.
         client_states: the final state of every client.
-        global_state: the final model parameters (float64).
+        global_state: the final model parameters (float64; with ``heads``: the body and the clients' average head).
     """
 
     metrics: list[dict[str, Any]] = field(default_factory=list)
@@ -153,6 +154,7 @@ def run_rounds(
     attack: AttackOptions | Mapping[str, Any] | None = None,
     dp: DPOptions | Mapping[str, Any] | None = None,
     num_classes: int | None = None,
+    heads: LocalHeads | None = None,
 ) -> FederatedRun:
     """Run ``rounds`` federated rounds sequentially in this process.
 
@@ -183,6 +185,11 @@ def run_rounds(
             probability ``fraction``). See :class:`~mergeflow.federated.server_plan.ServerPlan`.
         num_classes: the classes a ``label_flip`` attack maps y to C − 1 − y over (the data's info;
             the largest label seen + 1 when None).
+        heads: the clients keep their own heads (``federated.heads``: FedPer's ``local``, FedBABU's
+            ``frozen``, :class:`~mergeflow.federated.heads.LocalHeads`), from the built model's; the server
+            state is the body's, and the model scored (and ``global_state``) is the global body with the
+            clients' example-weighted average head, under ``frozen`` after each client's head fine-tuning
+            on the final body.
 
     Returns:
         A :class:`FederatedRun`. Each round's metrics hold ``round``, ``participants``,
@@ -201,6 +208,7 @@ def run_rounds(
         raise ValueError("run_rounds needs at least one client")
     evaluation = eval_data if eval_data is not None else _concatenate(clients_data)
     eval_model = model_builder()
+    base_head = heads.head_of(heads.prepare(eval_model)) if heads is not None else {}
     initial = model_parameters(eval_model)
     if num_classes is None and attack is not None:  # label flipping's C; the data's own count is safer
         num_classes = 1 + max((int(d.y.max()) for d in clients_data if len(d.y)), default=0)
@@ -218,10 +226,14 @@ def run_rounds(
     plan.check(algo)
     server_state = algo.init_server(initial, num_clients, opts)
     clients = {k: algo.init_client(initial, opts) for k in range(num_clients)}
+    if heads is not None:
+        clients = {k: heads.with_head(state, base_head) for k, state in clients.items()}
     sizes = {k: len(d) for k, d in enumerate(clients_data)}
     run = FederatedRun(server=server_state, client_states=clients)
 
     def scores(round_index: int) -> dict[str, float]:
+        if heads is not None:
+            heads.load(eval_model, clients_head(clients, sizes, range(num_clients)))
         return global_scores(
             algo,
             server_state,
@@ -257,15 +269,33 @@ def run_rounds(
                 step.number,
                 k,
                 plan,
+                heads,
             )
             sent[k] = (message, metrics)
         server_state, row = server_step(
             algo, server_state, sent, sizes, num_clients, opts, on_divergence, step.number, plan
         )
+        if heads is not None and heads.mode == "frozen" and step.number == rounds:
+            for k in range(num_clients):
+                clients[k] = head_step(
+                    algo,
+                    heads,
+                    model_builder(),
+                    server_state,
+                    clients[k],
+                    clients_data[k],
+                    train,
+                    seed,
+                    rounds,
+                    k,
+                    plan,
+                )
         row = {"round": float(step.number), **row, **scores(step.number)}
         run.metrics.append(row)
         if callback is not None:
             callback(row)
     run.server, run.client_states = server_state, clients
     run.global_state = algo.global_state(server_state)
+    if heads is not None:
+        run.global_state |= clients_head(clients, sizes, range(num_clients))
     return run

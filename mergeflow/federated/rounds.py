@@ -29,6 +29,7 @@ from mergeflow.federated.base import (
     sample_participants,
 )
 from mergeflow.federated.divergence import guarded_client_update, surviving_messages
+from mergeflow.federated.heads import LocalHeads
 from mergeflow.federated.server_plan import ServerPlan, planned_server_update
 
 
@@ -66,17 +67,54 @@ def client_step(
     round_number: int,
     client: int,
     plan: ServerPlan | None = None,
+    heads: LocalHeads | None = None,
 ) -> tuple[Message | None, ClientState, dict[str, Any]]:
     """Client ``client``'s update in round ``round_number``, with its generator from (seed, round, client).
 
     Returns (message, new state, metrics); a diverged client gives (None, ``state`` unchanged,
     metrics with ``divergence``) (:func:`~mergeflow.federated.divergence.guarded_client_update`).
-    A label-flipping attacker of ``plan`` trains on its flipped labels.
+    A label-flipping attacker of ``plan`` trains on its flipped labels. With ``heads`` the client trains from
+    its own head (in its state), sends the body only and keeps its new head in its state.
     """
     generator = client_generator(seed, round_number - 1, client)
     if plan is not None:
         data = plan.training_data(client, data)
-    return guarded_client_update(algorithm, model, server, state, data, train, options, generator)
+    if heads is None:
+        return guarded_client_update(algorithm, model, server, state, data, train, options, generator)
+    own, head = heads.split(state)
+    heads.load(heads.prepare(model), head)
+    message, new, metrics = guarded_client_update(algorithm, model, server, own, data, train, options, generator)
+    if message is None:
+        return None, state, metrics
+    return message, heads.with_head(new, heads.head_of(model)), metrics
+
+
+def head_step(
+    algorithm: FederatedAlgorithm,
+    heads: LocalHeads,
+    model: nn.Module,
+    server: ServerState,
+    state: ClientState,
+    data: ClientData,
+    train: LocalTraining,
+    seed: int,
+    rounds: int,
+    client: int,
+    plan: ServerPlan | None = None,
+) -> ClientState:
+    """Client ``client``'s head fine-tuning on the final global body after round ``rounds`` (FedBABU,
+    :meth:`~mergeflow.federated.heads.LocalHeads.finetune`), with its generator from (seed, ``rounds``, client),
+    the round after the last; returns its state with the fine-tuned head.
+
+    Raises:
+        DivergenceError: when the fine-tuning's loss turns non-finite.
+    """
+    if plan is not None:
+        data = plan.training_data(client, data)
+    own, head = heads.split(state)
+    generator = client_generator(seed, rounds, client)
+    tuned, _ = heads.finetune(model, algorithm.global_state(server), head, data, train, generator)
+    return heads.with_head(own, tuned)
 
 
 def server_step(
