@@ -41,11 +41,12 @@ from mergeflow.federated import (
     load_parameters,
     model_parameters,
 )
-from mergeflow.federated.heads import LocalHeads, clients_head, head_names
+from mergeflow.federated.heads import LocalHeads, clients_head
 from mergeflow.federated.loop import global_scores
 from mergeflow.federated.rounds import client_step, head_step, round_schedule, server_step
 from mergeflow.federated.server_plan import ServerPlan, attackers
 from mergeflow.files import atomic_path, write_json
+from mergeflow.heads import head_names
 from mergeflow.models import build_from_spec
 from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_rounds

@@ -16,7 +16,7 @@ from typing import Any
 
 from mergeflow.checkpoints import load_checkpoint
 from mergeflow.task_scores import is_summary
-from tasks.layout import PREPARED, TaskPaths, client_checkpoint, client_file, global_checkpoint, merged_checkpoint
+from tasks.layout import PREPARED, TaskPaths, client_checkpoint, client_file, merged_checkpoint
 from tasks.mlflow_flavours import log_model, logged_model_uri
 from tasks.mlflow_logging import flatten, log_curves, log_params
 from tasks.model_registry import register, registered_model_name, signature_digest
@@ -204,9 +204,8 @@ def _log_task_merge(
     search, validation) split and each task's checkpoint. Its models are not logged as MLflow models: each
     task's model is the merged body with that task's head, and the pyfunc flavour serves one model."""
     paths = [TaskPaths(task).merged_checkpoint(name) for task in tasks]
-    metas = [load_checkpoint(root / path)[1] for path in paths]
-    meta = metas[0]
-    digest = hashlib.sha256("".join(sha256_file(root / path) for path in paths).encode()).hexdigest()
+    meta = load_checkpoint(root / paths[0])[1]
+    digest = _digest(root, paths)
     tags = {"mergeflow.kind": "merge", "mergeflow.method": meta["method"], "mergeflow.merge": name}
     tags |= {"mergeflow.checkpoint_sha256": digest} | context["data_tags"]
     tags |= _device_tags(root, context, paths[0])
@@ -232,6 +231,12 @@ def _log_task_merge(
             mlflow.log_artifact(str(root / path), f"checkpoint/{task}")
 
 
+def _digest(root: Path, paths: list[str]) -> str:
+    """The sha256 of a checkpoint, or of a multi-task model's checkpoints (one per task) together."""
+    digests = [sha256_file(root / path) for path in paths]
+    return digests[0] if len(digests) == 1 else hashlib.sha256("".join(digests).encode()).hexdigest()
+
+
 def _earlier_merge_run(mlflow, run, name: str, digest: str) -> str | None:
     """The id of the first earlier run of merge ``name`` in this experiment that logged the checkpoint ``digest``."""
     found = mlflow.search_runs(
@@ -250,22 +255,26 @@ def log_federated(
     """A child run per federated algorithm: its options and its global model's metrics per round (step=round),
     the splits it trained on and was scored on, spanning its rounds' steps (from its first to its last)."""
     algorithm = config["federated"]["options"].get(name, {}).get("algorithm", name)
-    final_checkpoint = global_checkpoint(name, len(rounds) - 1)
+    tasks, last_round = list(context["infos"]), len(rounds) - 1
     tags = {
         "mergeflow.kind": "federated",
         "mergeflow.algorithm": algorithm,
         "mergeflow.federated": name,
-        "mergeflow.checkpoint_sha256": sha256_file(root / final_checkpoint),
+        "mergeflow.checkpoint_sha256": _digest(root, [TaskPaths(t).global_checkpoint(name, last_round) for t in tasks]),
         **context["data_tags"],
     }
     if rounds[0].get("warning"):
         tags["mergeflow.warning"] = rounds[0]["warning"]
-    first, last = (_made_when(root, context, global_checkpoint(name, r)) for r in (0, len(rounds) - 1))
+    paths = TaskPaths(tasks[0])
+    first, last = (_made_when(root, context, paths.global_checkpoint(name, r)) for r in (0, last_round))
     times = (first[0], last[1]) if first and last else None
     with _child_run(mlflow, f"federated_{name}", tags, times):
-        for split in ("train", "test"):
-            if (root / PREPARED / f"{split}.parquet").is_file():
-                log_dataset(mlflow, root, f"{PREPARED}/{split}.parquet", context["info"], SPLIT_CONTEXTS[split])
+        for task in tasks:
+            prepared = TaskPaths(task).prepared
+            for split in ("train", "test"):
+                if (root / prepared / f"{split}.parquet").is_file():
+                    info = context["infos"][task]
+                    log_dataset(mlflow, root, f"{prepared}/{split}.parquet", info, SPLIT_CONTEXTS[split])
         options = {k: v for k, v in config["federated"]["options"].get(name, {}).items() if k != "algorithm"}
         server_side = {k: config["federated"].get(k) for k in ("server", "aggregator", "attack", "dp")}
         server_side = {k: v for k, v in server_side.items() if v is not None and k not in options}

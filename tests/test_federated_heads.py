@@ -18,10 +18,11 @@ from mergeflow.config import Params, validate_params
 from mergeflow.errors import ConfigError
 from mergeflow.federated import ClientData, LocalHeads, LocalTraining, get_algorithm, model_parameters, run_rounds
 from mergeflow.federated.base import MEAN, client_generator, load_parameters
-from mergeflow.federated.heads import HEAD, head_names
+from mergeflow.federated.heads import HEAD
 from mergeflow.federated.local import local_train
 from mergeflow.federated.rounds import client_step, server_step
 from mergeflow.federated.server_plan import ServerPlan
+from mergeflow.heads import head_names
 from mergeflow.models.sequential import build_sequential_from_spec, model_spec
 
 SPEC = model_spec("mlp", [4], 3, widths=[5], seed=1)

@@ -8,14 +8,14 @@ every algorithm's server state, the messages and what acts on them (attacks, rob
 optimizers) hold the body only, with no change to the algorithms. A client's head travels in its client state
 under ``head.<param>``, beside the algorithm's own entries (ADMM duals), from the base model's head on.
 
-A task's model is the global body with :func:`task_head` of its clients' heads.
+A task's model is the global body with :func:`mergeflow.heads.task_head` of its clients' heads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -30,42 +30,10 @@ from mergeflow.federated.base import (
     take_prefix,
 )
 from mergeflow.federated.local import local_train
+from mergeflow.heads import task_head
 
 HEAD = "head."
 HeadsMode = Literal["local", "frozen"]
-
-
-def head_names(spec: dict[str, Any]) -> tuple[str, ...]:
-    """The head's parameter names of a checkpoint spec's model: a sequential model's last Linear layer's weight
-    and bias, a transformers classifier's parameters outside its base model, none for a causal LM.
-
-    Stand-in for ``mergeflow.heads.head_names`` (``ModelFamily.head_names``), which replaces it.
-    """
-    from mergeflow.models import build_from_spec
-
-    if spec.get("hf_task") == "causal_lm":
-        return ()
-    model = build_from_spec(spec)
-    prefix = getattr(getattr(model, "model", None), "base_model_prefix", None)
-    if prefix:
-        return tuple(name for name, _ in model.named_parameters() if not name.startswith(f"model.{prefix}."))
-    last = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)][-1]
-    return tuple(f"{last}.{name}" for name, _ in model.get_submodule(last).named_parameters())
-
-
-def task_head(heads: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> dict[str, torch.Tensor]:
-    """A task's head from its clients' heads: one client's head bit for bit, several clients' weighted average
-    (``weights``: their numbers of examples).
-
-    Stand-in for ``mergeflow.heads.task_head``, which replaces it.
-    """
-    if len(heads) == 1:
-        return {name: tensor.clone() for name, tensor in heads[0].items()}
-    total = float(sum(weights))
-    return {
-        name: sum(w / total * head[name].to(torch.float64) for head, w in zip(heads, weights, strict=True))
-        for name in heads[0]
-    }
 
 
 def clients_head(states: Mapping[int, ClientState], sizes: Mapping[int, int], clients: Sequence[int]) -> dict:
