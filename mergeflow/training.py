@@ -5,6 +5,10 @@ global torch RNG is never touched, so concurrent trainings in different
 threads stay bit-reproducible. Training and prediction run on the model's device: the data stay
 on the CPU and each batch moves there as it is used (pinned, without blocking, on a GPU); the
 shuffling generator stays on the CPU, so a seed draws the same batches on every device.
+
+:func:`fit` is the loop: it trains one or several models (:class:`Part`, a model and its split) with one
+optimizer, their batches interleaved round-robin; :func:`train` is its one-model case, and
+:func:`mergeflow.multitask.train_jointly` the case of K task models sharing one body.
 """
 
 from __future__ import annotations
