@@ -34,9 +34,14 @@ def split_head(state: State, names: Collection[str]) -> tuple[dict[str, torch.Te
     missing = [name for name in names if name not in state]
     if missing:
         raise KeyError(f"the state has no head tensor {missing[0]!r}")
-    body = {key: value for key, value in state.items() if key not in names}
-    head = {key: value for key, value in state.items() if key in names}
-    return body, head
+    return body_of(state, names), {key: value for key, value in state.items() if key in names}
+
+
+def body_of(statistics: State, names: Collection[str]) -> dict[str, torch.Tensor]:
+    """The entries of a per-parameter map (a state, Fishers, Grams keyed by weight name) outside the head
+    ``names``: what a merge of tasks with their own heads combines. A head key the map lacks (a Gram has no
+    bias) is no error."""
+    return {key: value for key, value in statistics.items() if key not in names}
 
 
 def assemble(body: State, head: State) -> dict[str, torch.Tensor]:

@@ -23,7 +23,8 @@ cancellation, divergence checks and the loss history are the same; with one task
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import Unpack
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ from torch import nn
 
 from mergeflow.models.token_model import tied_aliases
 from mergeflow.objectives import Objective, get_objective
-from mergeflow.training import Part, TrainResult, fit
+from mergeflow.training import Part, TrainOptions, TrainResult, fit
 
 Data = tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor]
 
@@ -78,16 +79,7 @@ def train_jointly(
     *,
     heads: Collection[str],
     task: str | Objective,
-    epochs: int,
-    lr: float,
-    optimizer: str = "sgd",
-    momentum: float = 0.0,
-    weight_decay: float = 0.0,
-    batch_size: int = 32,
-    seed: int = 0,
-    progress: str | None = None,
-    on_epoch: Callable[[int], None] | None = None,
-    precision: str = "fp32",
+    **options: Unpack[TrainOptions],
 ) -> TrainResult:
     """Train one body shared by the task models, each with its own head, on every task's data (the protocol
     above); the models are changed in place and share their body afterwards (:func:`tie_bodies`).
@@ -97,7 +89,7 @@ def train_jointly(
         data: each task's training inputs and labels, by the same names (in any order).
         heads: the state-dict keys of the head (:func:`mergeflow.heads.head_names`).
         task: the objective (or its name) every task is trained for.
-        The other arguments are :func:`mergeflow.training.train`'s.
+        options: as :func:`mergeflow.training.train`'s (``epochs``, ``lr``, ``optimizer``, ``seed``, …).
 
     Returns:
         The loss history: every step's loss in the order taken, the mean loss over all tasks' examples every
@@ -113,17 +105,4 @@ def train_jointly(
         raise ValueError("train_jointly needs at least one task")
     tie_bodies(list(models.values()), heads)
     objective = get_objective(task)
-    parts = [Part.of(models[name], *data[name], objective) for name in models]
-    return fit(
-        parts,
-        epochs=epochs,
-        lr=lr,
-        optimizer=optimizer,
-        momentum=momentum,
-        weight_decay=weight_decay,
-        batch_size=batch_size,
-        seed=seed,
-        progress=progress,
-        on_epoch=on_epoch,
-        precision=precision,
-    )
+    return fit([Part.of(models[name], *data[name], objective) for name in models], **options)

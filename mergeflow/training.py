@@ -5,6 +5,10 @@ global torch RNG is never touched, so concurrent trainings in different
 threads stay bit-reproducible. Training and prediction run on the model's device: the data stay
 on the CPU and each batch moves there as it is used (pinned, without blocking, on a GPU); the
 shuffling generator stays on the CPU, so a seed draws the same batches on every device.
+
+:func:`fit` is the loop: it trains one or several models (:class:`Part`, a model and its split) with one
+optimizer, their batches interleaved round-robin; :func:`train` is its one-model case, and
+:func:`mergeflow.multitask.train_jointly` the case of K task models sharing one body.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Required, TypedDict, Unpack
 
 import numpy as np
 import torch
@@ -215,22 +220,29 @@ def round_robin(epochs: list[list[torch.Tensor]]) -> Iterator[tuple[int, torch.T
                 yield part, batches[i]
 
 
+class TrainOptions(TypedDict, total=False):
+    """The keyword arguments of :func:`fit` (its signature has their defaults and its docstring their
+    meaning) that :func:`train` and :func:`mergeflow.multitask.train_jointly` pass on."""
+
+    epochs: Required[int]
+    lr: Required[float]
+    optimizer: str
+    momentum: float
+    weight_decay: float
+    batch_size: int
+    seed: int
+    progress: str | None
+    on_epoch: Callable[[int], None] | None
+    precision: str
+
+
 def train(
     model: nn.Module,
     X: np.ndarray | torch.Tensor,
     y: np.ndarray | torch.Tensor,
     *,
     task: str | Objective,
-    epochs: int,
-    lr: float,
-    optimizer: str = "sgd",
-    momentum: float = 0.0,
-    weight_decay: float = 0.0,
-    batch_size: int = 32,
-    seed: int = 0,
-    progress: str | None = None,
-    on_epoch: Callable[[int], None] | None = None,
-    precision: str = "fp32",
+    **options: Unpack[TrainOptions],
 ) -> TrainResult:
     """Train ``model`` in place with mini-batches reshuffled every epoch (:func:`fit` with one part).
 
@@ -243,17 +255,8 @@ def train(
         X: inputs, shape ``(N, *input_shape)``.
         y: class indices (classification) or targets (regression), shape ``(N,)``.
         task: a registered objective (:mod:`mergeflow.objectives`), or its name.
-        epochs: number of passes over the data.
-        lr: learning rate.
-        optimizer: a key of :data:`OPTIMIZERS` (``"sgd"`` or ``"adam"``).
-        momentum: SGD momentum.
-        weight_decay: L2 penalty passed to the optimizer.
-        batch_size: mini-batch size (the last batch of an epoch may be smaller).
-        seed: seed of the shuffling generator.
-        progress: if given, show a tqdm bar over epochs with this description.
-        on_epoch: called with the epoch's index after each epoch (e.g. to score the model on validation).
-        precision: ``fp32``, or ``bf16``/``fp16`` autocast of the forward pass and loss (fp16 with a
-            gradient scaler); the weights keep their dtype.
+        options: ``epochs`` and ``lr``, and optionally ``optimizer``, ``momentum``, ``weight_decay``,
+            ``batch_size``, ``seed``, ``progress``, ``on_epoch`` and ``precision``: see :func:`fit`.
 
     Returns:
         The per-step and per-epoch loss history.
@@ -263,19 +266,7 @@ def train(
             queues the next step before it waits for a loss); the weights are then meaningless.
         ValueError: on an unknown task or optimizer.
     """
-    return fit(
-        [Part.of(model, X, y, get_objective(task))],
-        epochs=epochs,
-        lr=lr,
-        optimizer=optimizer,
-        momentum=momentum,
-        weight_decay=weight_decay,
-        batch_size=batch_size,
-        seed=seed,
-        progress=progress,
-        on_epoch=on_epoch,
-        precision=precision,
-    )
+    return fit([Part.of(model, X, y, get_objective(task))], **options)
 
 
 def fit(
@@ -299,7 +290,28 @@ def fit(
     then takes them round-robin (:func:`round_robin`); each step is its own part's loss of its own model's
     outputs. A parameter that a step's model does not use gets no gradient there, and the optimizer leaves it
     as it is (no weight decay, no momentum): :func:`train` is the one part case. The models run on the first
-    one's device. Arguments and errors as :func:`train`'s.
+    one's device.
+
+    Args:
+        parts: the models and their training splits (:meth:`Part.of`).
+        epochs: number of passes over the data.
+        lr: learning rate.
+        optimizer: a key of :data:`OPTIMIZERS` (``"sgd"`` or ``"adam"``).
+        momentum: SGD momentum.
+        weight_decay: L2 penalty passed to the optimizer.
+        batch_size: mini-batch size (the last batch of a part's epoch may be smaller).
+        seed: seed of the shuffling generator.
+        progress: if given, show a tqdm bar over epochs with this description.
+        on_epoch: called with the epoch's index after each epoch (e.g. to score the model on validation).
+        precision: ``fp32``, or ``bf16``/``fp16`` autocast of the forward pass and loss (fp16 with a
+            gradient scaler); the weights keep their dtype.
+
+    Returns:
+        The per-step and per-epoch loss history, and each part's epoch losses.
+
+    Raises:
+        DivergenceError: as :func:`train`.
+        ValueError: on an unknown optimizer.
     """
     unique = {id(parameter): parameter for part in parts for parameter in part.model.parameters()}
     opt = make_optimizer(optimizer, list(unique.values()), lr=lr, momentum=momentum, weight_decay=weight_decay)

@@ -11,7 +11,7 @@ from torch import nn
 
 from mergeflow.fisher import diagonal_fisher
 from mergeflow.grams import linear_input_grams
-from mergeflow.heads import assemble, head_names, split_head, task_base, task_head
+from mergeflow.heads import assemble, body_of, head_names, split_head, task_base, task_head
 from mergeflow.merge.engine import run_merge
 from mergeflow.models import family_of
 from mergeflow.models.family import ModelFamily
@@ -264,25 +264,21 @@ def test_each_clients_fisher_with_its_own_head_and_labels_is_the_closed_form(cli
             np.testing.assert_allclose(value.numpy(), expected[key], rtol=1e-9, atol=1e-14)
 
 
-def _body_of(state, names):
-    return split_head(state, names)[0]
-
-
 @pytest.mark.parametrize("options", [{}, {"normalize": True}, {"by_size": False, "floor": 0.0}])
 def test_fisher_merge_of_tasks_with_their_own_heads_equals_the_closed_form(clients, options):
     kind, models, names, data = clients
     fishers = []
     for model, (X, y) in zip(models, data, strict=True):
         fisher = diagonal_fisher(model, X, y, kind="exact", task="classification")
-        fishers.append(_body_of(fisher, names))
+        fishers.append(body_of(fisher, names))
     states = [model.state_dict() for model in models]
-    bodies = [_body_of(state, names) for state in states]
+    bodies = [body_of(state, names) for state in states]
     result = run_merge("fisher", bodies, fishers=fishers, weights=list(SIZES), **options)
     assert result.state.keys() == bodies[0].keys() and not set(names) & set(result.state)
 
     # θ* = Σ_k λ_k F_k θ_k / Σ_k λ_k F_k elementwise, from the closed-form Fishers: F_k floored at ``floor``,
     # λ_k = n_k/N with ``by_size``, divided by the L2 norm of F_k (over the merged keys) with ``normalize``.
-    closed = [_body_of(_closed_form_fisher(model, X, kind), names) for model, (X, _) in zip(models, data, strict=True)]
+    closed = [body_of(_closed_form_fisher(model, X, kind), names) for model, (X, _) in zip(models, data, strict=True)]
     floor = options.get("floor", 1e-8)
     lam = np.array(SIZES, dtype=np.float64) / sum(SIZES) if options.get("by_size", True) else np.ones(len(SIZES))
     if options.get("normalize"):
@@ -305,9 +301,9 @@ def test_regmean_of_tasks_with_their_own_heads_equals_the_closed_form(clients, a
         assert gram.keys() == {f"{name}.weight" for name, *_ in layers}  # the head's too: the merge leaves it out
         for (name, *_), rows in zip(layers, inputs, strict=True):
             np.testing.assert_allclose(gram[f"{name}.weight"].numpy(), rows.T @ rows, rtol=1e-12)
-        grams.append({key: value for key, value in gram.items() if key not in names})
+        grams.append(body_of(gram, names))
     states = [model.state_dict() for model in models]
-    bodies = [_body_of(state, names) for state in states]
+    bodies = [body_of(state, names) for state in states]
     result = run_merge("regmean", bodies, grams=grams, alpha=alpha)
     assert result.state.keys() == bodies[0].keys() and not set(names) & set(result.state)
 
