@@ -21,6 +21,10 @@ def check_tasks(params: Params) -> None:
         return
     for name in params.tasks:
         _check_task(params, name)
+    if params.model.arch == "linear":
+        raise ValueError(
+            "model.arch: a linear model is all head: the tasks would share no body to merge; use mlp or cnn"
+        )
     if params.align.method != "none":
         raise ValueError(
             "align.method: a multi-task run merges the bodies of clients with their own heads, and permutation "

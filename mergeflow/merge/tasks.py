@@ -13,7 +13,7 @@ from collections.abc import Collection, Sequence
 
 from pydantic import BaseModel
 
-from mergeflow.heads import assemble, split_head, task_head
+from mergeflow.heads import assemble, body_of, split_head, task_head
 from mergeflow.merge.engine import MergeResult, State, run_merge
 
 
@@ -36,14 +36,13 @@ def merge_tasks(
     (its curves and summary).
     """
     bodies, heads = zip(*(split_head(state, head) for state in states), strict=True)
-    restrict = _without(head)
     result = run_merge(
         method,
         list(bodies),
-        base=restrict(base) if base is not None else None,
+        base=body_of(base, head) if base is not None else None,
         weights=weights,
-        fishers=[restrict(f) for f in fishers] if fishers is not None else None,
-        grams=[restrict(g) for g in grams] if grams is not None else None,
+        fishers=[body_of(f, head) for f in fishers] if fishers is not None else None,
+        grams=[body_of(g, head) for g in grams] if grams is not None else None,
         options=options,
     )
     sizes = list(weights) if weights is not None else [1.0] * len(states)
@@ -52,9 +51,3 @@ def merge_tasks(
         own = [k for k, name in enumerate(tasks) if name == task]
         merged[task] = assemble(result.state, task_head([heads[k] for k in own], [sizes[k] for k in own]))
     return merged, result
-
-
-def _without(head: Collection[str]):
-    """A function that drops the head's keys from a state dict (Fishers and Grams are keyed by parameter name)."""
-    names = set(head)
-    return lambda state: {key: value for key, value in state.items() if key not in names}
