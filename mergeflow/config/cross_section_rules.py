@@ -149,7 +149,7 @@ def _check_objective(params: Params) -> None:
 def _check_family(params: Params) -> None:
     """What the model family supports: its inputs, alignment, BackPACK, language models, its own rules."""
     family = params.model.family
-    if (family.inputs == "tokens") != params.data.is_text:
+    if not params.multitask and (family.inputs == "tokens") != params.data.is_text:  # each task's: tasks_rules
         raise ValueError(
             f"model.arch: {params.model.arch!r} takes {family.inputs}, and data.source {params.data.source!r} "
             f"{'is' if params.data.is_text else 'is not'} text; text sources need model.arch: transformers"
