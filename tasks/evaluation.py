@@ -64,7 +64,9 @@ def _evaluate_step(params: Params, task: str | None) -> Step:
         "likely_causes": list(params.task_data(task).declaration.likely_causes),
     }
     if task is not None:
-        step_params |= {"task": task, "clients": client_ids}
+        every = [ref.index for ref in params.clients]
+        step_params |= {"task": task, "clients": client_ids, "every_client": every}
+        clients = tuple(client_checkpoint(c) for c in every)
     ceiling = (paths.centralized,) if params.centralized.enabled else ()
     if not ceiling:
         step_params["ceiling"] = False
@@ -137,7 +139,11 @@ def evaluate(params: dict[str, Any], root: Path, out: Path, settings: dict[str, 
     metrics["best_client"] = {**metrics[best], "client": int(best.removeprefix("client_"))}
     if paths.task is not None:
         metrics["individual"] = mean_scores([metrics[name] for name in client_outputs])
-        metrics["floor"] = score(outputs_of(None, "floor", _floor_model(root, paths, params["clients"])))
+        with_head = _with_task_head(root, paths, params["clients"])
+        metrics["floor"] = score(outputs_of(None, "floor", with_head(paths.base)))
+        for client in params["every_client"]:  # each client's body on this task: the best single model's row
+            name = f"single/client_{client:03d}"
+            metrics[name] = score(outputs_of(None, name, with_head(client_checkpoint(client))))
     if objective.declaration.ensembles:
         ensemble = objective.ensemble(list(client_outputs.values()))
         predictions["ensemble"] = objective.predictions(ensemble, scale)
@@ -175,18 +181,23 @@ def summarise_tasks(params: dict[str, Any], root: Path, out: Path, _settings: di
     return {"tasks": len(per_task), "models": len(summary.get("models", {}))}
 
 
-def _floor_model(root: Path, paths: TaskPaths, clients: list[int]):
-    """The floor of a task: the base body with the head of the task's fine-tuned clients
-    (:func:`mergeflow.heads.task_head`)."""
-    from mergeflow.heads import assemble, head_names, split_head, task_head
+def _with_task_head(root: Path, paths: TaskPaths, clients: list[int]):
+    """A function from a checkpoint's path to the model of its body with the task's fine-tuned head (its clients'
+    :func:`mergeflow.heads.task_head`): of the base, the task's floor; of any task's client, that client's body
+    scored on this task."""
+    from mergeflow.heads import assemble, body_of, head_names, split_head, task_head
 
-    base, meta = load_checkpoint(root / paths.base)
-    names = head_names(meta["spec"])
+    spec = load_checkpoint_meta(root / paths.base)["spec"]
+    names = head_names(spec)
     loaded = [load_checkpoint(root / client_checkpoint(c)) for c in clients]
     head = task_head([split_head(state, names)[1] for state, _ in loaded], [m["num_examples"] for _, m in loaded])
-    model = build_from_spec(meta["spec"])
-    model.load_state_dict(assemble(split_head(base, names)[0], head))
-    return model
+
+    def model_of(path: str):
+        model = build_from_spec(spec)
+        model.load_state_dict(assemble(body_of(load_checkpoint(root / path)[0], names), head))
+        return model
+
+    return model_of
 
 
 def headline_metrics(metrics: dict[str, dict[str, Any]], headline: str) -> dict[str, dict[str, dict[str, Any]]]:
