@@ -15,6 +15,7 @@ from conftest import ROOT, ran_steps, run_cli, schema_defaults
 from safetensors.torch import load_file
 from test_dvc import _copy_project, _dvc
 
+from mergeflow.checkpoints import load_checkpoint_meta
 from mergeflow.config import validate_params
 from mergeflow.data.errors import DataError
 from mergeflow.data.relabel import relabel_raw
@@ -91,7 +92,9 @@ def test_the_digits_preset_keeps_every_tasks_head_and_reports_normalised_accurac
             assert not torch.equal(merged["1.weight"], own["1.weight"]), (method, task)
     summary = json.loads((project / "metrics/evaluate.json").read_text())
     assert set(summary["tasks"]) == set(TASKS)
-    for name in ("floor", "individual", "centralized", *(f"merged/{m}" for m in PRESET["merge"]["methods"])):
+    federated = [f"federated/{name}" for name in PRESET["federated"]["algorithms"]]
+    models = ("floor", "individual", "centralized", *(f"merged/{m}" for m in PRESET["merge"]["methods"]), *federated)
+    for name in models:
         row = summary[name]
         for task in TASKS:
             scores = row["tasks"][task]
@@ -103,6 +106,8 @@ def test_the_digits_preset_keeps_every_tasks_head_and_reports_normalised_accurac
         assert row["avg_normalized_accuracy"] == pytest.approx(np.mean(normalized))
         assert row["avg_accuracy"] > 0.8, name  # far above chance (1/5 and 1/2 per task)
     assert summary["splits"]["models"] == "test"
+    assert summary["best_single"]["client"] in range(len(TASKS))  # one client's body with every task's head
+    assert summary["best_single"]["avg_accuracy"] < summary["individual"]["avg_accuracy"]
     headline = json.loads((project / "metrics/headline/merged.json").read_text())
     assert set(headline) == set(PRESET["merge"]["methods"]) and "avg_normalized_accuracy" in headline["average"]
 
@@ -115,7 +120,34 @@ def test_the_digits_preset_keeps_every_tasks_head_and_reports_normalised_accurac
     assert _dvc(["status"], project, env).stdout.strip() == "Data and pipelines are up to date."
     best = run_cli(["best"], project, env)
     assert best.returncode == 0 and "test_avg_normalized_accuracy" in best.stdout, best.stdout + best.stderr
-    assert all(method in best.stdout for method in PRESET["merge"]["methods"][:3])
+    ranked = {name.partition("/")[2]: summary[name]["avg_normalized_accuracy"] for name in models if "/" in name}
+    assert best.stdout.splitlines()[1].split()[0] == max(ranked, key=ranked.get), best.stdout
 
     again = run_cli(["run"], project, env)
     assert again.returncode == 0 and ran_steps(project) == set(), again.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_run_given_the_first_runs_models_trains_nothing_and_merges_byte_for_byte(preset_run, tmp_path):
+    """The guide's walkthrough: the preset's clients and base given to a second pipeline, which trains nothing."""
+    first, env = preset_run
+    params = {key: value for key, value in PRESET.items() if key in ("seed", "data", "model", "merge")}
+    params["tasks"] = {
+        task: PRESET["tasks"][task] | {"checkpoint": str(first / f"models/clients/client_{k:03d}.safetensors")}
+        for k, task in enumerate(TASKS)
+    }
+    base = first / f"models/base/tasks/{TASKS[0]}/base.safetensors"
+    params |= {"pretrain": {"enabled": False, "checkpoint": str(base)}, "centralized": {"enabled": False}}
+    params |= {"federated": {"algorithms": []}, "tracking": {"experiment": "byo"}}
+    second = tmp_path / "second"
+    second.mkdir()
+    (second / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    done = run_cli(["run"], second, env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (second / "models/centralized/tasks").exists()
+    for k, task in enumerate(TASKS):
+        client = load_checkpoint_meta(second / f"models/clients/client_{k:03d}.safetensors")
+        assert client["given"]["kind"] == "mergeflow" and "step_losses" not in client  # imported, not trained
+        for method in PRESET["merge"]["methods"]:
+            path = f"models/merged/tasks/{task}/{method}.safetensors"
+            assert (second / path).read_bytes() == (first / path).read_bytes(), path
