@@ -327,3 +327,99 @@ def test_the_same_seed_trains_the_same_weights_on_the_device_unless_torch_warns(
     warned = sorted({str(w.message)[:90] for w in caught if "determinis" in str(w.message)})
     print(f"\n{arch} on {DEVICE}: {'bit-identical' if same else 'differs'}; torch warned: {warned or 'nothing'}")
     assert same or (arch != "mlp" and warned)
+
+
+def _task_models(device) -> dict:
+    """Two tasks' models (3 and 2 classes) with one body, as a multi-task run's base makes them."""
+    from device_cases import tiny_classifier
+
+    from mergeflow.heads import task_base
+    from mergeflow.models import build_from_spec
+    from mergeflow.models.sequential import model_spec
+
+    spec = model_spec("mlp", [4], 3, widths=[5], seed=0)
+    base = tiny_classifier().state_dict()
+    models = {}
+    for k, (task, classes) in enumerate((("three", 3), ("two", 2))):
+        task_spec, state = task_base(spec, base, classes, seed=10 + k)
+        models[task] = build_from_spec(task_spec)
+        models[task].load_state_dict(state)
+        models[task].to(device)
+    return models
+
+
+def test_joint_multi_task_training_on_the_device_matches_the_cpu():
+    from mergeflow.heads import head_names
+    from mergeflow.multitask import train_jointly
+
+    X, y = tiny_data(rows=96)
+    data = {"three": (X[:64], y[:64]), "two": (X[64:], y[64:] % 2)}
+    runs = []
+    for device in ("cpu", DEVICE, DEVICE):
+        models = _task_models(device)
+        result = train_jointly(
+            models, data, heads=head_names(_spec()), task="classification", epochs=2, lr=0.1, batch_size=16, seed=1
+        )
+        runs.append(({task: model.state_dict() for task, model in models.items()}, result.losses))
+    cpu, first, again = runs
+    assert first[1] == again[1]  # the device's run is deterministic
+    for task in cpu[0]:
+        _states_close(first[0][task], cpu[0][task], rtol=1e-4, atol=1e-6)
+
+
+def _spec() -> dict:
+    from mergeflow.models.sequential import model_spec
+
+    return model_spec("mlp", [4], 3, widths=[5], seed=0)
+
+
+@pytest.mark.parametrize("method", ["average", "task_arithmetic", "ties", "fisher", "regmean"])
+def test_a_merge_of_tasks_with_their_own_heads_on_the_device_matches_the_cpu(method):
+    from mergeflow.fisher import diagonal_fisher
+    from mergeflow.grams import linear_input_grams
+    from mergeflow.heads import head_names
+    from mergeflow.merge.tasks import merge_tasks
+
+    X, y = tiny_data(rows=48)
+    merged = {}
+    for device in ("cpu", DEVICE):
+        models = _task_models(device)
+        base = {k: v.clone() for k, v in models["three"].state_dict().items()}
+        for k, model in enumerate(models.values()):  # each client a little away from the base
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(0.01 * (k + 1) * torch.ones_like(parameter))
+        labels = {"three": y, "two": y % 2}
+        fishers = [diagonal_fisher(m, X, labels[t], kind="exact", task="classification") for t, m in models.items()]
+        grams = [linear_input_grams(m, X) for m in models.values()]
+        states = [m.state_dict() for m in models.values()]
+        tasks, _ = merge_tasks(
+            method, states, list(models), head_names(_spec()), base=base, weights=[30, 18], fishers=fishers, grams=grams
+        )
+        merged[str(device)] = (tasks, states)
+    (cpu, _), (on_device, clients) = merged["cpu"], merged[str(DEVICE)]
+    for k, task in enumerate(cpu):
+        _states_close(on_device[task], cpu[task], rtol=1e-5, atol=1e-7)
+        for name in head_names(_spec()):  # each task keeps its own client's head, bit for bit
+            assert torch.equal(on_device[task][name], clients[k][name])
+
+
+def test_a_federated_round_with_local_heads_on_the_device_matches_the_cpu():
+    pytest.importorskip("ivon")
+    from mergeflow.federated import ClientData, LocalTraining
+    from mergeflow.federated.heads import LocalHeads
+    from mergeflow.federated.loop import run_rounds
+    from mergeflow.heads import head_names
+
+    X, y = tiny_data(rows=64)
+    clients = [ClientData(torch.as_tensor(X[i::2]), torch.as_tensor(y[i::2])) for i in range(2)]
+    heads = LocalHeads("local", head_names(_spec()), 1)
+    runs = {}
+    for device in ("cpu", DEVICE):
+        template = tiny_classifier().to(device)
+        model = lambda t=template: copy.deepcopy(t)  # noqa: E731
+        runs[str(device)] = run_rounds(
+            "fedavg", model, clients, 2, train=LocalTraining(epochs=1, batch_size=16), heads=heads
+        )
+    gpu, cpu = runs[str(DEVICE)], runs["cpu"]
+    _states_close(gpu.global_state, cpu.global_state, rtol=1e-4, atol=1e-6)
