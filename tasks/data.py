@@ -138,9 +138,40 @@ def _tokenize_step(params: Params, task: str | None) -> Step:
     step_params = {"tokenizer": params.section("data.tokenizer"), "pretrained": params.pretrained}
     if params.objective != data.task:  # a model's own objective (a causal LM): the texts' labels stay, for
         step_params["task"] = params.objective  # partitions and groups
+    inputs: tuple[str, ...] = (TaskPaths(task).text,)
     if task is not None:
         step_params["of_task"] = task
-    return Step(_named("tokenize", task), "tasks.data:tokenize", step_params, inputs=(TaskPaths(task).text,))
+        if not params.pretrained:  # the tasks' one tokenizer (plan_shared_tokenizer)
+            step_params["shared"] = TOKENIZER
+            inputs += (TOKENIZER,)
+    return Step(_named("tokenize", task), "tasks.data:tokenize", step_params, inputs=inputs)
+
+
+def plan_shared_tokenizer(params: Params) -> list[Step]:
+    """In a multi-task run of text without a pretrained model, one step: the tasks' one tokenizer (their bodies
+    are one, and so is its embedding), trained on every task's training text."""
+    tasks = [task for task in params.tasks if params.task_data(task).is_text]
+    if not tasks or params.pretrained:
+        return []
+    step_params = {"tokenizer": params.section("data.tokenizer"), "tasks": tasks}
+    inputs = tuple(TaskPaths(task).text for task in tasks)
+    return [Step("tokenizer", "tasks.data:train_shared_tokenizer", step_params, inputs=inputs)]
+
+
+def train_shared_tokenizer(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
+    """Train one tokenizer on the training text (and corpus) of every task, in the tasks' order."""
+    settings = params["tokenizer"]
+    files = [root / TaskPaths(task).text / f"{name}.parquet" for task in params["tasks"] for name in ("train", CORPUS)]
+    texts = itertools.chain(*(training_texts(load_dataset_file(path)) for path in files if path.is_file()))
+    tokenizer = _trained_tokenizer(texts, settings)
+    tokenizer.save_pretrained(str(out / TOKENIZER))
+    return {"vocab_size": len(tokenizer)}
+
+
+def _trained_tokenizer(texts, settings: dict[str, Any]):
+    return train_tokenizer(
+        texts, kind=settings["kind"], vocab_size=settings["vocab_size"], min_frequency=settings["min_frequency"]
+    )
 
 
 def tokenize(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
@@ -152,11 +183,11 @@ def tokenize(params: dict[str, Any], root: Path, out: Path, _settings: dict[str,
     if params["pretrained"]:
         tokenizer = load_tokenizer(params["pretrained"])
         check_vocabulary(tokenizer, params["pretrained"])
+    elif params.get("shared"):
+        tokenizer = load_tokenizer(root / params["shared"])
     else:
         texts = itertools.chain(*(training_texts(splits[name]) for name in ("train", CORPUS) if name in splits))
-        tokenizer = train_tokenizer(
-            texts, kind=settings["kind"], vocab_size=settings["vocab_size"], min_frequency=settings["min_frequency"]
-        )
+        tokenizer = _trained_tokenizer(texts, settings)
     tokenizer.model_max_length = settings["max_length"]  # so a reloaded tokenizer cuts where the model was trained
     tokenizer.save_pretrained(str(out / tokenizer_dir))
     lengths = {}

@@ -89,7 +89,12 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="prepare",
         summary="Load the data source, split train/test/server (tokenize text), save as parquet datasets.",
-        phases=("tasks.data:plan_prepare", "tasks.data:plan_tokenize", "tasks.data:plan_data_report"),
+        phases=(
+            "tasks.data:plan_prepare",
+            "tasks.data:plan_shared_tokenizer",
+            "tasks.data:plan_tokenize",
+            "tasks.data:plan_data_report",
+        ),
         params=("seed", "data", "tasks", *_PRETRAINED_KEYS),
         outs=("data/prepared",),
         files=("metrics/data.json",),

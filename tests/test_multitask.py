@@ -151,3 +151,52 @@ def test_a_run_given_the_first_runs_models_trains_nothing_and_merges_byte_for_by
         for method in PRESET["merge"]["methods"]:
             path = f"models/merged/tasks/{task}/{method}.safetensors"
             assert (second / path).read_bytes() == (first / path).read_bytes(), path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["sequence_classification", "causal_lm"])
+def test_text_tasks_share_one_trained_tokenizer_and_each_is_scored_on_its_own_split(objective, tmp_path, cli_env):
+    """Two text tasks from two tables (4 topics; 2 genres) with a from-config transformer: one tokenizer trained on
+    both, a head per task (a causal LM has none: each task scored by its own token NLL)."""
+    from text_fixtures import TINY, write_topic_csv
+
+    table = {
+        "path": "csv",
+        "data_files": str(write_topic_csv(tmp_path / "topics.csv", rows=300)),
+        "text_column": "sentence",
+    }
+    causal = objective == "causal_lm"
+    config = TINY["gpt2" if causal else "bert"]
+    params = {
+        "data": {"validation_fraction": 0.1, "tokenizer": {"vocab_size": 400, "max_length": 20}},
+        "tasks": {
+            "topic": {"data": {"source": "text", "text": table | {"label_column": "topic"}}},
+            "genre": {"data": {"source": "text", "text": table | {"label_column": "genre"}}},
+        },
+        "model": {"arch": "transformers", "transformers": {"config": config, "task": objective}},
+        "pretrain": {"epochs": 3, "optimizer": "adam", "lr": 0.003},
+        "finetune": {"epochs": 3, "optimizer": "adam", "lr": 0.003},
+        "fisher": {"kind": "empirical", "n_examples": 32, "batch_size": 16},
+        "merge": {"methods": ["average", "task_arithmetic", "fisher"]},
+        "federated": {"algorithms": ["fedavg"], "rounds": 1, "local": {"epochs": 1, "optimizer": "adam", "lr": 0.003}},
+        "tracking": {"log_models": False},
+    }
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    done = run_cli(["run"], tmp_path, cli_env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "data/prepared/tokenizer/tokenizer.json").is_file()
+    vocab = {
+        task: json.loads((tmp_path / f"data/prepared/tasks/{task}/info.json").read_text())["tokenizer"]
+        for task in ("topic", "genre")
+    }
+    assert vocab["topic"] == vocab["genre"] | {"directory": vocab["topic"]["directory"]}  # one tokenizer
+    summary = json.loads((tmp_path / "metrics/evaluate.json").read_text())
+    for name in ("floor", "individual", "merged/average", "merged/fisher", "federated/fedavg"):
+        assert set(summary[name]["tasks"]) == {"topic", "genre"}
+    if causal:  # no heads: every task by its own token NLL, no normalised accuracy
+        assert "avg_nll" in summary["merged/average"] and "avg_normalized_accuracy" not in summary["merged/average"]
+        assert summary["tasks"]["topic"]["headline"] != "accuracy"
+    else:
+        topic = summary["individual"]["tasks"]["topic"]["accuracy"]
+        assert topic > 0.5  # 4 topics: chance 0.25
+        assert 0 < summary["merged/average"]["avg_normalized_accuracy"]

@@ -41,6 +41,8 @@ def check_tasks(params: Params) -> None:
             raise ValueError(
                 f"merge.methods: {entry!r} ({method.name}) needs {why}; a multi-task run has a head per task"
             )
+    if params.pretrain.language_model is not None:
+        raise ValueError("pretrain.language_model: not supported in a multi-task run yet")
     if params.centralized.keep != "last" or params.finetune.lora:
         key = "centralized.keep" if params.centralized.keep != "last" else "finetune.lora"
         raise ValueError(f"{key}: not supported in a multi-task run yet")
@@ -101,9 +103,4 @@ def _check_task(params: Params, name: str) -> None:
     if (family.inputs == "tokens") != data.is_text:
         raise ValueError(
             f"tasks.{name}.data.source: {data.source!r} does not give what model.arch {params.model.arch!r} takes"
-        )
-    if data.is_text and not params.pretrained:
-        raise ValueError(
-            f"tasks.{name}: the tasks' texts share one tokenizer: the pretrained model's "
-            "(set model.transformers.pretrained)"
         )
