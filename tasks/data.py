@@ -246,7 +246,7 @@ def partition(params: dict[str, Any], root: Path, out: Path, _settings: dict[str
         write_json(out / PARTITION_METRICS, stats)
         plot_partition_stats(stats, out / PARTITION_PLOT)
     else:
-        write_json(out / paths.partitions_info.replace("info.json", _REPORT), stats)
+        write_json(out / paths.partitions / _REPORT, stats)
     return {"sizes": stats["sizes"]}
 
 
@@ -257,7 +257,7 @@ def plan_data_report(params: Params) -> list[Step]:
 
 def plan_partition_report(params: Params) -> list[Step]:
     """In a multi-task run, one step: ``metrics/partition.json`` by task, and the plot of every client's classes."""
-    reports = {task: TaskPaths(task).partitions_info.replace("info.json", _REPORT) for task in params.tasks}
+    reports = {task: f"{TaskPaths(task).partitions}/{_REPORT}" for task in params.tasks}
     return _report_step(params, "partition", reports)
 
 

@@ -40,7 +40,7 @@ from tasks.layout import (
     merged_pretrained_dir,
 )
 from tasks.scoring import mean_scores, split_metrics
-from tasks.step_devices import device_settings, on_cpu, on_device, step_device
+from tasks.step_devices import device_settings, on_cpu, step_device
 from tasks.steps import Step
 
 
@@ -165,9 +165,10 @@ def _merge_tasks_into(
     metas = {c: load_checkpoint_meta(root / aligned_checkpoint(c)) for ids in params["clients"].values() for c in ids}
     excluded = [c for c, meta in metas.items() if meta.get("diverged")]
     clients = [(task, c) for task, ids in params["clients"].items() for c in ids if c not in excluded]
-    base_state, base_meta = load_checkpoint(root / TaskPaths(next(iter(params["clients"]))).base)
+    base_path = root / TaskPaths(next(iter(params["clients"]))).base
     device = str(step_device(settings))
     uses = declaration.uses
+    with_base = "base" in uses and params.get("shared_base", True)
 
     def load(relative: str) -> dict[str, torch.Tensor]:
         return load_file(root / relative, device=device)
@@ -176,8 +177,8 @@ def _merge_tasks_into(
         method,
         [load(aligned_checkpoint(c)) for _, c in clients],
         [task for task, _ in clients],
-        head_names(base_meta["spec"]),
-        base=on_device(base_state, device) if "base" in uses and params.get("shared_base", True) else None,
+        head_names(load_checkpoint_meta(base_path)["spec"]),
+        base=load_file(base_path, device=device) if with_base else None,
         weights=[metas[c]["num_examples"] for _, c in clients],
         fishers=[load(aligned_fisher(c)) for _, c in clients] if "fishers" in uses else None,
         grams=[load(aligned_grams(c)) for _, c in clients] if "grams" in uses else None,

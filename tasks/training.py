@@ -202,9 +202,9 @@ def _precision(params: Params) -> dict[str, str]:
 def plan_finetune(params: Params) -> list[Step]:
     """One step per client trained here (not given in ``finetune.checkpoints``: :mod:`tasks.given` plans those),
     keyed by that client's own settings and partition only (and, in a multi-task run, its task's base)."""
-    steps = []
+    steps, given = [], params.given_clients
     for ref in params.clients:
-        if ref.index in params.given_clients:
+        if ref.index in given:
             continue
         paths = TaskPaths(ref.task)
         step_params = {
