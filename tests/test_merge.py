@@ -521,3 +521,20 @@ def test_woodbury_inverse_in_strips_and_column_blocks_equals_a_dense_solve():
         # float32 products: a preconditioner within float32's rounding of the exact inverse
         approximate = woodbury_inverse(diagonal, clients, columns=columns, strip=strip, build_dtype=torch.float32)(v)
         assert 0 < float((approximate - expected).norm() / expected.norm()) < 1e-5
+
+
+def test_the_exact_inverse_of_more_factor_rows_than_parameters_is_the_dense_matrix_s(monkeypatch):
+    """Many clients of a small model: the R x R Woodbury capacitance would grow with the square of the clients
+    (51 GB for 1,000 clients of 80 rows), so the D x D matrix is inverted instead, to the same result."""
+    from mergeflow.merge import exact
+    from mergeflow.merge.precision import ClientPrecision
+
+    generator = torch.Generator().manual_seed(2)
+    dim, delta = 20, 0.1
+    factors = [torch.randn(8, dim, generator=generator) for _ in range(5)]  # 40 rows > 20 parameters
+    clients = [ClientPrecision(torch.zeros(dim), u, torch.rand(dim, dtype=torch.float64), 0.5) for u in factors]
+    dense = torch.diag(sum(c.diagonal for c in clients) + delta) + sum(0.5 * u.double().T @ u.double() for u in factors)
+    v = torch.randn(dim, generator=generator, dtype=torch.float64)
+    monkeypatch.setattr(exact, "woodbury_inverse", None)  # the R x R path is not taken
+    solved = exact.woodbury_preconditioner(clients, delta)(v)
+    torch.testing.assert_close(solved, torch.linalg.solve(dense, v), rtol=1e-10, atol=1e-12)

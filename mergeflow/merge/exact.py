@@ -13,8 +13,9 @@ The default preconditioner inverts Σ Λ_k exactly by Woodbury: it is a diagonal
 stacked factors of all clients (R rows in all), so one R × R Cholesky factor, built once at
 O(R²D), makes CG converge in a few iterations even when zero-Fisher coordinates leave only
 the prior precision there (condition numbers of 1e6 and more, where Jacobi-preconditioned CG
-needs thousands of iterations). ``jacobi`` (the diagonal of Σ Λ_k) and ``none`` remain for
-models whose R²D is too large.
+needs thousands of iterations). When the clients' rows outnumber the parameters (a thousand clients
+of a small model) the same inverse is the dense D × D matrix's, built at O(RD²): either way linear in the
+clients. ``jacobi`` (the diagonal of Σ Λ_k) and ``none`` remain for models whose min(R, D)² is too large.
 With no factors (U = 0) and δ = 0 it is the diagonal Fisher merge.
 """
 
@@ -83,8 +84,26 @@ def _preconditioner(
 def woodbury_preconditioner(
     clients: list[ClientPrecision], delta: float, build_dtype: torch.dtype = torch.float64
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The exact inverse of Σ_k Λ_k − (K−1)δI (each Λ_k = s_k(U_kᵀU_k + D_k) + δI), by Woodbury."""
-    return woodbury_inverse(sum(c.diagonal for c in clients) + delta, clients, build_dtype=build_dtype)
+    """The exact inverse of Σ_k Λ_k − (K−1)δI (each Λ_k = s_k(U_kᵀU_k + D_k) + δI): by Woodbury in the R × R
+    space of the stacked factor rows, or, when the clients' rows outnumber the D parameters (many clients of a
+    small model), as the dense D × D matrix, so that its cost grows linearly with the clients (R D², not R² D)."""
+    diagonal = sum(c.diagonal for c in clients) + delta
+    if sum(len(c.factors) for c in clients) > diagonal.numel():
+        return dense_inverse(diagonal, clients)
+    return woodbury_inverse(diagonal, clients, build_dtype=build_dtype)
+
+
+def dense_inverse(diagonal: torch.Tensor, clients: list[ClientPrecision]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """v ↦ (A + Σ_k s_k U_kᵀU_k)⁻¹ v for a positive diagonal A, from the D × D matrix's Cholesky factor in float64
+    (its factors summed a block of rows at a time)."""
+    matrix = torch.diag(diagonal.to(torch.float64))
+    for c in clients:
+        cancel.check()
+        for rows in torch.split(c.factors, 4096):
+            wide = rows.to(torch.float64)
+            matrix.addmm_(wide.T, wide, alpha=c.factor_scale)
+    cholesky = torch.linalg.cholesky(matrix)
+    return lambda v: torch.cholesky_solve(v.to(torch.float64)[:, None], cholesky)[:, 0]
 
 
 def woodbury_inverse(
