@@ -42,7 +42,7 @@ def outage_line(error: BaseException, root: Path) -> str | None:
     server = _server_error(error)
     if server is not None:
         return (
-            f"the Prefect server at {_server_url(server)} does not answer ({server}); {KEPT}: "
+            f"the Prefect server at {_api_of(server)} does not answer ({server}); {KEPT}: "
             "run again once it is back, or without PREFECT_API_URL"
         )
     return None
@@ -58,26 +58,30 @@ def _chain(error: BaseException) -> list[BaseException]:
 
 
 def _server_error(error: BaseException) -> BaseException | None:
-    """The transport error (refused, reset, timed out) of a request to the Prefect API in ``error``'s chain."""
-    if "httpx" not in sys.modules:  # no request was made: nothing imported httpx
+    """The transport error (refused, reset, timed out) of a request to the Prefect API in ``error``'s chain; not
+    one of another address (Hugging Face's hub also speaks httpx)."""
+    if "httpx" not in sys.modules or "prefect" not in sys.modules:  # no request to Prefect was made
         return None
     import httpx
 
-    return next((cause for cause in _chain(error) if isinstance(cause, httpx.TransportError)), None)
+    found = (cause for cause in _chain(error) if isinstance(cause, httpx.TransportError) and _api_of(cause))
+    return next(found, None)
 
 
-def _server_url(error: BaseException) -> str:
-    """The API address the run talks to (``PREFECT_API_URL``), else the address of the request that failed."""
+def _api_of(error: BaseException) -> str | None:
+    """The Prefect API's address when ``error``'s request went to it: ``PREFECT_API_URL``, or else the
+    ephemeral server's (``http://127.0.0.1:PORT/api``)."""
     from prefect.settings import get_current_settings
 
+    try:
+        url = error.request.url  # httpx sets it on the errors of a request it sent
+    except RuntimeError:
+        return None
     configured = get_current_settings().api.url
     if configured:
-        return configured
-    try:
-        url = error.request.url  # httpx sets it on errors of a request it sent
-    except (AttributeError, RuntimeError):
-        return "its address"
-    return f"{url.scheme}://{url.netloc.decode()}"
+        return configured if str(url).startswith(configured) else None
+    ephemeral = url.host in ("127.0.0.1", "localhost") and url.path.startswith("/api/")
+    return f"{url.scheme}://{url.netloc.decode()}/api" if ephemeral else None
 
 
 def _drop_prefect_backlog() -> None:

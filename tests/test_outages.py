@@ -10,6 +10,7 @@ import errno
 import hashlib
 import json
 import shutil
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from conftest import BIN, fast_params, free_port, make_workspace, ran_steps, run_cli, start_prefect_server, stop
 from test_cancel import _digests
 
+from flows.outages import outage_line
 from mergeflow.files import atomic_path
 
 # SSF reads low-rank Fisher factors: 3 MB per client, and align writes 9 MB of them, the run's largest output.
@@ -46,6 +48,25 @@ def test_a_full_disk_names_the_file_being_written_and_leaves_no_temp_file(tmp_pa
         raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
     assert (raised.value.errno, raised.value.filename) == (errno.ENOSPC, str(target))
     assert not list(tmp_path.iterdir())
+
+
+def test_a_full_disk_without_a_file_name_names_the_project_directory(tmp_path):
+    line = outage_line(sqlite3.OperationalError("database or disk is full"), tmp_path)  # MLflow's store
+    assert line == f"no space left on device writing under {tmp_path}{KEPT}free some space and run again"
+
+
+def test_only_a_request_to_the_prefect_api_counts_as_its_server_gone(tmp_path):
+    import httpx
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    def refused(url: str) -> httpx.ConnectError:
+        return httpx.ConnectError("[Errno 111] Connection refused", request=httpx.Request("POST", url))
+
+    api = "http://127.0.0.1:4200/api"
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        line = outage_line(refused(f"{api}/flow_runs/"), tmp_path)
+        assert line.startswith(f"the Prefect server at {api} does not answer ([Errno 111] Connection refused)")
+        assert outage_line(refused("https://huggingface.co/api/models/gpt2"), tmp_path) is None
 
 
 def test_a_prefect_server_that_does_not_answer_is_one_line(tmp_path, cli_env):
