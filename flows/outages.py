@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from mergeflow.files import disk_full
@@ -116,21 +117,25 @@ class _OutagesOffTheConsole(logging.Filter):
         return not (message.startswith("Finished in state") and any(s in message for s in _FULL_DISK_STATES))
 
 
-class _EventRetriesOnce(logging.Filter):
-    """Lets through the first warning that the events socket cannot be reached, not the next ones (one per
-    event, every 7 s while the server is gone), nor the events worker's dump of each event it dropped."""
+_WARN_EVERY = 600.0  # seconds; `mergeflow serve` lives on, and says so again for a later outage
+
+
+class _EventRetriesSeldom(logging.Filter):
+    """Lets through one warning in ten minutes that the events socket cannot be reached (Prefect warns once per
+    event, every 7 s while the server is gone), and none of the events worker's dumps of the events it dropped."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.warned = False
+        self.warned = -_WARN_EVERY
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if message.startswith("Service 'EventsWorker' failed to process item"):
             return False
         if message.startswith("Unable to connect to"):
-            seen, self.warned = self.warned, True
-            return not seen
+            if time.monotonic() - self.warned < _WARN_EVERY:
+                return False
+            self.warned = time.monotonic()
         return True
 
 
@@ -139,7 +144,7 @@ def quiet_outages(console: logging.Handler) -> None:
     events worker's retries down to one warning, and its API log worker's failed batches not written to stderr
     (it writes them while ``logging.raiseExceptions`` is on, which the logging docs advise off in production)."""
     console.addFilter(_OutagesOffTheConsole())
-    events = _EventRetriesOnce()
+    events = _EventRetriesSeldom()
     for name in ("prefect.events.clients", "prefect._internal.concurrency"):
         logging.getLogger(name).addFilter(events)
     logging.raiseExceptions = False
