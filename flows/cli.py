@@ -284,6 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     except MergeflowError as error:
         print(f"mergeflow: error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:
+        from flows.outages import report_outage
+
+        if not report_outage(error, Path.cwd()):  # the Prefect server gone, the disk full: one line
+            raise
+        return 1
     except KeyboardInterrupt:
         return 130
 

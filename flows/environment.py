@@ -11,6 +11,10 @@ import os
 DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+    # A request to a server gone is tried 3 times over about 6 s, not Prefect's 6 over about a minute:
+    # the flow's end reports its state twice (completed, then failed), so a run notices a stopped server
+    # in seconds (flows.outages) and still rides out a restart of a few seconds.
+    "PREFECT_CLIENT_MAX_RETRIES": "2",
     "PREFECT_LOGGING_LOG_PRINTS": "true",
     # The console gets warnings and a line per stage (tasks.runner); Prefect's UI and API get every
     # log record, and .mergeflow/last_run.json every step.

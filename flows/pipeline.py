@@ -19,6 +19,7 @@ from prefect.logging.handlers import PrefectConsoleHandler
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
+from flows.outages import quiet_outages
 from mergeflow import cancel
 from mergeflow.config import OrchestrationConfig, Params, validate_params
 from mergeflow.errors import MergeflowError
@@ -127,6 +128,7 @@ def _own_errors_off_the_console() -> None:
             isinstance(f, _OwnErrorsOffTheConsole) for f in handler.filters
         ):
             handler.addFilter(_OwnErrorsOffTheConsole())
+            quiet_outages(handler)
 
 
 def run_pipeline(params: Params, root: Path, stages: list[str] | None = None) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from flows.dvc_lock import ParamsSource, sync_dvc_lock
 from mergeflow.config import Params
+from mergeflow.files import atomic_path
 from tasks.runner import cached_run
 from tasks.stages import STAGES, get_stage
 from tasks.store import STATE_DIR
@@ -70,7 +71,7 @@ def run_and_record(
 
             outcomes = run_pipeline(params, root, stages)
         elapsed = time.perf_counter() - started
-        record = root / LAST_RUN
-        record.write_text(json.dumps({"seconds": elapsed, "steps": outcomes}, indent=2) + "\n")
+        with atomic_path(root / LAST_RUN) as tmp:  # whole or not at all, on a full disk too
+            tmp.write_text(json.dumps({"seconds": elapsed, "steps": outcomes}, indent=2) + "\n")
         sync_dvc_lock(root, [stage.name for stage in selected], params_source, outcomes)
     return outcomes, elapsed

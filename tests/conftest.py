@@ -163,15 +163,12 @@ def browser_page(workspace: Path, port: int, env: dict[str, str], showing: str =
         stop(server)
 
 
-@pytest.fixture(scope="session")
-def prefect_api(tmp_path_factory) -> Iterator[str]:
-    """One local Prefect server for the session (the scheduler loops every 2 s).
-
-    Every CLI run would otherwise start its own ephemeral API server, 5 to 10 s each.
-    """
+def start_prefect_server(home: Path) -> tuple[subprocess.Popen, str]:
+    """A ``prefect server start`` on a free loopback port, in its own process group (:func:`stop` it), with its
+    home in ``home`` (the scheduler loops every 2 s); once it answers, the process and its API's URL."""
     env = {
         **os.environ,
-        "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-server")),
+        "PREFECT_HOME": str(home),
         "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
         "PREFECT_UI_ENABLED": "false",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -184,7 +181,21 @@ def prefect_api(tmp_path_factory) -> Iterator[str]:
     )
     try:
         wait_for(f"http://127.0.0.1:{port}/api/health", server)
-        yield f"http://127.0.0.1:{port}/api"
+    except BaseException:
+        stop(server)
+        raise
+    return server, f"http://127.0.0.1:{port}/api"
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory) -> Iterator[str]:
+    """One local Prefect server for the session.
+
+    Every CLI run would otherwise start its own ephemeral API server, 5 to 10 s each.
+    """
+    server, api = start_prefect_server(tmp_path_factory.mktemp("prefect-server"))
+    try:
+        yield api
     finally:
         stop(server)
 
