@@ -22,6 +22,7 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from mergeflow import cancel
 from mergeflow.config import OrchestrationConfig, Params, validate_params
 from mergeflow.errors import MergeflowError
+from tasks.dask_waits import lost_workers_timeout
 from tasks.runner import run_stage, warn_mixed_devices
 from tasks.stages import STAGES, get_stage
 from tasks.steps import StepOutcome
@@ -46,9 +47,11 @@ def pipeline(params: dict[str, Any], root: str, stages: list[str] | None = None)
 
 @contextmanager
 def _stops_dask_steps(settings: OrchestrationConfig) -> Iterator[None]:
-    """On an interrupt, stop the run's steps on Dask (:func:`_stop_dask_steps`)."""
+    """On an interrupt, stop the run's steps on Dask (:func:`_stop_dask_steps`); a wait on a cluster without
+    workers gives up after ``orchestration.dask_lost_workers_timeout`` (:func:`tasks.dask_waits.result`)."""
     try:
-        yield
+        with lost_workers_timeout(settings.dask_lost_workers_timeout):
+            yield
     except BaseException as error:
         if not isinstance(error, Exception) and settings.task_runner == "dask":
             _stop_dask_steps(settings.dask_address)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -15,7 +16,10 @@ from pathlib import Path
 import pytest
 from conftest import BIN, ROOT, fast_params, free_port, make_workspace, ran_steps, run_cli, stop
 
+# One client fine-tunes for seconds: long enough to be killed mid-step.
 TINY = {
+    "pretrain": {"epochs": 1},
+    "finetune": {"epochs": 2, "clients": {1: {"epochs": 2000}}},
     "merge": {"methods": ["average"]},
     "federated": {"algorithms": ["fedavg"], "rounds": 2},
     "tracking": {"log_models": False},
@@ -46,24 +50,22 @@ class Cluster:
         self.processes: list[subprocess.Popen] = []
         self.workers: list[subprocess.Popen] = []
 
-    def _start(self, args: list[str], name: str) -> subprocess.Popen:
+    def _start(self, args: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = (self.logs / f"{name}.log").open("w")
         process = subprocess.Popen(
-            [str(BIN / "dask"), *args], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            [str(BIN / "dask"), *args], cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
         self.processes.append(process)
         return process
 
-    def start(self, workers: int = 2) -> None:
-        self._start(["scheduler", "--host", "127.0.0.1", "--port", str(self.port), "--no-dashboard"], "scheduler")
-        self.add_workers(workers)
-
-    def add_workers(self, count: int) -> None:
-        for _ in range(count):
+    def start(self, workers: int = 2, scheduler_env: dict[str, str] | None = None) -> None:
+        args = ["scheduler", "--host", "127.0.0.1", "--port", str(self.port), "--no-dashboard"]
+        self._start(args, "scheduler", scheduler_env)
+        for number in range(workers):
             args = ["worker", self.address, "--host", "127.0.0.1", "--nthreads", "1", "--no-dashboard"]
-            self.workers.append(self._start(args, f"worker-{len(self.workers)}"))
-        self.wait_for_workers(len([w for w in self.workers if w.poll() is None]))
+            self.workers.append(self._start(args, f"worker-{number}"))
+        self.wait_for_workers(workers)
 
     def client(self):
         from distributed import Client
@@ -80,32 +82,52 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path, cli_env) -> Iterator[Cluster]:
-    """A scheduler and two single-threaded workers on 127.0.0.1 that import this tree's code."""
+def cluster(request, tmp_path, cli_env) -> Iterator[Cluster]:
+    """A scheduler and two single-threaded workers on 127.0.0.1 that import this tree's code (the scheduler with
+    the environment the test's parameter gives, if any)."""
     logs = tmp_path / "cluster-logs"
     logs.mkdir()
     env = {**cli_env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), cli_env.get("PYTHONPATH")]))}
     cluster = Cluster(env, logs)
     try:
-        cluster.start()
+        cluster.start(scheduler_env=getattr(request, "param", None))
         yield cluster
     finally:
         cluster.stop()
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cli_env) -> dict[str, str]:
-    """The result digests of the tiny pipeline run in threads."""
+def threaded(tmp_path_factory, cli_env) -> Path:
+    """A workspace after the tiny pipeline ran in threads."""
     path = make_workspace(tmp_path_factory.mktemp("threads"), fast_params(**TINY))
     done = run_cli(["run"], path, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
-    return _digests(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(threaded) -> dict[str, str]:
+    """The result digests of the tiny pipeline run in threads."""
+    return _digests(threaded)
+
+
+def _without_finetuning(threaded: Path, path: Path) -> Path:
+    """A copy of the threaded run's workspace without its fine-tuned clients (records, blobs, files): a run there
+    fine-tunes them again and finds every other step cached (their inputs come out the same)."""
+    shutil.copytree(threaded, path)
+    for record in (path / ".mergeflow/results").glob("finetune-*"):
+        for digest in json.loads(record.read_text())["files"].values():
+            (path / ".mergeflow/store" / digest[:2] / digest).unlink(missing_ok=True)
+        record.unlink()
+    shutil.rmtree(path / "models/clients")
+    return path
 
 
 def _on(cluster: Cluster) -> list[str]:
     return ["-S", "orchestration.task_runner=dask", "-S", f"orchestration.dask_address={cluster.address}"]
 
 
+@pytest.mark.slow
 def test_a_run_on_a_cluster_users_start_gives_the_threaded_results(reference, cluster, tmp_path, cli_env):
     path = make_workspace(tmp_path / "dask", fast_params(**TINY))
     done = run_cli(["run", *_on(cluster)], path, cli_env)
@@ -115,10 +137,6 @@ def test_a_run_on_a_cluster_users_start_gives_the_threaded_results(reference, cl
     _nothing_partial(path)
 
 
-# One client fine-tunes for seconds: long enough to be killed mid-step.
-LONG_CLIENT = {"epochs": 2, "clients": {1: {"epochs": 150}}}
-
-
 def _start_run(path: Path, args: list[str], env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(
         [str(BIN / "mergeflow"), "run", *args], cwd=path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -126,41 +144,112 @@ def _start_run(path: Path, args: list[str], env: dict[str, str]) -> subprocess.P
     )  # fmt: skip
 
 
-def _read_until(process: subprocess.Popen, prefix: str) -> str:
-    """The run's stderr up to and with the first line that starts with ``prefix``."""
+def _read_until(process: subprocess.Popen, prefix: str) -> None:
+    """Read the run's stderr up to and with the first line that starts with ``prefix``."""
     seen = []
     for line in process.stderr:
         seen.append(line)
         if line.startswith(prefix):
-            return "".join(seen)
+            return
     raise AssertionError("".join(seen)[-3000:])
 
 
-def _busy_worker(cluster: Cluster, timeout: float = 60) -> tuple[str, int]:
-    """The address and pid of a worker that has run a task for a second."""
-    deadline = time.monotonic() + timeout
+def _worker_on_the_long_step(cluster: Cluster, path: Path, timeout: float = 120) -> int:
+    """The pid of the worker fine-tuning the long client (client 1), once the other clients are recorded."""
+    results, deadline = path / ".mergeflow/results", time.monotonic() + timeout
+    while not all(any(results.glob(f"finetune-client_00{n}-*")) for n in (0, 2)):
+        assert time.monotonic() < deadline, "the short clients were not fine-tuned"
+        time.sleep(0.05)
     with cluster.client() as client:
-        busy: dict[str, float] = {}
-        while time.monotonic() < deadline:
-            now = time.monotonic()
-            working = {address for address, keys in client.processing().items() if keys}
-            busy = {address: busy.get(address, now) for address in working}
-            for address, since in busy.items():
-                if now - since >= 1:
-                    return address, client.run(os.getpid, workers=[address])[address]
-            time.sleep(0.1)
-    raise AssertionError("no worker ran a step")
+        busy = [address for address, keys in client.processing().items() if keys]
+        assert len(busy) == 1, busy
+        return client.run(os.getpid, workers=busy)[busy[0]]
 
 
-def test_a_worker_killed_mid_step(reference, cluster, tmp_path, cli_env):
-    path = make_workspace(tmp_path / "killed", fast_params(**TINY, finetune=LONG_CLIENT))
+def _kill_a_worker_mid_step(cluster: Cluster, path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run the pipeline on ``cluster`` and SIGKILL the worker process fine-tuning the long client; the run's end."""
+    run = _start_run(path, _on(cluster), env)
+    try:
+        _read_until(run, "mergeflow: pretrain:")
+        pid = _worker_on_the_long_step(cluster, path)
+        os.kill(pid, signal.SIGKILL)  # the worker, not its nanny: the nanny starts a new one
+        stderr = run.communicate(timeout=120)[1]
+        return subprocess.CompletedProcess(run.args, run.returncode, "", stderr)
+    finally:
+        stop(run)
+
+
+def test_a_worker_killed_mid_step_is_replaced_and_the_step_runs_again(threaded, reference, cluster, tmp_path, cli_env):
+    path = _without_finetuning(threaded, tmp_path / "killed")
+    done = _kill_a_worker_mid_step(cluster, path, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _digests(path) == reference
+    _nothing_partial(path)
+
+
+@pytest.mark.parametrize("cluster", [{"DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "0"}], indirect=True)
+def test_a_step_whose_workers_die_stops_the_run_with_one_line_and_the_next_run_finishes(
+    threaded, reference, cluster, tmp_path, cli_env
+):
+    path = _without_finetuning(threaded, tmp_path / "killed")
+    done = _kill_a_worker_mid_step(cluster, path, cli_env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.splitlines()[-1]
+    died = f": 1 Dask workers of {cluster.address} died running it (the last "
+    assert last.startswith("mergeflow: error: finetune/") and "finetune/client_001" in last and died in last, last
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    _nothing_partial(path)
+
+    again = run_cli(["run", *_on(cluster)], path, cli_env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert ran_steps(path) == {"finetune/client_001"}  # resumed
+    assert _digests(path) == reference
+
+
+def test_a_run_that_loses_every_worker_stops_with_one_line(threaded, cluster, tmp_path, cli_env):
+    path = _without_finetuning(threaded, tmp_path / "lost")
+    args = [*_on(cluster), "-S", "orchestration.dask_lost_workers_timeout=3"]
+    run = _start_run(path, args, cli_env)
+    try:
+        _read_until(run, "mergeflow: pretrain:")
+        _worker_on_the_long_step(cluster, path)
+        for worker in cluster.workers:  # each worker with its nanny
+            stop(worker)
+        killed = time.monotonic()
+        stderr = run.communicate(timeout=60)[1]
+        seconds = time.monotonic() - killed
+    finally:
+        stop(run)
+    assert run.returncode == 2 and seconds < 30, stderr[-3000:]
+    line = f"mergeflow: error: no Dask worker is left on {cluster.address} (none for 3 s: "
+    assert stderr.splitlines()[-1].startswith(line) and "Traceback" not in stderr, stderr[-3000:]
+    records = {json.loads(r.read_text())["step"] for r in (path / ".mergeflow/results").iterdir()}
+    assert {"finetune/client_000", "finetune/client_002"} <= records  # the steps finished before stay cached
+    _nothing_partial(path)
+
+
+def test_the_driver_killed_mid_step_leaves_no_write_behind_and_the_next_run_resumes(
+    threaded, reference, cluster, tmp_path, cli_env
+):
+    path = _without_finetuning(threaded, tmp_path / "driver")
     run = _start_run(path, _on(cluster), cli_env)
     try:
         _read_until(run, "mergeflow: pretrain:")
-        address, pid = _busy_worker(cluster)
-        os.kill(pid, signal.SIGKILL)
-        stderr = run.communicate(timeout=120)[1]
+        _worker_on_the_long_step(cluster, path)
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait(timeout=30)
     finally:
         stop(run)
-    print(stderr[-3000:])
-    assert run.returncode == 0, stderr[-3000:]
+    # The orphaned step stops within seconds of its driver's end, recording nothing
+    deadline = time.monotonic() + 30
+    while not any("stopped a step of an earlier run" in log.read_text() for log in cluster.logs.glob("worker-*")):
+        assert time.monotonic() < deadline, "the orphaned step did not stop"
+        time.sleep(0.2)
+    records = {json.loads(r.read_text())["step"] for r in (path / ".mergeflow/results").iterdir()}
+    assert "finetune/client_001" not in records
+    _nothing_partial(path)
+
+    done = run_cli(["run", *_on(cluster)], path, cli_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ran_steps(path) == {"finetune/client_001"}
+    assert _digests(path) == reference
