@@ -63,7 +63,7 @@ def _stop_dask_steps(address: str | None) -> None:
     no output (every output is written atomically, as under ``kill -9``), and the cluster closes at once, where
     it would wait 4 s for busy workers before killing them. A cluster of your own (``address``) is left alone,
     since a stop there would reach other runs' steps: closing the client drops the run's queued steps, and its
-    running ones finish there and are recorded, cached for the next run, which this one does not wait for."""
+    running ones stop within seconds of this run's end, writing nothing (:mod:`tasks.run_lease`)."""
     from distributed import default_client
 
     try:
@@ -71,7 +71,7 @@ def _stop_dask_steps(address: str | None) -> None:
     except ValueError:  # no step was submitted: no client yet
         return
     if address:
-        cancel.note_cancelled(f"the steps queued on {address} (those running there finish, cached)")
+        cancel.note_cancelled(f"the steps on {address} (those running stop once this run ends)")
         return
     pids = [nanny.pid for nanny in client.cluster.workers.values() if nanny.pid]
     for pid in pids:

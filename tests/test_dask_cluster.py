@@ -9,12 +9,20 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import BIN, ROOT, fast_params, free_port, make_workspace, ran_steps, run_cli, stop
+
+from flows.runs import workspace_lock
+from mergeflow import cancel
+from mergeflow.errors import Cancelled
+from tasks import run_lease
 
 # One client fine-tunes for seconds: long enough to be killed mid-step.
 TINY = {
@@ -179,6 +187,7 @@ def _kill_a_worker_mid_step(cluster: Cluster, path: Path, env: dict[str, str]) -
         stop(run)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_step_is_replaced_and_the_step_runs_again(threaded, reference, cluster, tmp_path, cli_env):
     path = _without_finetuning(threaded, tmp_path / "killed")
     done = _kill_a_worker_mid_step(cluster, path, cli_env)
@@ -187,6 +196,7 @@ def test_a_worker_killed_mid_step_is_replaced_and_the_step_runs_again(threaded, 
     _nothing_partial(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cluster", [{"DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "0"}], indirect=True)
 def test_a_step_whose_workers_die_stops_the_run_with_one_line_and_the_next_run_finishes(
     threaded, reference, cluster, tmp_path, cli_env
@@ -206,6 +216,7 @@ def test_a_step_whose_workers_die_stops_the_run_with_one_line_and_the_next_run_f
     assert _digests(path) == reference
 
 
+@pytest.mark.slow
 def test_a_run_that_loses_every_worker_stops_with_one_line(threaded, cluster, tmp_path, cli_env):
     path = _without_finetuning(threaded, tmp_path / "lost")
     args = [*_on(cluster), "-S", "orchestration.dask_lost_workers_timeout=3"]
@@ -228,6 +239,7 @@ def test_a_run_that_loses_every_worker_stops_with_one_line(threaded, cluster, tm
     _nothing_partial(path)
 
 
+@pytest.mark.slow
 def test_the_driver_killed_mid_step_leaves_no_write_behind_and_the_next_run_resumes(
     threaded, reference, cluster, tmp_path, cli_env
 ):
@@ -253,3 +265,42 @@ def test_the_driver_killed_mid_step_leaves_no_write_behind_and_the_next_run_resu
     assert done.returncode == 0, done.stderr[-3000:]
     assert ran_steps(path) == {"finetune/client_001"}
     assert _digests(path) == reference
+
+
+def test_a_step_on_a_worker_writes_only_while_its_run_holds_the_workspace(tmp_path):
+    with workspace_lock(tmp_path):
+        held = run_lease.held(tmp_path)
+        assert held.local()
+        run_lease.ensure_held(held)
+        lease = replace(held, pid=-1)  # as a Dask worker sees it
+        run_lease.ensure_held(lease)
+    with pytest.raises(Cancelled, match=r"writing nothing: its run \(pid -1 on .*\) has ended"):
+        run_lease.ensure_held(lease)
+    with workspace_lock(tmp_path), pytest.raises(Cancelled, match="writing nothing: a newer run holds"):
+        run_lease.ensure_held(lease)
+    run_lease.ensure_held(held)  # the run's own process (threads): never checked
+
+
+def test_the_watcher_stops_a_running_step_once_its_run_has_ended(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_lease, "WATCH_SECONDS", 0.05)
+    run = ExitStack()
+    run.enter_context(workspace_lock(tmp_path))
+    lease, stopped = replace(run_lease.held(tmp_path), pid=-1), []
+
+    def step() -> None:
+        try:
+            with run_lease.watched(lease):
+                while True:
+                    cancel.check()
+                    time.sleep(0.01)
+        except Cancelled as error:
+            stopped.append(str(error))
+        cancel.check()  # the thread's next step runs
+
+    thread = threading.Thread(target=step, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    assert thread.is_alive()
+    run.close()
+    thread.join(10)
+    assert not thread.is_alive() and "has ended" in stopped[0]
