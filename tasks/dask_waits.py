@@ -47,7 +47,7 @@ def result(future: PrefectFuture, label: str) -> Any:
     dask_future = future.wrapped_future
     address = dask_future.client.scheduler.address
     without_workers = None
-    while True:
+    while not dask_future.done():
         try:
             wait(dask_future, timeout=POLL_SECONDS)
             break
@@ -66,8 +66,9 @@ def result(future: PrefectFuture, label: str) -> Any:
     try:
         return future.result()
     except KilledWorker as error:
+        died = error.allowed_failures + 1
         raise MergeflowError(
-            f"{label}: {error.allowed_failures + 1} Dask workers of {address} died running it (the last "
+            f"{label}: {died} Dask worker{'s' if died > 1 else ''} of {address} died running it (the last "
             f"{error.last_worker.address}; distributed.scheduler.allowed-failures is {error.allowed_failures}): "
             "see their logs (out of memory?); the finished steps stay cached"
         ) from None

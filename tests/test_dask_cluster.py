@@ -12,7 +12,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from tasks import run_lease
 # One client fine-tunes for seconds: long enough to be killed mid-step.
 TINY = {
     "pretrain": {"epochs": 1},
-    "finetune": {"epochs": 2, "clients": {1: {"epochs": 2000}}},
+    "finetune": {"epochs": 2, "clients": {1: {"epochs": 800}}},
     "merge": {"methods": ["average"]},
     "federated": {"algorithms": ["fedavg"], "rounds": 2},
     "tracking": {"log_models": False},
@@ -89,19 +89,37 @@ class Cluster:
             stop(process)
 
 
-@pytest.fixture
-def cluster(request, tmp_path, cli_env) -> Iterator[Cluster]:
-    """A scheduler and two single-threaded workers on 127.0.0.1 that import this tree's code (the scheduler with
-    the environment the test's parameter gives, if any)."""
-    logs = tmp_path / "cluster-logs"
-    logs.mkdir()
-    env = {**cli_env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), cli_env.get("PYTHONPATH")]))}
-    cluster = Cluster(env, logs)
+@contextmanager
+def _running_cluster(logs: Path, env: dict[str, str], scheduler_env: dict[str, str] | None = None) -> Iterator[Cluster]:
+    """A scheduler and two single-threaded workers on 127.0.0.1 that import this tree's code; stopped at the end."""
+    logs.mkdir(exist_ok=True)
+    cluster = Cluster({**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}, logs)
     try:
-        cluster.start(scheduler_env=getattr(request, "param", None))
+        cluster.start(scheduler_env=scheduler_env)
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory, cli_env) -> Iterator[Cluster]:
+    """One cluster for the tests that leave it whole (a killed worker's nanny starts another)."""
+    with _running_cluster(tmp_path_factory.mktemp("cluster-logs"), cli_env) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def two_workers(shared_cluster) -> Cluster:
+    """The shared cluster, once it has two workers again."""
+    shared_cluster.wait_for_workers(2)
+    return shared_cluster
+
+
+@pytest.fixture
+def cluster(request, tmp_path, cli_env) -> Iterator[Cluster]:
+    """A cluster of the test's own, the scheduler with the environment the test's parameter gives, if any."""
+    with _running_cluster(tmp_path / "cluster-logs", cli_env, getattr(request, "param", None)) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +154,9 @@ def _on(cluster: Cluster) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_run_on_a_cluster_users_start_gives_the_threaded_results(reference, cluster, tmp_path, cli_env):
+def test_a_run_on_a_cluster_users_start_gives_the_threaded_results(reference, two_workers, tmp_path, cli_env):
     path = make_workspace(tmp_path / "dask", fast_params(**TINY))
-    done = run_cli(["run", *_on(cluster)], path, cli_env)
+    done = run_cli(["run", *_on(two_workers)], path, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "finetune/client_000" in ran_steps(path)
     assert _digests(path) == reference
@@ -188,9 +206,11 @@ def _kill_a_worker_mid_step(cluster: Cluster, path: Path, env: dict[str, str]) -
 
 
 @pytest.mark.slow
-def test_a_worker_killed_mid_step_is_replaced_and_the_step_runs_again(threaded, reference, cluster, tmp_path, cli_env):
+def test_a_worker_killed_mid_step_is_replaced_and_the_step_runs_again(
+    threaded, reference, two_workers, tmp_path, cli_env
+):
     path = _without_finetuning(threaded, tmp_path / "killed")
-    done = _kill_a_worker_mid_step(cluster, path, cli_env)
+    done = _kill_a_worker_mid_step(two_workers, path, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _digests(path) == reference
     _nothing_partial(path)
@@ -205,7 +225,7 @@ def test_a_step_whose_workers_die_stops_the_run_with_one_line_and_the_next_run_f
     done = _kill_a_worker_mid_step(cluster, path, cli_env)
     assert done.returncode == 2, done.stderr[-3000:]
     last = done.stderr.splitlines()[-1]
-    died = f": 1 Dask workers of {cluster.address} died running it (the last "
+    died = f": 1 Dask worker of {cluster.address} died running it (the last "
     assert last.startswith("mergeflow: error: finetune/") and "finetune/client_001" in last and died in last, last
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     _nothing_partial(path)
@@ -241,27 +261,27 @@ def test_a_run_that_loses_every_worker_stops_with_one_line(threaded, cluster, tm
 
 @pytest.mark.slow
 def test_the_driver_killed_mid_step_leaves_no_write_behind_and_the_next_run_resumes(
-    threaded, reference, cluster, tmp_path, cli_env
+    threaded, reference, two_workers, tmp_path, cli_env
 ):
     path = _without_finetuning(threaded, tmp_path / "driver")
-    run = _start_run(path, _on(cluster), cli_env)
+    run = _start_run(path, _on(two_workers), cli_env)
     try:
         _read_until(run, "mergeflow: pretrain:")
-        _worker_on_the_long_step(cluster, path)
+        _worker_on_the_long_step(two_workers, path)
         os.kill(run.pid, signal.SIGKILL)
         run.wait(timeout=30)
     finally:
         stop(run)
     # The orphaned step stops within seconds of its driver's end, recording nothing
     deadline = time.monotonic() + 30
-    while not any("stopped a step of an earlier run" in log.read_text() for log in cluster.logs.glob("worker-*")):
+    while not any("stopped a step of an earlier run" in log.read_text() for log in two_workers.logs.glob("worker-*")):
         assert time.monotonic() < deadline, "the orphaned step did not stop"
         time.sleep(0.2)
     records = {json.loads(r.read_text())["step"] for r in (path / ".mergeflow/results").iterdir()}
     assert "finetune/client_001" not in records
     _nothing_partial(path)
 
-    done = run_cli(["run", *_on(cluster)], path, cli_env)
+    done = run_cli(["run", *_on(two_workers)], path, cli_env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert ran_steps(path) == {"finetune/client_001"}
     assert _digests(path) == reference
