@@ -181,15 +181,16 @@ def _read_until(process: subprocess.Popen, prefix: str) -> None:
 
 
 def _worker_on_the_long_step(cluster: Cluster, path: Path, timeout: float = 120) -> int:
-    """The pid of the worker fine-tuning the long client (client 1), once the other clients are recorded."""
+    """The pid of the worker fine-tuning the long client (client 1): the one busy once the others are recorded."""
     results, deadline = path / ".mergeflow/results", time.monotonic() + timeout
-    while not all(any(results.glob(f"finetune-client_00{n}-*")) for n in (0, 2)):
-        assert time.monotonic() < deadline, "the short clients were not fine-tuned"
-        time.sleep(0.05)
     with cluster.client() as client:
-        busy = [address for address, keys in client.processing().items() if keys]
-        assert len(busy) == 1, busy
-        return client.run(os.getpid, workers=busy)[busy[0]]
+        while True:
+            recorded = all(any(results.glob(f"finetune-client_00{n}-*")) for n in (0, 2))
+            busy = [address for address, keys in client.processing().items() if keys]
+            if recorded and len(busy) == 1:  # the short client's task run may still be ending
+                return client.run(os.getpid, workers=busy)[busy[0]]
+            assert time.monotonic() < deadline, f"no worker on the long step: {busy}"
+            time.sleep(0.05)
 
 
 def _kill_a_worker_mid_step(cluster: Cluster, path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
