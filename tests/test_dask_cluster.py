@@ -93,7 +93,8 @@ class Cluster:
 def _running_cluster(logs: Path, env: dict[str, str], scheduler_env: dict[str, str] | None = None) -> Iterator[Cluster]:
     """A scheduler and two single-threaded workers on 127.0.0.1 that import this tree's code; stopped at the end."""
     logs.mkdir(exist_ok=True)
-    cluster = Cluster({**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}, logs)
+    path = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cluster = Cluster({**env, "PYTHONPATH": path, "DASK_TEMPORARY_DIRECTORY": str(logs)}, logs)  # its scratch there
     try:
         cluster.start(scheduler_env=scheduler_env)
         yield cluster
