@@ -23,6 +23,7 @@ from flows.outages import quiet_outages
 from mergeflow import cancel
 from mergeflow.config import OrchestrationConfig, Params, validate_params
 from mergeflow.errors import MergeflowError
+from tasks.dask_waits import lost_workers_timeout
 from tasks.runner import run_stage, warn_mixed_devices
 from tasks.stages import STAGES, get_stage
 from tasks.steps import StepOutcome
@@ -47,9 +48,11 @@ def pipeline(params: dict[str, Any], root: str, stages: list[str] | None = None)
 
 @contextmanager
 def _stops_dask_steps(settings: OrchestrationConfig) -> Iterator[None]:
-    """On an interrupt, stop the run's steps on Dask (:func:`_stop_dask_steps`)."""
+    """On an interrupt, stop the run's steps on Dask (:func:`_stop_dask_steps`); a wait on a cluster without
+    workers gives up after ``orchestration.dask_lost_workers_timeout`` (:func:`tasks.dask_waits.result`)."""
     try:
-        yield
+        with lost_workers_timeout(settings.dask_lost_workers_timeout):
+            yield
     except BaseException as error:
         if not isinstance(error, Exception) and settings.task_runner == "dask":
             _stop_dask_steps(settings.dask_address)
@@ -61,7 +64,7 @@ def _stop_dask_steps(address: str | None) -> None:
     no output (every output is written atomically, as under ``kill -9``), and the cluster closes at once, where
     it would wait 4 s for busy workers before killing them. A cluster of your own (``address``) is left alone,
     since a stop there would reach other runs' steps: closing the client drops the run's queued steps, and its
-    running ones finish there and are recorded, cached for the next run, which this one does not wait for."""
+    running ones stop within seconds of this run's end, writing nothing (:mod:`tasks.run_lease`)."""
     from distributed import default_client
 
     try:
@@ -69,7 +72,7 @@ def _stop_dask_steps(address: str | None) -> None:
     except ValueError:  # no step was submitted: no client yet
         return
     if address:
-        cancel.note_cancelled(f"the steps queued on {address} (those running there finish, cached)")
+        cancel.note_cancelled(f"the steps on {address} (those running stop once this run ends)")
         return
     pids = [nanny.pid for nanny in client.cluster.workers.values() if nanny.pid]
     for pid in pids:

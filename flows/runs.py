@@ -18,6 +18,7 @@ from typing import Any
 from flows.dvc_lock import ParamsSource, sync_dvc_lock
 from mergeflow.config import Params
 from mergeflow.files import atomic_path
+from tasks.run_lease import holding, new_token
 from tasks.runner import cached_run
 from tasks.stages import STAGES, get_stage
 from tasks.store import STATE_DIR
@@ -32,7 +33,8 @@ def workspace_lock(root: Path) -> Iterator[None]:
     Runs share the content-addressed store safely, but each one materialises its outputs at
     the same paths that the other's steps read; a second run waits here, then finds the
     first one's work in the cache. The lock file says who holds it and since when (``pid``, ``started`` in
-    epoch seconds): the MLflow pipeline run starts then (:func:`tasks.provenance.run_started`).
+    epoch seconds): the MLflow pipeline run starts then (:func:`tasks.provenance.run_started`); and the run's
+    ``token``: the steps it starts on Dask workers write only while it holds the lock (:mod:`tasks.run_lease`).
     """
     path = root / STATE_DIR / "pipeline.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -42,11 +44,13 @@ def workspace_lock(root: Path) -> Iterator[None]:
         except BlockingIOError:
             print(f"mergeflow: another run holds {path}; waiting for it", file=sys.stderr, flush=True)
             fcntl.flock(handle, fcntl.LOCK_EX)
+        token = new_token()
         handle.truncate(0)
-        handle.write(json.dumps({"pid": os.getpid(), "started": time.time()}))
+        handle.write(json.dumps({"pid": os.getpid(), "started": time.time(), "token": token}))
         handle.flush()
         try:
-            yield
+            with holding(root, path, token):
+                yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 

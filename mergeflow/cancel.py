@@ -19,6 +19,7 @@ from mergeflow.errors import Cancelled
 
 _requested = threading.Event()
 _cancelled: list[str] = []
+_stopped_threads: dict[int, str] = {}  # thread -> why its steps stop (:func:`stop_thread`)
 
 
 class Stopped(BaseException):
@@ -52,6 +53,19 @@ def check() -> None:
     """Raise :class:`~mergeflow.errors.Cancelled` when a stop was requested; call it where a long loop iterates."""
     if _requested.is_set():
         raise Cancelled("the run was asked to stop")
+    if _stopped_threads and (why := _stopped_threads.get(threading.get_ident())):
+        raise Cancelled(why)
+
+
+def stop_thread(thread: int, why: str) -> None:
+    """Ask the step running in one thread (by its ident) to stop at its next :func:`check`, saying ``why``: a
+    step whose run no longer holds its workspace (:mod:`tasks.run_lease`), where other threads' steps go on."""
+    _stopped_threads[thread] = why
+
+
+def resume_thread(thread: int) -> None:
+    """Let the thread's next steps run (undo :func:`stop_thread`), once the stopped step has ended."""
+    _stopped_threads.pop(thread, None)
 
 
 @contextmanager

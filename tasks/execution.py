@@ -22,36 +22,43 @@ from prefect.settings import get_current_settings
 from mergeflow import cancel
 from mergeflow.files import private_directory
 from mergeflow.import_graph import third_party_versions
+from tasks import dask_waits
 from tasks.records import cache_hit, outcome_of, write_record
+from tasks.run_lease import Lease, ensure_held, held, watched
 from tasks.step_devices import dask_annotation, device_record, gpu_slot
 from tasks.steps import Step, StepOutcome, refuse_stale_code, resolve, step_key, typical_seconds
 from tasks.store import ArtifactStore
 
 
 @task(persist_result=False, cache_policy=NO_CACHE, task_run_name="{step.name}")
-def execute_step(step: Step, key: str, root: str, torch_threads: int = 1) -> dict[str, Any]:
+def execute_step(step: Step, key: str, root: str, torch_threads: int = 1, lease: Lease | None = None) -> dict[str, Any]:
     """Run one step as its own task run and write its record under the step's key.
 
     ``key`` is computed by the caller (``step_key``) so that it is hashed once and reported.
     ``torch_threads`` is not part of the cache key: it changes no result. The cache is mergeflow's
-    (``run_steps`` looks each step up before submitting it), not Prefect's.
+    (``run_steps`` looks each step up before submitting it), not Prefect's. ``lease``: the run's hold on
+    the workspace; a step on a Dask worker writes only while it holds (:mod:`tasks.run_lease`).
     """
-    with _scratch(root) as scratch:
+    with watched(lease), _scratch(root) as scratch:
         outcome = _run_step(step, root, torch_threads, scratch)
+        ensure_held(lease)
     return write_record(Path(root), step, key, outcome)
 
 
 @task(persist_result=False, cache_policy=NO_CACHE, task_run_name="{label}")
-def execute_steps(label: str, steps: list[Step], keys: list[str], root: str, torch_threads: int = 1) -> list[dict]:
+def execute_steps(
+    label: str, steps: list[Step], keys: list[str], root: str, torch_threads: int = 1, lease: Lease | None = None
+) -> list[dict]:
     """Run several steps in one task run (``orchestration.steps_per_task``).
 
     Each step's record is written as soon as the step finishes, as ``execute_step`` writes it, so
     steps stay cached one by one and a kill mid-batch loses only the step that was running.
     """
     outcomes = []
-    with _scratch(root) as scratch:
+    with watched(lease), _scratch(root) as scratch:
         for step, key in zip(steps, keys, strict=True):
             outcome = _run_step(step, root, torch_threads, scratch)
+            ensure_held(lease)
             outcomes.append(write_record(Path(root), step, key, outcome))
     return outcomes
 
@@ -64,6 +71,7 @@ def execute_waves(
     torch_threads: int = 1,
     ran_before: list[float] | None = None,
     short_below: float | None = None,
+    lease: Lease | None = None,
 ) -> list[dict[str, Any]]:
     """Run waves of steps one after another in one task run (short steps: :func:`tasks.scheduling.runs_waves_together`).
 
@@ -75,7 +83,7 @@ def execute_waves(
     """
     store, lookup, code_hashes = ArtifactStore(Path(root)), _looks_up(), {}
     outcomes, ran = [], list(ran_before or [])
-    with _scratch(root) as scratch:
+    with watched(lease), _scratch(root) as scratch:
         for wave in waves:
             folders = set()
             for step in wave:
@@ -85,9 +93,11 @@ def execute_waves(
                     outcome = {**hit, "cached": True}
                 else:
                     outcome = _run_step(step, root, torch_threads, scratch)
+                    ensure_held(lease)
                     outcome = {**write_record(Path(root), step, key, outcome), "cached": False}
                     ran.append(outcome["seconds"])
                     folders.update(Path(name).parent for name in outcome["files"])
+                ensure_held(lease)  # a hit's outputs too: the workspace paths are the run's
                 store.materialise(outcome["files"])
                 outcomes.append(outcome)
                 if short_below is not None and not outcome["cached"] and typical_seconds(ran) >= short_below:
@@ -118,8 +128,10 @@ def run_waves(
     them, unless ``short_below`` stopped the chain), their outputs in place."""
     steps = [step for wave in waves for step in wave]
     label = f"{steps[0].name} … {steps[-1].name} ({len(steps)} steps)"
+    lease = held(root)
     with dask_annotation(steps):
-        records = execute_waves.submit(label, waves, str(root), torch_threads, ran_before, short_below).result()
+        future = execute_waves.submit(label, waves, str(root), torch_threads, ran_before, short_below, lease)
+    records = dask_waits.result(future, label)
     return [outcome_of(step, record, record["cached"]) for step, record in zip(steps, records, strict=False)]
 
 
@@ -204,10 +216,12 @@ def _submit(
 ) -> dict[int, Callable[[], dict[str, Any]]]:
     """Submit the uncached steps; return, per step index, a call that waits for its result."""
     pending: dict[int, Callable[[], dict[str, Any]]] = {}
+    lease = held(root)
     if steps_per_task == 1:
         for index, step, key in missing:
             with dask_annotation([step]):
-                pending[index] = execute_step.submit(step, key, str(root), torch_threads).result
+                future = execute_step.submit(step, key, str(root), torch_threads, lease)
+            pending[index] = functools.partial(dask_waits.result, future, step.name)
         return pending
     for start in range(0, len(missing), steps_per_task):
         batch = missing[start : start + steps_per_task]
@@ -215,11 +229,11 @@ def _submit(
         label = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]} ({len(names)} steps)"
         steps, keys = [step for _, step, _ in batch], [key for _, _, key in batch]
         with dask_annotation(steps):
-            future = execute_steps.submit(label, steps, keys, str(root), torch_threads)
+            future = execute_steps.submit(label, steps, keys, str(root), torch_threads, lease)
         for position, (index, _, _) in enumerate(batch):
-            pending[index] = functools.partial(_nth_result, future, position)
+            pending[index] = functools.partial(_nth_result, future, label, position)
     return pending
 
 
-def _nth_result(future: PrefectFuture, position: int) -> dict[str, Any]:
-    return future.result()[position]
+def _nth_result(future: PrefectFuture, label: str, position: int) -> dict[str, Any]:
+    return dask_waits.result(future, label)[position]

@@ -36,6 +36,10 @@ class OrchestrationConfig(Section):
     run whose results come from more than one device says so. ``gpu_workers``: at most this many
     steps use the GPU at once in this process (threads); on Dask, steps that compute ask for a
     ``GPU`` worker resource when the device is a GPU (``dask worker --resources GPU=1``).
+
+    ``dask_lost_workers_timeout``: on Dask, a run whose scheduler has had no worker for this many seconds
+    while the run waits on a step stops with one line naming the scheduler (the finished steps stay cached);
+    a worker that dies mid-step is replaced by its nanny and the step runs again elsewhere meanwhile.
     """
 
     task_runner: Literal["threads", "dask"] = "threads"
@@ -46,6 +50,7 @@ class OrchestrationConfig(Section):
     dask_workers: int = Field(2, ge=1)
     device: str = "auto"
     gpu_workers: int = Field(1, ge=1)
+    dask_lost_workers_timeout: float = Field(60.0, gt=0)
 
     @field_validator("device")
     @classmethod
