@@ -15,7 +15,7 @@ from pathlib import Path
 
 from flows.summary import print_summary, step_summary
 from mergeflow.cancel import Stopped, stop_on_signals
-from mergeflow.errors import ConfigError, MergeflowError
+from mergeflow.errors import ConfigError, MergeflowError, Outage
 
 
 def _add_params_options(parser: argparse.ArgumentParser) -> None:
@@ -281,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in error.lines:
             print(f"mergeflow: error: {line}", file=sys.stderr)
         return 2
+    except Outage as error:  # a cluster gone: run again once it is back
+        print(f"mergeflow: error: {error}", file=sys.stderr)
+        return 1
     except MergeflowError as error:
         print(f"mergeflow: error: {error}", file=sys.stderr)
         return 2

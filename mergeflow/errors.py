@@ -1,4 +1,4 @@
-"""Errors that the command line turns into one clear line and exit code 2."""
+"""Errors that the command line turns into one clear line: exit code 2 for bad input, 1 for an outage."""
 
 from __future__ import annotations
 
@@ -13,6 +13,11 @@ if TYPE_CHECKING:
 
 class MergeflowError(Exception):
     """Bad input from the user: a config key, a file or data that cannot be used."""
+
+
+class Outage(MergeflowError):
+    """Something a run stands on went away (its Dask workers): not bad input, the same command succeeds once it is
+    back, so the command line exits 1."""
 
 
 class Cancelled(MergeflowError):

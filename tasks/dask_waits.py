@@ -17,7 +17,7 @@ from typing import Any
 
 from prefect.futures import PrefectFuture
 
-from mergeflow.errors import MergeflowError
+from mergeflow.errors import Outage
 
 POLL_SECONDS = 1.0
 _TIMEOUT: list[float] = [60.0]  # orchestration.dask_lost_workers_timeout of the flow running in this process
@@ -34,7 +34,7 @@ def lost_workers_timeout(seconds: float) -> Iterator[None]:
 
 
 def result(future: PrefectFuture, label: str) -> Any:
-    """``future``'s result; on Dask, :class:`~mergeflow.errors.MergeflowError` naming the step ``label`` and the
+    """``future``'s result; on Dask, :class:`~mergeflow.errors.Outage` naming the step ``label`` and the
     scheduler when its workers kept dying under it or none was left (see the module)."""
     if "prefect_dask" not in sys.modules:  # threads: nothing imported Dask
         return future.result()
@@ -58,7 +58,7 @@ def result(future: PrefectFuture, label: str) -> Any:
         elif without_workers is None:
             without_workers = time.monotonic()
         elif time.monotonic() - without_workers >= _TIMEOUT[0]:
-            raise MergeflowError(
+            raise Outage(
                 f"no Dask worker is left on {address} (none for {_TIMEOUT[0]:g} s: "
                 f"orchestration.dask_lost_workers_timeout) while {label} waited; the finished steps stay cached: "
                 f"start workers (dask worker {address}) and run again"
@@ -67,7 +67,7 @@ def result(future: PrefectFuture, label: str) -> Any:
         return future.result()
     except KilledWorker as error:
         died = error.allowed_failures + 1
-        raise MergeflowError(
+        raise Outage(
             f"{label}: {died} Dask worker{'s' if died > 1 else ''} of {address} died running it (the last "
             f"{error.last_worker.address}; distributed.scheduler.allowed-failures is {error.allowed_failures}): "
             "see their logs (out of memory?); the finished steps stay cached"

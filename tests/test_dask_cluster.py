@@ -225,7 +225,7 @@ def test_a_step_whose_workers_die_stops_the_run_with_one_line_and_the_next_run_f
 ):
     path = _without_finetuning(threaded, tmp_path / "killed")
     done = _kill_a_worker_mid_step(cluster, path, cli_env)
-    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.returncode == 1, done.stderr[-3000:]  # an outage, not bad input
     last = done.stderr.splitlines()[-1]
     died = f": 1 Dask worker of {cluster.address} died running it (the last "
     assert last.startswith("mergeflow: error: finetune/") and "finetune/client_001" in last and died in last, last
@@ -253,7 +253,7 @@ def test_a_run_that_loses_every_worker_stops_with_one_line(threaded, cluster, tm
         seconds = time.monotonic() - killed
     finally:
         stop(run)
-    assert run.returncode == 2 and seconds < 30, stderr[-3000:]
+    assert run.returncode == 1 and seconds < 30, stderr[-3000:]
     line = f"mergeflow: error: no Dask worker is left on {cluster.address} (none for 3 s: "
     assert stderr.splitlines()[-1].startswith(line) and "Traceback" not in stderr, stderr[-3000:]
     records = {json.loads(r.read_text())["step"] for r in (path / ".mergeflow/results").iterdir()}
