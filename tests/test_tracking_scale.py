@@ -10,7 +10,7 @@ import pytest
 from conftest import fast_params, make_workspace, ran_steps, run_cli
 
 from mergeflow.config import TrackingConfig
-from tasks.client_summary import CLIENT_TABLE, client_aggregates
+from tasks.client_summary import CLIENT_TABLE, client_aggregates, client_row
 
 
 def test_client_runs_are_logged_up_to_the_setting():
@@ -37,6 +37,32 @@ def test_aggregates_cover_each_measure_over_the_clients_that_have_a_finite_one()
     assert aggregates["clients.num_examples_median"] == 25 and aggregates["clients.num_examples_p90"] == 37
     assert aggregates["clients.low.test_accuracy_mean"] == 0.9  # a task's metric over its own clients
     assert not any(key.startswith(("clients.client_", "clients.lr", "clients.diverged_")) for key in aggregates)
+
+
+def test_a_clients_row_holds_its_task_training_or_given_source_and_scores(tmp_path):
+    import torch
+
+    from mergeflow.checkpoints import save_checkpoint
+    from tasks.layout import client_checkpoint
+
+    given = {"source": "hub:some/model", "kind": "transformers", "files": {"model.safetensors": "ab12"}}
+    metas = {
+        0: {"num_examples": 8, "task": "low", "train": {"lr": 0.1}, "step_losses": [0.9, 0.4]},
+        1: {"num_examples": 5, "task": "high", "diverged": True, "given": given},
+    }
+    for client, meta in metas.items():
+        (tmp_path / client_checkpoint(client)).parent.mkdir(parents=True, exist_ok=True)
+        save_checkpoint(tmp_path / client_checkpoint(client), {"w": torch.zeros(1)}, meta)
+    scores = {"client_000": {"accuracy": 0.75, "client": 0}, "client_001": {"accuracy": 0.5, "client": 1}}
+    rows = [client_row(tmp_path, client, scores) for client in metas]
+    assert rows[0] == {
+        **{"client": 0, "task": "low", "num_examples": 8, "diverged": False, "train_loss": 0.4},
+        **{"test_accuracy": 0.75, "lr": "0.1"},
+    }
+    assert rows[1] == {
+        **{"client": 1, "task": "high", "num_examples": 5, "diverged": True, "test_accuracy": 0.5},
+        **{"given.source": "hub:some/model", "given.kind": "transformers", "given.sha256": "ab12"},
+    }
 
 
 def _runs(workspace, kind: str) -> list:
