@@ -18,7 +18,7 @@ from mergeflow.checkpoints import load_checkpoint_meta
 from mergeflow.task_scores import is_summary
 from tasks.layout import PREPARED, TaskPaths, client_checkpoint, client_file, merged_checkpoint
 from tasks.mlflow_flavours import log_model, logged_model_uri
-from tasks.mlflow_logging import flatten, log_curves, log_params
+from tasks.mlflow_logging import flatten, log_batch, log_curves, log_params
 from tasks.model_registry import register, registered_model_name, signature_digest
 from tasks.store import sha256_file
 
@@ -109,13 +109,16 @@ def log_client(mlflow, root: Path, client: int, metrics: dict[str, Any], context
     info = context["infos"][meta.get("task")]  # its task's data (a multi-task run's)
     tags = {"mergeflow.kind": "client", "mergeflow.diverged": str(bool(meta.get("diverged"))).lower()}
     tags |= context["data_tags"] | _device_tags(root, context, client_checkpoint(client))
+    tags["mergeflow.client"] = str(client)
     name = f"client_{client:03d}"
     with _child_run(mlflow, name, tags, _made_when(root, context, client_checkpoint(client))):
-        mlflow.set_tag("mergeflow.client", str(client))
         log_dataset(mlflow, root, client_file(client), info, "training")
-        log_params(mlflow, {**client_params(meta), "num_examples": str(meta["num_examples"])})
-        log_curves(mlflow, {"train_loss": meta.get("step_losses", [])})
-        mlflow.log_metrics(test_metrics(metrics[f"client_{client:03d}"]))
+        log_batch(
+            mlflow,
+            params={**client_params(meta), "num_examples": str(meta["num_examples"])},
+            metrics=test_metrics(metrics[f"client_{client:03d}"]),
+            curves={"train_loss": meta.get("step_losses", [])},
+        )
 
 
 def client_params(meta: dict[str, Any]) -> dict[str, str]:

@@ -108,5 +108,11 @@ def test_past_the_setting_the_parent_run_summarises_the_clients_and_a_change_log
     latest = _runs(workspace, "pipeline")[0]
     assert {run.data.tags["mlflow.parentRunId"] for run in clients} == {latest.info.run_id}
     assert "clients.count" not in latest.data.metrics  # at or below the setting: as before, the runs only
+    first = next(run for run in clients if run.data.tags["mergeflow.client"] == "0")  # what its row said
+    assert first.data.metrics["test_accuracy"] == pytest.approx(accuracies[0])
+    assert first.data.params["num_examples"] == str(table["num_examples"][0])
+    assert first.data.params["lr"] == str(table["lr"][0]) and first.inputs.dataset_inputs
+    losses = store.get_metric_history(first.info.run_id, "train_loss")
+    assert len(losses) > 1 and losses[-1].value == pytest.approx(table["train_loss"][0])
     done = run_cli(["best"], workspace, cli_env)
     assert done.returncode == 0 and "client" not in done.stdout, done.stdout + done.stderr
