@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,24 @@ def log_params(mlflow: Any, params: dict[str, str]) -> None:
 
 def log_curves(mlflow: Any, curves: dict[str, list[float]]) -> None:
     """Step-wise metrics (a loss curve, a solver's residuals) in one batch, ``step`` = the index."""
-    from mlflow.entities import Metric
+    log_batch(mlflow, curves=curves)
 
-    history = [Metric(name, float(v), 0, step) for name, values in curves.items() for step, v in enumerate(values)]
-    if history:
-        mlflow.tracking.MlflowClient().log_batch(mlflow.active_run().info.run_id, metrics=history)
+
+def log_batch(
+    mlflow: Any,
+    params: dict[str, str] | None = None,
+    metrics: dict[str, float] | None = None,
+    curves: dict[str, list[float]] | None = None,
+) -> None:
+    """Flat ``params``, ``metrics`` (at step 0, as ``log_metrics`` logs them) and step-wise ``curves`` to the
+    active run in one call: one store commit where a call each would take three (a thousand client runs)."""
+    from mlflow.entities import Metric, Param
+
+    now = int(time.time() * 1000)
+    history = [Metric(name, float(value), now, 0) for name, value in (metrics or {}).items()]
+    history += [
+        Metric(name, float(v), 0, step) for name, values in (curves or {}).items() for step, v in enumerate(values)
+    ]
+    logged = [Param(name, value) for name, value in (params or {}).items()]
+    if history or logged:
+        mlflow.tracking.MlflowClient().log_batch(mlflow.active_run().info.run_id, metrics=history, params=logged)

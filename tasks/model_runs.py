@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mergeflow.checkpoints import load_checkpoint
+from mergeflow.checkpoints import load_checkpoint_meta
 from mergeflow.task_scores import is_summary
 from tasks.layout import PREPARED, TaskPaths, client_checkpoint, client_file, merged_checkpoint
 from tasks.mlflow_flavours import log_model, logged_model_uri
-from tasks.mlflow_logging import flatten, log_curves, log_params
+from tasks.mlflow_logging import flatten, log_batch, log_curves, log_params
 from tasks.model_registry import register, registered_model_name, signature_digest
 from tasks.store import sha256_file
 
@@ -105,19 +105,26 @@ def _made_when(root: Path, context: dict[str, Any], relative: str) -> tuple[int,
 def log_client(mlflow, root: Path, client: int, metrics: dict[str, Any], context: dict[str, Any]) -> None:
     """A client's run: its partition, training settings, loss curve and test metrics; for a client given instead of
     trained, where it came from (``given.source``, ``given.kind``, ``given.sha256``) instead of its training."""
-    _, meta = load_checkpoint(root / client_checkpoint(client))
+    meta = load_checkpoint_meta(root / client_checkpoint(client))
     info = context["infos"][meta.get("task")]  # its task's data (a multi-task run's)
     tags = {"mergeflow.kind": "client", "mergeflow.diverged": str(bool(meta.get("diverged"))).lower()}
     tags |= context["data_tags"] | _device_tags(root, context, client_checkpoint(client))
+    tags["mergeflow.client"] = str(client)
     name = f"client_{client:03d}"
-    given = meta.get("given")
     with _child_run(mlflow, name, tags, _made_when(root, context, client_checkpoint(client))):
-        mlflow.set_tag("mergeflow.client", str(client))
         log_dataset(mlflow, root, client_file(client), info, "training")
-        made = flatten(meta["train"]) if given is None else given_params(given)
-        log_params(mlflow, {**made, "num_examples": str(meta["num_examples"])})
-        log_curves(mlflow, {"train_loss": meta.get("step_losses", [])})
-        mlflow.log_metrics(test_metrics(metrics[f"client_{client:03d}"]))
+        log_batch(
+            mlflow,
+            params={**client_params(meta), "num_examples": str(meta["num_examples"])},
+            metrics=test_metrics(metrics[f"client_{client:03d}"]),
+            curves={"train_loss": meta.get("step_losses", [])},
+        )
+
+
+def client_params(meta: dict[str, Any]) -> dict[str, str]:
+    """A client's training settings (flat), or for a client given instead of trained where it came from."""
+    given = meta.get("given")
+    return flatten(meta["train"]) if given is None else given_params(given)
 
 
 def given_params(given: dict[str, Any]) -> dict[str, str]:
@@ -151,7 +158,7 @@ def log_merge(mlflow, root: Path, name: str, metrics: dict[str, Any], example, c
         _log_task_merge(mlflow, root, name, metrics, context, tasks)
         return
     path = root / merged_checkpoint(name)
-    _, meta = load_checkpoint(path)
+    meta = load_checkpoint_meta(path)
     digest = sha256_file(path)
     tags = {
         "mergeflow.kind": "merge",
@@ -204,7 +211,7 @@ def _log_task_merge(
     search, validation) split and each task's checkpoint. Its models are not logged as MLflow models: each
     task's model is the merged body with that task's head, and the pyfunc flavour serves one model."""
     paths = [TaskPaths(task).merged_checkpoint(name) for task in tasks]
-    meta = load_checkpoint(root / paths[0])[1]
+    meta = load_checkpoint_meta(root / paths[0])
     digest = _digest(root, paths)
     tags = {"mergeflow.kind": "merge", "mergeflow.method": meta["method"], "mergeflow.merge": name}
     tags |= {"mergeflow.checkpoint_sha256": digest} | context["data_tags"]

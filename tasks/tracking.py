@@ -1,5 +1,6 @@
-"""The tracking step: MLflow logging of a pipeline's results, a parent run with one child per client, merge and
-federated algorithm (:mod:`tasks.model_runs`).
+"""The tracking step: MLflow logging of a pipeline's results, a parent run with one child per merge and federated
+algorithm (:mod:`tasks.model_runs`) and, up to ``tracking.client_runs`` clients, per client; a run with more logs
+its clients in the parent run (:mod:`tasks.client_summary`).
 
 The logging step is cached like any other: its key covers the evaluated artifacts, the
 params and the tracking URI, so re-running an unchanged pipeline logs nothing twice,
@@ -18,9 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mergeflow.config import Params
+from mergeflow.config import Params, TrackingConfig
 from mergeflow.import_graph import third_party_versions
 from mergeflow.task_scores import headline, is_summary
+from tasks.client_summary import log_client_summary
 from tasks.layout import (
     ALIGN_METRICS,
     BARRIER_PLOT,
@@ -98,7 +100,7 @@ def plan_track(params: Params) -> list[Step]:
 
 
 def track(params: dict[str, Any], root: Path, out: Path, _settings: dict[str, Any]) -> dict[str, Any]:
-    """Log the parent pipeline run and its client, merge and federated child runs."""
+    """Log the parent pipeline run and its client (or clients' summary), merge and federated child runs."""
     with _tracking_lock(root):
         return _track(params, root)
 
@@ -264,8 +266,12 @@ def _track(params: dict[str, Any], root: Path) -> dict[str, Any]:
         made_on = sorted({facts.get("device_name", facts["device"]) for facts in context["devices"].values()})
         if made_on:  # the devices this run's models were made on (several: a run that reused other devices' steps)
             mlflow.set_tag("mergeflow.devices", ", ".join(made_on))
-        for client in _clients(config, metrics):
-            log_client(mlflow, root, client, metrics, context)
+        clients = _clients(config, metrics)
+        if TrackingConfig.model_validate(config["tracking"]).logs_client_runs(len(clients)):
+            for client in clients:
+                log_client(mlflow, root, client, metrics, context)
+        else:  # too many to browse, or to log in seconds, as runs: aggregates and a table in the parent run
+            log_client_summary(mlflow, root, clients, metrics)
         for name in config["merge"]["methods"]:
             log_merge(mlflow, root, name, metrics, example, context)
         rounds = json.loads((root / FEDERATED_METRICS).read_text())

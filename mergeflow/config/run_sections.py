@@ -68,6 +68,36 @@ class OrchestrationConfig(Section):
         return value
 
 
+AUTO_CLIENT_RUNS = 20  # the most clients that ``client_runs: auto`` gives a run each (every preset's, at most 20)
+
+
 class TrackingConfig(Section):
+    """What the tracking step logs to MLflow: the experiment, and the runs and models in it.
+
+    ``log_models``: each merge's model is logged and registered in the Model Registry.
+    ``client_runs``: which runs give each client a child run of its own: ``auto`` those with at most
+    20 clients, ``all``, ``none``, or a number N: those with at most N clients. A run with more clients
+    logs them in its parent run instead: each client test metric's ``_mean``, ``_std``, ``_min``,
+    ``_p10``, ``_median``, ``_p90`` and ``_max`` over the clients (``clients.test_accuracy_mean``;
+    likewise ``clients.num_examples_*`` and ``clients.train_loss_*``, the final training loss),
+    ``clients.count`` and ``clients.diverged``, and every client's row (its metrics, size, training
+    settings or given source) in the table ``clients/clients.json``. Merges and federated algorithms
+    always get their runs.
+    """
+
     experiment: str = "mergeflow"
     log_models: bool = True
+    client_runs: int | Literal["auto", "all", "none"] = "auto"
+
+    @field_validator("client_runs", mode="before")
+    @classmethod
+    def _client_runs(cls, value: object) -> object:
+        if value in ("auto", "all", "none") or (type(value) is int and value >= 0):
+            return value
+        raise ValueError("must be auto, all, none or a number of clients (0 or more)")
+
+    def logs_client_runs(self, clients: int) -> bool:
+        """Whether a run of ``clients`` clients logs a child run per client."""
+        if self.client_runs in ("all", "none"):
+            return self.client_runs == "all"
+        return clients <= (AUTO_CLIENT_RUNS if self.client_runs == "auto" else self.client_runs)
