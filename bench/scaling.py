@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RUNS = ("digits:5,50", "pinwheel:5,50,500,1000")
 DEFAULT_MERGES = "average,weighted,task_arithmetic,fisher,exact"
 COMMON = (
+    "orchestration.max_workers=1",  # the steps' own seconds then add up to the time they took
     "federated.algorithms=[fedavg]",
     "federated.fraction=0.1",
     "federated.rounds=20",
