@@ -30,6 +30,11 @@ Per run, recorded:
 - ``noop_s``: a second ``mergeflow run`` (process wall); ``dvc_status_s`` and ``dvc_repro_s``: ``dvc status``
   and ``dvc repro`` (both no-ops) on the same workspace.
 
+With ``--task-runs N``, also the orchestration alone: N steps that each write one small file, through
+``tasks.execution.run_steps`` in a flow on one thread, one Prefect task run per step and all in one task run,
+then looked up cached (``tasks.records.cached_outcomes``, what a no-op run does per step): milliseconds per
+step beyond the steps' own seconds.
+
 Prints a markdown table and writes the rows as JSON (``--json``). The default sweep (digits 5, 50; pinwheel 5,
 50, 500, 1000) takes about 15 minutes on 2 cores; ``--runs digits:5`` takes about a minute.
 """
@@ -196,6 +201,48 @@ def measure(source: str, clients: int, merges: str, tmp: Path) -> dict:
     }
 
 
+def touch(params: dict, _root: Path, out: Path, _settings: dict) -> dict:
+    """A step that writes one small file: the orchestration's cost per step, measured alone (``--task-runs``)."""
+    (out / "touched").mkdir(exist_ok=True)
+    (out / "touched" / f"{params['index']:05d}.txt").write_text(str(params["index"]))
+    return {}
+
+
+def task_run_costs(count: int, tmp: Path) -> dict[str, float]:
+    """Milliseconds per step beyond its own seconds: ``count`` :func:`touch` steps run one Prefect task run each,
+    all in one task run, and then looked up cached."""
+    os.environ["PREFECT_HOME"] = str(tmp / "prefect")  # before Prefect is imported
+    warm_up = "from prefect import flow; flow(name='warm-up')(lambda: None)()"  # its database migrated first
+    subprocess.run([sys.executable, "-c", warm_up], check=True, capture_output=True)
+    from prefect import flow
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from tasks.execution import run_steps
+    from tasks.records import cached_outcomes
+    from tasks.steps import Step
+
+    def planned(group: str) -> list[Step]:
+        return [
+            Step(f"touch/{group}/{i:05d}", "bench.scaling:touch", {"group": group, "index": i}) for i in range(count)
+        ]
+
+    @flow(task_runner=ThreadPoolTaskRunner(max_workers=1))
+    def timed() -> dict[str, float]:
+        costs = {}
+        for label, per_task in (("task_run_per_step_ms", 1), ("one_task_run_ms", count)):
+            root = tmp / label
+            started = time.perf_counter()
+            outcomes = run_steps(planned(label), root, 1, per_task)
+            own = sum(outcome.seconds for outcome in outcomes)
+            costs[label] = (time.perf_counter() - started - own) / count * 1000
+            started = time.perf_counter()
+            cached_outcomes(planned(label), root, {})  # code hashed once, as a no-op run does
+            costs["cached_lookup_ms"] = (time.perf_counter() - started) / count * 1000
+        return costs
+
+    return timed()
+
+
 def add_slopes(rows: list[dict]) -> None:
     """``per_step_ms`` against the smallest run of the same source, ``per_step_prev_ms`` against the previous."""
     for source in dict.fromkeys(row["source"] for row in rows):
@@ -250,14 +297,19 @@ def parse_runs(texts: list[str]) -> list[tuple[str, int]]:
 def main() -> None:
     """Run each (source, clients) in a fresh workspace; print the table and write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), help="SOURCE:N,N,… (default: %(default)s)")
+    parser.add_argument("--runs", nargs="*", default=list(DEFAULT_RUNS), help="SOURCE:N,N,… (default: %(default)s)")
     parser.add_argument(
         "--merges", default=DEFAULT_MERGES, help="merge.methods, comma-separated (default: %(default)s; ssf left out)"
     )
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--keep", action="store_true", help="keep the workspaces (printed), for profiling")
+    parser.add_argument("--task-runs", type=int, metavar="N", help="also time N trivial steps' orchestration alone")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
+    if args.task_runs:
+        with tempfile.TemporaryDirectory(prefix="scaling-task-runs-") as tmp:
+            costs = task_run_costs(args.task_runs, Path(tmp))
+        print(", ".join(f"{key} {value:.2f}" for key, value in costs.items()), flush=True)
     rows = []
     for source, clients in parse_runs(args.runs):
         tmp = Path(tempfile.mkdtemp(prefix=f"scaling-{source}-{clients}-"))
@@ -272,6 +324,8 @@ def main() -> None:
         print(f"{source} {clients} clients: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    if not rows:
+        return
     add_slopes(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
