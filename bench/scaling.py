@@ -245,8 +245,9 @@ def task_run_costs(count: int, tmp: Path) -> dict[str, float]:
 
 def add_slopes(rows: list[dict]) -> None:
     """``per_step_ms`` against the smallest run of the same source, ``per_step_prev_ms`` against the previous."""
-    for source in dict.fromkeys(row["source"] for row in rows):
-        ordered = sorted((row for row in rows if row["source"] == source), key=lambda row: row["steps"])
+    measured = [row for row in rows if "error" not in row]
+    for source in dict.fromkeys(row["source"] for row in measured):
+        ordered = sorted((row for row in measured if row["source"] == source), key=lambda row: row["steps"])
         for row, previous in zip(ordered, [None, *ordered[:-1]], strict=True):
             for key, other in (("per_step_ms", ordered[0]), ("per_step_prev_ms", previous)):
                 extra = row["steps"] - other["steps"] if other is not None else 0
@@ -279,6 +280,8 @@ def table(rows: list[dict]) -> str:
     lines.append("|" + "|".join("---" if key == "source" else "---:" for key, _, _ in COLUMNS) + "|")
     for row in rows:
         cells = ["–" if row.get(key) is None else fmt.format(row[key]) for key, _, fmt in COLUMNS]
+        if "error" in row:  # the last line of its output (mergeflow: error: …), in the columns after its size
+            cells[2:] = [f"failed: {row['error'].strip().splitlines()[-1]}"] + [""] * (len(COLUMNS) - 3)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -316,6 +319,9 @@ def main() -> None:
         started = time.perf_counter()
         try:
             rows.append(measure(source, clients, args.merges, tmp))
+        except SystemExit as failure:  # a failed run (the output's end is in the JSON) leaves the others to run
+            print(failure, file=sys.stderr)
+            rows.append({"source": source, "clients": clients, "error": str(failure)})
         finally:
             if args.keep:
                 print(f"kept {tmp}", file=sys.stderr)
@@ -324,7 +330,7 @@ def main() -> None:
         print(f"{source} {clients} clients: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1) + "\n")
-    if not rows:
+    if not rows:  # --task-runs alone
         return
     add_slopes(rows)
     if args.json:
