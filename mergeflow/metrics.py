@@ -24,12 +24,22 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return np.exp(_log_softmax(logits))
 
 
-def log_mean_softmax(logits_list: list[np.ndarray]) -> np.ndarray:
+def log_mean_softmax(logits_list: list[np.ndarray], chunk_values: int = 1 << 23) -> np.ndarray:
     """``log(mean_m softmax(logits_m))``, computed stably as a log-mean-exp of log-softmaxes.
 
     These "logits" are normalised log-probabilities: their softmax gives back exactly the mean of the
-    members' probabilities, and their argmax is the ensemble's predicted class.
+    members' probabilities, and their argmax is the ensemble's predicted class. Rows are combined
+    ``chunk_values`` values (members × rows × classes) at a time: each row's result is its own, so the
+    same bits as all at once, and the float64 copies stay at 64 MB whatever the number of members.
     """
+    rows = len(logits_list[0])
+    step = max(1, chunk_values // max(1, len(logits_list) * int(np.prod(np.shape(logits_list[0])[1:]))))
+    starts = range(0, max(rows, 1), step)  # one chunk, empty, for no rows
+    parts = [_log_mean_softmax([o[start : start + step] for o in logits_list]) for start in starts]
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def _log_mean_softmax(logits_list: list[np.ndarray]) -> np.ndarray:
     log_probs = _log_softmax(np.stack([np.asarray(o, dtype=np.float64) for o in logits_list]))
     top = log_probs.max(axis=0)
     return top + np.log(np.exp(log_probs - top).mean(axis=0))

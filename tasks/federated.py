@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from mergeflow.checkpoints import load_checkpoint, load_checkpoint_meta, save_checkpoint
 from mergeflow.config import Params, federated_heads
+from mergeflow.config.tasks_section import ClientRef
 from mergeflow.data.encode import target_scale
 from mergeflow.errors import MergeflowError
 from mergeflow.federated import (
@@ -252,17 +253,16 @@ def _evaluation_inputs(params: Params) -> tuple[str, ...]:
     return inputs
 
 
-def _client_inputs(params: Params, client: int) -> tuple[str, ...]:
+def _client_inputs(client: ClientRef) -> tuple[str, ...]:
     """What a client's training reads beside the states: its task's base model, its partition and their
     description."""
-    paths = TaskPaths(params.clients[client].task)
-    return paths.base, client_file(client), paths.partitions_info
+    paths = TaskPaths(client.task)
+    return paths.base, client_file(client.index), paths.partitions_info
 
 
-def _task_of(params: Params, client: int) -> dict[str, Any]:
+def _task_of(client: ClientRef) -> dict[str, Any]:
     """A client step's task, in a multi-task run (nothing in a single-task one, whose step params stay as they are)."""
-    task = params.clients[client].task
-    return {} if task is None else {"task": task}
+    return {} if client.task is None else {"task": client.task}
 
 
 def plan_federated(params: Params) -> list[list[Step]]:
@@ -289,13 +289,15 @@ def plan_federated(params: Params) -> list[list[Step]]:
     poisson = federated.dp is not None
     schedule = round_schedule(params.num_clients, federated.rounds, federated.fraction, params.seed, poisson=poisson)
     latest = [0] * params.num_clients  # the round each client's state was last written in
+    refs = params.clients  # built anew by each call: once here, not per client step
     for step in schedule:
         r, clients, servers = step.number, [], []
-        latest = [r if k in step.participants else last for k, last in enumerate(latest)]
+        taking_part = set(step.participants)
+        latest = [r if k in taking_part else last for k, last in enumerate(latest)]
         for name in names:
             settings = _settings(params, name)
             for k in step.participants:
-                base, partition, info = _client_inputs(params, k)
+                base, partition, info = _client_inputs(refs[k])
                 inputs = (
                     base,
                     server_file(name, r - 1),
@@ -305,7 +307,7 @@ def plan_federated(params: Params) -> list[list[Step]]:
                 )
                 step_params = {
                     **settings,
-                    **_task_of(params, k),
+                    **_task_of(refs[k]),
                     "round": r,
                     "client": k,
                     "state_round": step.state_rounds[k],
@@ -382,7 +384,7 @@ def _heads_step(params: Params, name: str, latest: list[int]) -> Step:
         "head_epochs": params.federated.head_epochs,
     }
     states = tuple(client_state_file(name, last, k) for k, last in enumerate(latest))
-    clients = tuple(path for k in range(params.num_clients) for path in _client_inputs(params, k)[1:])
+    clients = tuple(path for ref in params.clients for path in _client_inputs(ref)[1:])
     return Step(
         f"federated/{name}/heads",
         "tasks.federated:finetune_heads",

@@ -706,3 +706,24 @@ def test_validation_metrics_are_scored_beside_test(digits) -> None:
         run.metrics[-1]["val_nll"] == plain.metrics[-1]["nll"]
         and run.metrics[-1]["accuracy"] != plain.metrics[-1]["accuracy"]
     )
+
+
+def test_the_federated_plan_lists_the_clients_a_fixed_number_of_times_whatever_their_number(monkeypatch):
+    """Each listing of the clients builds all of them: one per client step made planning quadratic."""
+    from conftest import fast_params
+
+    from mergeflow.config import Params, validate_params
+    from tasks.federated import plan_federated
+
+    listings = []
+    every_client = Params.clients.fget
+    monkeypatch.setattr(Params, "clients", property(lambda params: listings.append(1) or every_client(params)))
+    counts = {}
+    for clients in (10, 40):
+        raw = fast_params(federated={"algorithms": ["fedavg"], "rounds": 3, "fraction": 0.5})
+        raw["partition"] |= {"num_clients": clients, "min_partition_size": 1}
+        listings.clear()
+        steps = [step for wave in plan_federated(validate_params(raw)) for step in wave]
+        counts[clients] = len(listings)
+        assert len(steps) == 1 + 3 * (clients // 2 + 1) + 1
+    assert counts[10] == counts[40]
