@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from mergeflow.metric_direction import lower_is_better
-from mergeflow.objectives import Objective, get_objective
+from mergeflow.objectives import Baseline, Objective, get_objective
 
 
 def evaluate_outputs(
@@ -52,27 +52,56 @@ def sanity_check(
     same test rows. The warning (None when the models learned something) names the centralized model
     when it is at baseline, or "every model" when all are; ``hints`` lists likely causes.
     """
-    objective = get_objective(task)
-    y_test = np.asarray(y_test)
-    baseline = objective.baseline(y_train, y_test, predictions)
-    report: dict[str, object] = dict(baseline.report)
-    gains, scores = {}, {}
+    check = SanityCheck(y_train, y_test, task=task, hints=hints)
     for name, predicted in predictions.items():
-        score = objective.row_scores(predicted, y_test)
+        check.add(name, predicted)
+    return check.report()
+
+
+class SanityCheck:
+    """:func:`sanity_check` with the models added one at a time, keeping a few numbers per model (its mean
+    score, and its mean gain over the baseline with two standard errors), not its predictions.
+
+    The baseline is built when the first model is added (a causal LM's counts the first model's tokens).
+    """
+
+    def __init__(self, y_train: np.ndarray, y_test: np.ndarray, *, task: str | Objective, hints: str) -> None:
+        self._objective = get_objective(task)
+        self._y_train, self._y_test, self._hints = y_train, np.asarray(y_test), hints
+        self._baseline: Baseline | None = None
+        self._scores: dict[str, float] = {}
+        self._gains: dict[str, tuple[float, float]] = {}
+
+    def add(self, name: str, predicted: np.ndarray) -> None:
+        """Score model ``name``'s test predictions against the baseline."""
+        baseline = self._baseline_of({name: predicted})
+        score = self._objective.row_scores(predicted, self._y_test)
         gain = score - baseline.scores
-        scores[name] = float(score.mean())
-        gains[name] = (float(gain.mean()), 2 * float(gain.std(ddof=1)) / math.sqrt(len(gain)) if len(gain) > 1 else 0.0)
-    at_baseline = {name: mean <= noise for name, (mean, noise) in gains.items()}
-    report["models_at_baseline"] = sorted(name for name, flag in at_baseline.items() if flag)
-    report["warning"] = None
-    who = "every model" if all(at_baseline.values()) else None
-    if who is None and at_baseline.get("centralized"):
-        who = "the centralized model"
-    if who is not None and "centralized" in gains:
-        mean, noise = gains["centralized"]
-        report["warning"] = (
-            f"{who} is within noise of {baseline.reference}: the centralized model scores "
-            f"{baseline.describe(scores['centralized'])}, a gain of {mean:.3g} ± {noise:.3g} per test row "
-            f"(two standard errors). Likely causes: {hints}"
-        )
-    return report
+        self._scores[name] = float(score.mean())
+        noise = 2 * float(gain.std(ddof=1)) / math.sqrt(len(gain)) if len(gain) > 1 else 0.0
+        self._gains[name] = (float(gain.mean()), noise)
+
+    def report(self) -> dict[str, object]:
+        """The baseline, the models at baseline and the warning, over the models added so far."""
+        baseline = self._baseline_of({})
+        report: dict[str, object] = dict(baseline.report)
+        at_baseline = {name: mean <= noise for name, (mean, noise) in self._gains.items()}
+        report["models_at_baseline"] = sorted(name for name, flag in at_baseline.items() if flag)
+        report["warning"] = None
+        who = "every model" if all(at_baseline.values()) else None
+        if who is None and at_baseline.get("centralized"):
+            who = "the centralized model"
+        if who is not None and "centralized" in self._gains:
+            mean, noise = self._gains["centralized"]
+            report["warning"] = (
+                f"{who} is within noise of {baseline.reference}: the centralized model scores "
+                f"{baseline.describe(self._scores['centralized'])}, a gain of {mean:.3g} ± {noise:.3g} per test row "
+                f"(two standard errors). Likely causes: {self._hints}"
+            )
+        return report
+
+    def _baseline_of(self, first: dict[str, np.ndarray]) -> Baseline:
+        """The baseline, built on the first call (``first``: the first model's predictions, or none)."""
+        if self._baseline is None:
+            self._baseline = self._objective.baseline(self._y_train, self._y_test, first)
+        return self._baseline

@@ -24,25 +24,57 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return np.exp(_log_softmax(logits))
 
 
-def log_mean_softmax(logits_list: list[np.ndarray], chunk_values: int = 1 << 23) -> np.ndarray:
-    """``log(mean_m softmax(logits_m))``, computed stably as a log-mean-exp of log-softmaxes.
+class LogMeanSoftmax:
+    """``log(mean_m softmax(logits_m))`` over members added one at a time, holding one member's worth of values.
 
-    These "logits" are normalised log-probabilities: their softmax gives back exactly the mean of the
-    members' probabilities, and their argmax is the ensemble's predicted class. Rows are combined
-    ``chunk_values`` values (members × rows × classes) at a time: each row's result is its own, so the
-    same bits as all at once, and the float64 copies stay at 64 MB whatever the number of members.
+    A log-mean-exp of log-softmaxes in member order: the running sum is kept relative to the running maximum
+    (rescaled when a member raises it), so it stays finite for any logits. The result's "logits" are
+    normalised log-probabilities: their softmax is the members' mean probabilities, their argmax the
+    ensemble's class.
     """
-    rows = len(logits_list[0])
-    step = max(1, chunk_values // max(1, len(logits_list) * int(np.prod(np.shape(logits_list[0])[1:]))))
-    starts = range(0, max(rows, 1), step)  # one chunk, empty, for no rows
-    parts = [_log_mean_softmax([o[start : start + step] for o in logits_list]) for start in starts]
-    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def __init__(self) -> None:
+        self._top: np.ndarray | None = None
+        self._sum: np.ndarray | None = None
+        self._count = 0
+
+    def add(self, logits: np.ndarray) -> None:
+        """Add one member's logits (rows × classes)."""
+        log_probs = _log_softmax(logits)
+        if self._top is None or self._sum is None:
+            self._top, self._sum = log_probs, np.ones_like(log_probs)
+        else:
+            top = np.maximum(self._top, log_probs)
+            self._sum = self._sum * np.exp(self._top - top) + np.exp(log_probs - top)
+            self._top = top
+        self._count += 1
+
+    def result(self) -> np.ndarray:
+        """The members' combined normalised log-probabilities."""
+        if self._top is None or self._sum is None:
+            raise ValueError("an ensemble needs at least one member")
+        return self._top + np.log(self._sum / self._count)
 
 
-def _log_mean_softmax(logits_list: list[np.ndarray]) -> np.ndarray:
-    log_probs = _log_softmax(np.stack([np.asarray(o, dtype=np.float64) for o in logits_list]))
-    top = log_probs.max(axis=0)
-    return top + np.log(np.exp(log_probs - top).mean(axis=0))
+class MeanOutputs:
+    """The mean of members' outputs added one at a time: a running sum in member order (the same bits as
+    ``np.mean`` over the stacked members), holding one member's worth of values."""
+
+    def __init__(self) -> None:
+        self._sum: np.ndarray | None = None
+        self._count = 0
+
+    def add(self, outputs: np.ndarray) -> None:
+        """Add one member's outputs."""
+        outputs = np.asarray(outputs, dtype=np.float64)
+        self._sum = outputs.copy() if self._sum is None else self._sum + outputs
+        self._count += 1
+
+    def result(self) -> np.ndarray:
+        """The members' mean output, in their shape."""
+        if self._sum is None:
+            raise ValueError("an ensemble needs at least one member")
+        return self._sum / self._count
 
 
 def classification_metrics(probs: np.ndarray, y: np.ndarray, *, n_bins: int = 15) -> dict:

@@ -12,7 +12,7 @@ from mergeflow import cancel
 from mergeflow.checkpoints import load_checkpoint, load_checkpoint_meta, load_model
 from mergeflow.config import Params
 from mergeflow.data.encode import target_scale
-from mergeflow.evaluation import best_model, sanity_check
+from mergeflow.evaluation import SanityCheck, best_model
 from mergeflow.files import write_json
 from mergeflow.models import build_from_spec
 from mergeflow.objectives import get_objective
@@ -113,7 +113,12 @@ def evaluate(params: dict[str, Any], root: Path, out: Path, settings: dict[str, 
             }
         return result
 
-    predictions: dict[str, np.ndarray] = {}  # for the sanity check: class ids, values in the target's units, NLLs
+    train = read_arrays(root / paths.prepared / "train.parquet", info)
+    y_train, y_blind = objective.baseline_targets(train, (X, y), info)
+    del train  # only its targets are needed
+    hints = _likely_causes(info, params["likely_causes"])
+    # each model's predictions (class ids, values in the target's units, NLLs) are checked as it is scored
+    sanity_check = SanityCheck(y_train, y_blind, task=objective, hints=hints)
 
     device = step_device(settings)
 
@@ -122,11 +127,12 @@ def evaluate(params: dict[str, Any], root: Path, out: Path, settings: dict[str, 
         cancel.check()  # a stop waits for one model's scoring at most
         model = (model if path is None else load_model(root / path)).to(device)
         outputs = predict(model, X, task=objective, batch_size=evaluation["batch_size"])
-        predictions[name] = objective.predictions(outputs, scale)
+        sanity_check.add(name, objective.predictions(outputs, scale))
         return outputs
 
     metrics: dict[str, dict[str, Any]] = {"base": score(outputs_of(paths.base, "base"))}
-    client_outputs = {}
+    ensemble = objective.ensemble_accumulator() if objective.declaration.ensembles else None
+    kept: list[str] = []  # the clients that did not diverge
     for client in params.get("clients", range(params["num_clients"])):
         name = f"client_{client:03d}"
         outputs = outputs_of(client_checkpoint(client), name)
@@ -134,20 +140,22 @@ def evaluate(params: dict[str, Any], root: Path, out: Path, settings: dict[str, 
         if load_checkpoint_meta(root / client_checkpoint(client)).get("diverged"):
             metrics[name]["diverged"] = True  # its start weights; left out of best client and ensemble
         else:
-            client_outputs[name] = outputs
-    best = best_model({name: metrics[name] for name in client_outputs}, task=objective)
+            kept.append(name)
+            if ensemble is not None:
+                ensemble.add(outputs)
+    best = best_model({name: metrics[name] for name in kept}, task=objective)
     metrics["best_client"] = {**metrics[best], "client": int(best.removeprefix("client_"))}
     if paths.task is not None:
-        metrics["individual"] = mean_scores([metrics[name] for name in client_outputs])
+        metrics["individual"] = mean_scores([metrics[name] for name in kept])
         with_head = _with_task_head(root, paths, params["clients"])
         metrics["floor"] = score(outputs_of(None, "floor", with_head(paths.base)))
         for client in params["every_client"]:  # each client's body on this task: the best single model's row
             name = f"single/client_{client:03d}"
             metrics[name] = score(outputs_of(None, name, with_head(client_checkpoint(client))))
-    if objective.declaration.ensembles:
-        ensemble = objective.ensemble(list(client_outputs.values()))
-        predictions["ensemble"] = objective.predictions(ensemble, scale)
-        metrics["ensemble"] = score(ensemble)
+    if ensemble is not None:
+        combined_outputs = ensemble.result()
+        sanity_check.add("ensemble", objective.predictions(combined_outputs, scale))
+        metrics["ensemble"] = score(combined_outputs)
     if params.get("ceiling", True):  # a multi-task run may leave out its ceiling (centralized.enabled)
         metrics["centralized"] = score(outputs_of(paths.centralized, "centralized"))
     combined = {f"merged/{m}": paths.merged_checkpoint(m) for m in params["methods"]}
@@ -156,10 +164,7 @@ def evaluate(params: dict[str, Any], root: Path, out: Path, settings: dict[str, 
         result = score(outputs_of(path, name))
         versus = objective.versus(result, metrics["centralized"]) if "centralized" in metrics else {}
         metrics[name] = result | versus
-    train = read_arrays(root / paths.prepared / "train.parquet", info)
-    y_train, y_blind = objective.baseline_targets(train, (X, y), info)
-    hints = _likely_causes(info, params["likely_causes"])
-    sanity = sanity_check(predictions, y_train, y_blind, task=objective, hints=hints)
+    sanity = sanity_check.report()
     splits = {"models": "test", SANITY: "test", "selection": "validation"}  # where each number comes from
     write_json(out / paths.evaluation, {**metrics, SANITY: sanity, "splits": splits})
     if paths.task is not None:

@@ -1,14 +1,16 @@
 from __future__ import annotations
 
 import math
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from mergeflow.errors import MergeflowError
-from mergeflow.evaluation import best_model, ensemble_outputs, evaluate_outputs
-from mergeflow.metrics import classification_metrics, log_mean_softmax, regression_metrics, softmax
+from mergeflow.evaluation import SanityCheck, best_model, ensemble_outputs, evaluate_outputs, sanity_check
+from mergeflow.metrics import classification_metrics, regression_metrics, softmax
+from mergeflow.objectives import get_objective
 from mergeflow.plots import plot_comparison
 
 
@@ -120,13 +122,60 @@ def test_plot_comparison_writes_png(tmp_path: Path, task: str, key: str) -> None
     assert [p.name for p in path.parent.iterdir()] == ["comparison.png"]  # no temp left over
 
 
-def test_the_output_ensemble_combines_rows_in_chunks_with_the_same_bits_as_all_at_once():
-    """A thousand clients' outputs at once took float64 copies of all of them (2.4 GB at 20,000 test rows)."""
+def _stacked_log_mean_softmax(members: list[np.ndarray]) -> np.ndarray:
+    """The ensemble as it was computed before it streamed: all members stacked, shifted by their maximum."""
+    log_probs = np.stack([np.log(softmax(m)) for m in members])
+    top = log_probs.max(axis=0)
+    return top + np.log(np.exp(log_probs - top).mean(axis=0))
+
+
+def test_the_output_ensemble_adds_members_one_at_a_time_in_bounded_memory():
+    """A thousand clients' outputs kept for the ensemble were the evaluate step's peak (2.2 GB at 20,000 rows)."""
     rng = np.random.default_rng(0)
-    members = [(3 * rng.standard_normal((101, 5))).astype(np.float32) for _ in range(40)]
-    whole = log_mean_softmax(members, chunk_values=1 << 30)
-    for chunk in (1, 5 * 40 * 7, 5 * 40 * 100):  # a row at a time, 7 rows, 100 rows (and the last one alone)
-        assert np.array_equal(log_mean_softmax(members, chunk_values=chunk), whole)
-    mean = np.mean([softmax(m) for m in members], axis=0)
-    np.testing.assert_allclose(softmax(whole), mean, rtol=1e-12)
-    assert log_mean_softmax([m[:0] for m in members]).shape == (0, 5)
+    members = [(3 * rng.standard_normal((2000, 5))).astype(np.float32) for _ in range(50)]
+    classification, regression = get_objective("classification"), get_objective("regression")
+    combined = classification.ensemble_accumulator()
+    for member in members:
+        combined.add(member)
+    streamed = combined.result()
+    assert np.array_equal(streamed, ensemble_outputs(members, task="classification"))  # the list API's bits
+    np.testing.assert_allclose(streamed, _stacked_log_mean_softmax(members), rtol=1e-14, atol=0)
+    means = regression.ensemble_accumulator()
+    for member in members:
+        means.add(member[:, :1])
+    assert np.array_equal(means.result(), np.stack([m[:, :1].astype(np.float64) for m in members]).mean(axis=0))
+
+    def peak(objective, count: int) -> int:
+        tracemalloc.start()
+        accumulator = objective.ensemble_accumulator()
+        for member in members[:count]:
+            accumulator.add(member)
+        accumulator.result()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return peak
+
+    member_bytes = members[0].size * 8
+    for objective in (classification, regression):
+        assert peak(objective, 50) < peak(objective, 5) + member_bytes  # not 45 more members' worth
+
+
+def test_the_sanity_check_keeps_a_few_numbers_per_model_not_its_predictions():
+    rng = np.random.default_rng(1)
+    y_test, y_train = rng.integers(0, 3, 20_000), rng.integers(0, 3, 100)
+    models = {f"client_{i:03d}": np.where(rng.random(20_000) < 0.5, y_test, 0) for i in range(50)}
+    models["centralized"] = y_test.copy()
+    whole = sanity_check(models, y_train, y_test, task="classification", hints="h.")
+    assert whole["warning"] is None and whole["models_at_baseline"] == []
+
+    def peak(count: int) -> int:
+        tracemalloc.start()
+        check = SanityCheck(y_train, y_test, task="classification", hints="h.")
+        for name in list(models)[:count]:
+            check.add(name, models[name])
+        check.report()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return peak
+
+    assert peak(50) < peak(5) + y_test.size * 8  # not 45 more models' row scores

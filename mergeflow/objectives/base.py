@@ -14,7 +14,7 @@ import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -24,6 +24,16 @@ from mergeflow.device import host_tensor
 from mergeflow.schema.objectives import ObjectiveDeclaration, declared_objective
 
 FisherTarget = tuple[torch.Tensor, torch.Tensor]  # (target, weight per example)
+
+
+class EnsembleAccumulator(Protocol):
+    """An output ensemble being built: :meth:`add` one member's raw outputs, :meth:`result` the combined ones."""
+
+    def add(self, outputs: np.ndarray) -> None:
+        """Add one member's raw outputs."""
+
+    def result(self) -> np.ndarray:
+        """The members' combined raw output."""
 
 
 @dataclass(frozen=True)
@@ -89,9 +99,17 @@ class Objective(ABC):
         """Metrics of a model trained on a standardised target, in the target's own units (unchanged here)."""
         return metrics
 
-    def ensemble(self, outputs_list: list[np.ndarray]) -> np.ndarray:
-        """Several models' raw outputs combined into one raw output."""
+    def ensemble_accumulator(self) -> EnsembleAccumulator:
+        """An empty output ensemble: members' raw outputs are added one at a time (``add``), and ``result``
+        combines them into one raw output, holding one member's worth of values whatever their number."""
         raise ValueError(f"a {self.name} objective has no output ensemble")
+
+    def ensemble(self, outputs_list: list[np.ndarray]) -> np.ndarray:
+        """Several models' raw outputs combined into one raw output (:meth:`ensemble_accumulator`'s)."""
+        combined = self.ensemble_accumulator()
+        for outputs in outputs_list:
+            combined.add(outputs)
+        return combined.result()
 
     def predictions(self, outputs: np.ndarray, scale: dict[str, float]) -> np.ndarray:
         """What the sanity check compares: raw outputs here (``scale``: a standardised target's mean and std)."""

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Generator, Tensor, nn
 
-from mergeflow.metrics import classification_metrics, log_mean_softmax, softmax
+from mergeflow.metrics import LogMeanSoftmax, classification_metrics, softmax
 from mergeflow.objectives.base import Baseline, FisherTarget, Objective
 
 
@@ -28,9 +28,9 @@ class Classification(Objective):
     def metrics(self, outputs: np.ndarray, y: np.ndarray | None, *, n_bins: int, noise_std: float) -> dict:
         return classification_metrics(softmax(outputs), y, n_bins=n_bins)
 
-    def ensemble(self, outputs_list: list[np.ndarray]) -> np.ndarray:
+    def ensemble_accumulator(self) -> LogMeanSoftmax:
         """``log(mean_m softmax(logits_m))``: normalised log-probabilities whose softmax is the members' mean."""
-        return log_mean_softmax(outputs_list)
+        return LogMeanSoftmax()
 
     def predictions(self, outputs: np.ndarray, scale: dict[str, float]) -> np.ndarray:
         return outputs.argmax(axis=1)

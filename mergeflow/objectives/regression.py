@@ -10,7 +10,7 @@ import torch
 from torch import Generator, Tensor, nn
 
 from mergeflow.device import host_tensor
-from mergeflow.metrics import regression_metrics
+from mergeflow.metrics import MeanOutputs, regression_metrics
 from mergeflow.objectives.base import Baseline, FisherTarget, Objective
 
 
@@ -46,9 +46,9 @@ class Regression(Objective):
             converted[key] = value
         return converted
 
-    def ensemble(self, outputs_list: list[np.ndarray]) -> np.ndarray:
+    def ensemble_accumulator(self) -> MeanOutputs:
         """The members' mean prediction, in their output shape."""
-        return np.stack([np.asarray(o, dtype=np.float64) for o in outputs_list]).mean(axis=0)
+        return MeanOutputs()
 
     def predictions(self, outputs: np.ndarray, scale: dict[str, float]) -> np.ndarray:
         return _column(outputs.reshape(len(outputs), -1)) * scale["std"] + scale["mean"]
