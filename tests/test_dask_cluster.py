@@ -266,7 +266,10 @@ def test_the_driver_killed_mid_step_leaves_no_write_behind_and_the_next_run_resu
     threaded, reference, two_workers, tmp_path, cli_env
 ):
     path = _without_finetuning(threaded, tmp_path / "driver")
-    run = _start_run(path, _on(two_workers), cli_env)
+    # A long client 1 (minutes, not TINY's seconds), so that on a loaded machine its step cannot finish between
+    # the moment it is seen running and the kill; the next run, with TINY's params, resumes.
+    endless = ["-S", "finetune.clients={1: {epochs: 100000}}"]
+    run = _start_run(path, [*_on(two_workers), *endless], cli_env)
     try:
         _read_until(run, "mergeflow: pretrain:")
         _worker_on_the_long_step(two_workers, path)
