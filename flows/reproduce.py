@@ -257,7 +257,7 @@ def averaging_laws(preset: Path, root: Path) -> Path:
     settings, models, seeds = spec.get("settings", {}), spec.get("models", {}), spec.get("seeds", [0])
     if laws.REFERENCE not in settings or not models:
         raise ConfigError([f"{preset}: needs settings (with {laws.REFERENCE!r}) and models"])
-    workspace = root / "results" / "averaging_laws-workspace"
+    workspace = root / "results" / f"{preset.stem}-workspace"
     workspace.mkdir(parents=True, exist_ok=True)
     runs, facts, notes = [], {}, []
     overrides = {}
@@ -285,7 +285,7 @@ def averaging_laws(preset: Path, root: Path) -> Path:
                         model, state_facts["parameters"], float(tokens), source, state_facts["vocabulary"]
                     )
             _drop_bulky_blobs(workspace, outcomes)
-    return _laws_report(root, runs, facts, spec, notes)
+    return _laws_report(root, preset.stem, runs, facts, spec, notes)
 
 
 # The per-client and per-round checkpoints of a run (clients, their Fishers and aligned copies, every
@@ -394,8 +394,9 @@ def _laws_pipeline_run(params, workspace: Path, outcomes: list[dict[str, Any]]):
     return record, facts
 
 
-def _laws_report(root: Path, runs: list, facts: dict, spec: dict[str, Any], notes: list[str]) -> Path:
-    """The tables (results/averaging_laws.md), the runs and facts (.json) and the plots (.png)."""
+def _laws_report(root: Path, name: str, runs: list, facts: dict, spec: dict[str, Any], notes: list[str]) -> Path:
+    """The tables (results/NAME.md, NAME being the preset's stem), the runs and facts (.json) and the plots
+    (.png)."""
     from dataclasses import asdict
 
     from mergeflow.reproductions import averaging_laws as laws
@@ -406,7 +407,7 @@ def _laws_report(root: Path, runs: list, facts: dict, spec: dict[str, Any], note
                      "and plots" for m, f in facts.items() if f.compute == 0]  # fmt: skip
     series = [s for s in (laws.REFERENCE, laws.NON_IID, *laws.PARTIAL) if s in settings]
     gap = (laws.REFERENCE, laws.NON_IID) if laws.NON_IID in settings else None
-    plot = root / "results" / "averaging_laws.png"
+    plot = root / "results" / f"{name}.png"
     laws.plot_laws(facts, laws.gains(runs, laws.REFERENCE), series, gap, plot)
     text += f"\nPlots: {plot.name} (gain and gap against compute budget).\n"
     text += "".join(f"\n- {note}" for note in notes) + ("\n" if notes else "")
@@ -416,7 +417,7 @@ def _laws_report(root: Path, runs: list, facts: dict, spec: dict[str, Any], note
         "correlations": correlations,
         "notes": notes,
     }
-    return _write(root, "averaging_laws", data, text)
+    return _write(root, name, data, text)
 
 
 def _loop_inputs(preset: Path, root: Path, name: str):
