@@ -297,8 +297,10 @@ def plan_centralized(params: Params) -> list[Step]:
     if params.finetune.lora:
         settings["lora"] = params.section("finetune.lora")
     settings |= _precision(params)
+    if not params.centralized.enabled:
+        return []
     if params.multitask:
-        return [_ceiling_step(params, settings)] if params.centralized.enabled else []
+        return [_ceiling_step(params, settings)]
     files = tuple(client_file(c) for c in range(params.partition.num_clients))
     best = params.centralized.keep == "best_validation"
     step_params = {"seed": params.seed, "train": settings, "num_clients": params.partition.num_clients}

@@ -14,10 +14,6 @@ def check_tasks(params: Params) -> None:
     (``federated.heads``) in any run."""
     _check_heads(params)
     if not params.multitask:
-        if not params.centralized.enabled:
-            raise ValueError(
-                "centralized.enabled: a single-task run always trains its centralized model; set it to true"
-            )
         return
     for name in params.tasks:
         _check_task(params, name)

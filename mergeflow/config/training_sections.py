@@ -106,8 +106,9 @@ class CentralizedConfig(Section):
     scores the validation split after every epoch and keeps the best epoch's weights (the
     parameter-averaging-laws paper compares with the centralized model at its best); it needs
     ``data.validation_fraction`` > 0. Test never chooses. In a multi-task run it is the ceiling: one body trained
-    jointly on every task's pooled client data with a head per task; ``enabled: false`` leaves it out there (a
-    run that only merges given models trains nothing)."""
+    jointly on every task's pooled client data with a head per task. ``enabled: false`` leaves it out (a run
+    that only merges given models trains nothing; a sweep whose other run already trained the same oracle on the
+    same rows need not train it again); nothing is then reported against it."""
 
     enabled: bool = True
     epochs: int | None = Field(None, ge=1)

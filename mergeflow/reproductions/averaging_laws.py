@@ -37,13 +37,14 @@ def non_embedding_parameters(state: Mapping[str, torch.Tensor]) -> int:
 @dataclass(frozen=True)
 class RunResult:
     """One run's test accuracies: FedAvg's global model at the final round, the centralized model
-    (at its best epoch on validation), and both per domain; and which domains ever took part."""
+    (at its best epoch on validation; None when the run trained none, ``centralized.enabled: false``), and both
+    per domain; and which domains ever took part."""
 
     model: str
     setting: str
     seed: int
     federated: float
-    centralized: float
+    centralized: float | None
     federated_by_domain: dict[str, float] = field(default_factory=dict)
     centralized_by_domain: dict[str, float] = field(default_factory=dict)
     seen_domains: tuple[str, ...] = ()
