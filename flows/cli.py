@@ -271,8 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     configure()  # before anything imports huggingface_hub, MLflow or Prefect: they read it on import
     args = build_parser().parse_args(argv)
     try:
-        # run and stage stop within seconds of SIGTERM or Ctrl-C, cancelling their running steps
-        with stop_on_signals() if args.command in ("run", "stage") else nullcontext():
+        # run, stage and a reproduction's pipeline runs stop within seconds of SIGTERM or Ctrl-C, cancelling their
+        # running steps (and the ephemeral Prefect server goes with the process)
+        with stop_on_signals() if args.command in ("run", "stage", "reproduce") else nullcontext():
             return _dispatch(args)
     except Stopped as stop:
         print(_stopped_line(stop), file=sys.stderr)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+import yaml
 from conftest import BIN, fast_params, make_workspace, ran_steps, run_cli
 
 from mergeflow import cancel
@@ -84,10 +85,11 @@ def _digests(path: Path) -> dict[str, str]:
     return {f.relative_to(path).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(files)}
 
 
-def _stop_during_the_merge(path: Path, cli_env: dict) -> tuple[int, float, str]:
-    """Run the pipeline, SIGTERM it a second into the merge stage; its exit code, seconds to exit and stderr."""
+def _stop_during_the_merge(path: Path, cli_env: dict, command: tuple[str, ...] = ("run",)) -> tuple[int, float, str]:
+    """Run the pipeline (or ``command``), SIGTERM it a second into the merge stage; its exit code, seconds to exit
+    and stderr."""
     process = subprocess.Popen(
-        [str(BIN / "mergeflow"), "run"],
+        [str(BIN / "mergeflow"), *command],
         cwd=path,
         env=cli_env,
         stdout=subprocess.DEVNULL,
@@ -137,6 +139,19 @@ def _processes_in(path: Path) -> list[psutil.Process]:
         except psutil.Error:  # gone, or not ours to look at
             pass
     return found
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_reproduction_and_the_prefect_server_it_started(tmp_path, cli_env):
+    path = tmp_path / "reproduction"
+    path.mkdir()
+    (path / "preset.yaml").write_text(yaml.safe_dump({"params": fast_params(**LONG_SSF), "sweep": {"seed": [0]}}))
+
+    code, seconds, stderr = _stop_during_the_merge(path, cli_env, ("reproduce", "merges", "--preset", "preset.yaml"))
+    assert code == 143 and seconds < 5, stderr[-3000:]
+    line = "mergeflow: stopped on SIGTERM: cancelled merge/ssf; the finished steps stay cached"
+    assert stderr.rstrip().endswith(line) and "Traceback" not in stderr, stderr[-3000:]
+    assert not _processes_in(path.resolve())  # before, the ephemeral Prefect server outlived the killed sweep
 
 
 @pytest.mark.slow
