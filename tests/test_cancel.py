@@ -151,7 +151,7 @@ def test_sigterm_stops_a_reproduction_and_the_prefect_server_it_started(tmp_path
     assert code == 143 and seconds < 5, stderr[-3000:]
     line = "mergeflow: stopped on SIGTERM: cancelled merge/ssf; the finished steps stay cached"
     assert stderr.rstrip().endswith(line) and "Traceback" not in stderr, stderr[-3000:]
-    assert not _processes_in(path.resolve())  # before, the ephemeral Prefect server outlived the killed sweep
+    assert not _processes_in(path.resolve())  # the ephemeral Prefect server went with it
 
 
 @pytest.mark.slow
