@@ -119,16 +119,19 @@ def _groups(runs: list[dict[str, Any]], keys: list[str]) -> dict[tuple[str, ...]
 
 
 def pinwheel(preset: Path, root: Path) -> Path:
-    """SSF Table 1: test NLL of every merge by number of clients, mean ± std over seeds."""
-    runs = _run_sweep(preset, root, "pinwheel")
+    """SSF Table 1: test NLL of every merge by number of clients, mean ± std over seeds, and the merges
+    ordered by their mean (lowest first)."""
+    runs = _run_sweep(preset, root, preset.stem)
     methods = runs[0]["params"]["merge"]["methods"]
     names = ["centralized", "ensemble", "best_client"] + [f"merged/{m}" for m in methods]
-    rows = [
-        [clients, *(mean_std_cell([r["metrics"][n]["nll"] for r in group]) for n in names)]
-        for (clients,), group in _groups(runs, ["partition.num_clients"]).items()
-    ]
-    header = ["K", *(n.removeprefix("merged/") for n in names)]
-    return _write(root, "pinwheel", {"runs": runs}, markdown_table(header, rows))
+    rows = []
+    for (clients,), group in _groups(runs, ["partition.num_clients"]).items():
+        nll = {name: [r["metrics"][name]["nll"] for r in group] for name in names}
+        order = sorted(methods, key=lambda m: statistics.mean(nll[f"merged/{m}"]))
+        rows.append([clients, *(mean_std_cell(nll[n]) for n in names), " < ".join(order)])
+    header = ["K", *(n.removeprefix("merged/") for n in names), "merges by mean NLL"]
+    text = markdown_table(header, rows) + _choices_table(runs, ["partition.num_clients"])
+    return _write(root, preset.stem, {"runs": runs}, text)
 
 
 _ALIGNMENT_MODELS = ("merged/average", "merged/fisher", "best_client", "ensemble")
@@ -167,18 +170,26 @@ def merges(preset: Path, root: Path) -> Path:
     runs = _run_sweep(preset, root, preset.stem)
     group_keys = [k for k in _read_yaml(preset).get("sweep", {}) if k != "seed"]
     names = [f"merged/{m}" for m in runs[0]["params"]["merge"]["methods"]] + list(_REFERENCES)
-    rows, choices = [], []
+    rows = []
     for values, group in _groups(runs, group_keys).items():
         rows.append([*values, *(mean_std_cell([r["metrics"][n]["accuracy"] for r in group], 3) for n in names)])
-        for merge in group[0]["selection"]:
-            choices.append([*values, merge, "; ".join(_chosen(r["selection"][merge]) for r in group)])
     header = [*group_keys, *(n.removeprefix("merged/") for n in names)]
     text = "### Test accuracy (mean ± std over seeds; searched options chosen on validation)\n\n"
-    text += markdown_table(header, rows)
-    if choices:
-        text += "\n### Chosen on validation (one entry per seed)\n\n"
-        text += markdown_table([*group_keys, "merge", "chosen"], choices)
+    text += markdown_table(header, rows) + _choices_table(runs, group_keys)
     return _write(root, preset.stem, {"runs": runs}, text)
+
+
+def _choices_table(runs: list[dict[str, Any]], group_keys: list[str]) -> str:
+    """The option values each searched merge chose on validation, one entry per seed ("" without searches)."""
+    choices = []
+    for values, group in _groups(runs, group_keys).items():
+        for merge in group[0]["selection"]:
+            choices.append([*values, merge, "; ".join(_chosen(r["selection"][merge]) for r in group)])
+    if not choices:
+        return ""
+    return "\n### Chosen on validation (one entry per seed)\n\n" + markdown_table(
+        [*group_keys, "merge", "chosen"], choices
+    )
 
 
 _LAST_ROUNDS = 3  # the Bayes-ADMM reference reports the mean of the last 3 rounds

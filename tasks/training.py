@@ -289,8 +289,9 @@ def finetune_client(params: dict[str, Any], root: Path, out: Path, settings: dic
 
 
 def plan_centralized(params: Params) -> list[Step]:
-    """One step: the oracle trained on all client data pooled, with the fine-tuning defaults (and
-    ``centralized``'s epochs); with ``keep: best_validation``, its best epoch on the validation split."""
+    """One step: the oracle trained on all client data pooled (the split once when clients replicate it), with
+    the fine-tuning defaults (and ``centralized``'s epochs); with ``keep: best_validation``, its best epoch on the
+    validation split."""
     settings = params.finetune.model_dump(include=set(_TRAIN_KEYS))
     if params.centralized.epochs is not None:
         settings["epochs"] = params.centralized.epochs
@@ -301,9 +302,9 @@ def plan_centralized(params: Params) -> list[Step]:
         return []
     if params.multitask:
         return [_ceiling_step(params, settings)]
-    files = tuple(client_file(c) for c in range(params.partition.num_clients))
+    files = tuple(client_file(c) for c in range(params.partition.num_clients) if params.partition.pooled(c))
     best = params.centralized.keep == "best_validation"
-    step_params = {"seed": params.seed, "train": settings, "num_clients": params.partition.num_clients}
+    step_params = {"seed": params.seed, "train": settings, "num_clients": len(files)}
     if best:
         step_params |= {
             "keep": "best_validation",
@@ -348,9 +349,10 @@ def _ceiling_step(params: Params, settings: dict[str, Any]) -> Step:
     """A multi-task run's ceiling: one body trained jointly on every task's clients' data, with K heads."""
     clients: dict[str, list[int]] = {task: [] for task in params.tasks}
     for ref in params.clients:
-        clients[ref.task].append(ref.index)
+        if params.partition.pooled(ref.local):
+            clients[ref.task].append(ref.index)
     inputs = [path for task in params.tasks for path in (TaskPaths(task).base, TaskPaths(task).partitions_info)]
-    inputs += [client_file(ref.index) for ref in params.clients]
+    inputs += [client_file(index) for indices in clients.values() for index in indices]
     step_params = {"seed": params.seed, "train": settings, "clients": clients}
     fn = "tasks.training:centralized_tasks"
     return Step("centralized", fn, step_params, tuple(inputs), device_settings(params), members=params.model_members)

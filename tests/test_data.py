@@ -316,6 +316,14 @@ def test_natural_partition_by_group():
         partition_dataset(ds, method="dirichlet", num_clients=3)  # float targets: regression
 
 
+def test_replicated_partition_gives_every_client_the_whole_split(train):
+    parts = partition_dataset(train, method="replicated", num_clients=3)
+    assert [p.num_rows for p in parts] == [train.num_rows] * 3
+    assert all(_labels(p).tolist() == _labels(train).tolist() for p in parts)
+    regression = make_dataset(np.zeros((2, 1)), np.array([0.5, 1.5], dtype=np.float32))
+    assert len(partition_dataset(regression, method="replicated", num_clients=5)) == 5  # more clients than rows
+
+
 def test_partition_errors(train):
     tiny = make_dataset(np.zeros((6, 1)), np.array([0, 0, 0, 1, 1, 1]))
     with pytest.raises(DataError, match="empty client"):
@@ -328,7 +336,7 @@ def test_partition_errors(train):
         partition_dataset(train, method="shards", num_clients=2)
     with pytest.raises(DataError, match="group"):
         partition_dataset(train, method="natural", num_clients=2)
-    assert PARTITION_METHODS == ("iid", "dirichlet", "pathological", "natural")
+    assert PARTITION_METHODS == ("iid", "dirichlet", "pathological", "natural", "replicated")
 
 
 def test_regression_stats_and_plots(tmp_path, train, digits):

@@ -60,6 +60,21 @@ def test_a_multi_task_run_refuses_what_needs_one_head_in_one_line_naming_the_key
     assert len(error.value.lines) == 1 and f": {key}: " in error.value.lines[0], error.value.lines
 
 
+def test_the_centralized_oracle_trains_on_replicated_clients_data_once():
+    from tasks.layout import client_file
+    from tasks.training import plan_centralized
+
+    replicated = {"partition": {"method": "replicated", "num_clients": 3}}
+    (step,) = plan_centralized(validate_params(replicated))
+    assert step.params["num_clients"] == 1
+    assert [path for path in step.inputs if path.endswith(".parquet") and "client_" in path] == [client_file(0)]
+    (step,) = plan_centralized(validate_params({"partition": {"method": "iid", "num_clients": 3}}))
+    assert step.params["num_clients"] == 3
+    tasks = {"a": {"labels": {0: 0, 1: 1}, "clients": 2}, "b": {"labels": {2: 0, 3: 1}, "clients": 3}}
+    (ceiling,) = plan_centralized(validate_params({"tasks": tasks} | replicated))
+    assert ceiling.params["clients"] == {"a": [0], "b": [2]}  # each task's first client holds its whole split
+
+
 def test_clients_are_numbered_across_tasks():
     params = validate_params({"tasks": {"a": {"labels": {0: 0, 1: 1}, "clients": 2}, "b": {"labels": {2: 0, 3: 1}}}})
     assert [(c.index, c.task, c.local) for c in params.clients] == [(0, "a", 0), (1, "a", 1), (2, "b", 0)]

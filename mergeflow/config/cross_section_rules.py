@@ -33,7 +33,7 @@ def check_cross_section_rules(params: Params) -> None:
     if regression and params.partition.method in ("dirichlet", "pathological"):
         raise ValueError(
             f"partition.method: {params.partition.method!r} skews class labels, and the data is a regression "
-            "task; use iid or natural"
+            "task; use iid, natural or replicated"
         )
     if params.federated.exchange == "adapters" and params.finetune.lora is None:
         raise ValueError("federated.exchange: 'adapters' exchanges LoRA adapters; set finetune.lora (r, alpha, …)")
@@ -78,7 +78,8 @@ def check_cross_section_rules(params: Params) -> None:
         if "factors" in DECLARED[method].needs and not params.fisher.low_rank:
             raise ValueError(f"fisher.low_rank: merge method {name!r} needs Fisher factors; set it to true")
     rows = _known_training_rows(params.data)
-    if rows is not None and not params.multitask and params.partition.num_clients > rows:
+    shards = params.partition.method != "replicated"
+    if rows is not None and not params.multitask and shards and params.partition.num_clients > rows:
         raise ValueError(
             f"partition.num_clients: {params.partition.num_clients} clients but only {rows} training samples"
         )

@@ -122,8 +122,18 @@ class DataConfig(Section):
 
 
 class PartitionConfig(Section):
-    method: Literal["iid", "dirichlet", "pathological", "natural"] = "dirichlet"
+    """How the training split is shared among the clients: ``iid`` (equal random shards), ``dirichlet`` (label skew
+    with concentration ``alpha``), ``pathological`` (``classes_per_client`` classes each), ``natural`` (one client
+    per group) or ``replicated`` (every client holds the whole training split: clients that differ only in how
+    they are trained, as in the SSF paper's pinwheel; the centralized oracle then trains on the split once)."""
+
+    method: Literal["iid", "dirichlet", "pathological", "natural", "replicated"] = "dirichlet"
     num_clients: int = Field(4, ge=1)
     alpha: float = Field(0.5, gt=0)
     classes_per_client: int = Field(2, ge=1)
     min_partition_size: int = Field(10, ge=0)
+
+    def pooled(self, local: int) -> bool:
+        """Whether the centralized oracle trains on client ``local``'s data (index among its task's clients): every
+        client's, the training split once, except with ``replicated``, where client 0 holds all of it."""
+        return self.method != "replicated" or local == 0

@@ -15,8 +15,8 @@ if TYPE_CHECKING:  # flwr-datasets and matplotlib load where they are used: plan
     import datasets
     from flwr_datasets.partitioner.partitioner import Partitioner
 
-PARTITION_METHODS = ("iid", "dirichlet", "pathological", "natural")
-REGRESSION_METHODS = ("iid", "natural")
+PARTITION_METHODS = ("iid", "dirichlet", "pathological", "natural", "replicated")
+REGRESSION_METHODS = ("iid", "natural", "replicated")
 
 
 def _is_regression(ds: datasets.Dataset) -> bool:
@@ -90,15 +90,15 @@ def partition_dataset(
 
     ``method``: ``"iid"`` (seeded shuffle, then equal shards), ``"dirichlet"`` (label
     skew with concentration ``alpha``), ``"pathological"`` (``classes_per_client``
-    classes each) or ``"natural"`` (one client per value of the ``"group"`` column).
-    ``partition_by`` is the label column used by the two label-skew methods.
-    Regression data allows only ``"iid"`` and ``"natural"``.
+    classes each), ``"natural"`` (one client per value of the ``"group"`` column) or ``"replicated"``
+    (every client holds all of ``train``). ``partition_by`` is the label column used by the two label-skew methods.
+    Regression data allows only ``"iid"``, ``"natural"`` and ``"replicated"``.
     """
     if method not in PARTITION_METHODS:
         raise DataError(f"unknown partition method {method!r}; choose one of {', '.join(PARTITION_METHODS)}")
     if num_clients < 1:
         raise DataError(f"partition.num_clients must be at least 1, got {num_clients}")
-    if num_clients > train.num_rows:
+    if method != "replicated" and num_clients > train.num_rows:
         raise DataError(
             f"partition.num_clients is {num_clients} but there are only {train.num_rows} training "
             "rows: the partition would leave an empty client"
@@ -108,6 +108,8 @@ def partition_dataset(
             f"partition method {method!r} needs class labels; regression data allows "
             f"only {', '.join(REGRESSION_METHODS)}"
         )
+    if method == "replicated":  # no flwr-datasets partitioner shares rows; nothing to split
+        return [train] * num_clients
     partitioner, data = _partitioner(
         train,
         method,
