@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml constraints.txt
 	# PyPI's torchvision (pulled in by backpack, which needs it only for its examples) does not
 	# load beside the CPU torch wheel, and transformers imports it whenever it is installed.
 	$(BIN)/python -m pip uninstall -q -y torchvision
+	# The compiled CPU merge kernels, so that a user's first TIES/DARE/DELLA merge does not compile for ~20 s.
+	$(BIN)/python -m mergeflow.merge.warm
 	rm -f $(VENV)/.installed-* && touch $@
 
 run: $(STAMP)

@@ -37,7 +37,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     base = torch.randn(args.rows, args.width, generator=generator) * 0.02
     clients = [base + torch.randn(base.shape, generator=generator) * 0.001 for _ in range(args.clients)]
-    xs, b = tuple(c.reshape(-1).numpy() for c in clients), base.reshape(-1).numpy()
+    xs, b = cpu_kernels.padded(tuple(c.reshape(-1).numpy() for c in clients)), base.reshape(-1).numpy()
     out = np.zeros(b.size)
     words, position = stream_state(tensor_generator(0, "w"))
     entries = args.clients * b.size

@@ -203,3 +203,24 @@ assert "scipy.linalg" in sys.modules
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+_MISSES = """
+import numba, torch
+from mergeflow.merge import cpu_kernels, merge
+from mergeflow.merge.warm import _stand_ins
+for method, count, dtype in (("ties", 5, torch.float32), ("della", 3, torch.bfloat16), ("dare_ties", 8, torch.float64)):
+    base, clients = _stand_ins(dtype, count)
+    merge(method, clients, base=base)
+kernels = [getattr(cpu_kernels, name) for name in dir(cpu_kernels)]
+print(sum(sum(k.stats.cache_misses.values()) for k in kernels if isinstance(k, numba.core.registry.CPUDispatcher)))
+"""
+
+
+def test_after_the_install_step_a_first_merge_of_up_to_8_clients_compiles_nothing():
+    """``python -m mergeflow.merge.warm`` (``make install`` runs it; here it loads what that compiled, or compiles
+    anew after an edit to the kernels) leaves no kernel for a later process to compile, whatever K ≤ 8 and dtype."""
+    warm = subprocess.run([sys.executable, "-m", "mergeflow.merge.warm"], capture_output=True, text=True, check=True)
+    assert "the CPU merge kernels are compiled" in warm.stdout
+    misses = subprocess.run([sys.executable, "-c", _MISSES], capture_output=True, text=True, check=True)
+    assert misses.stdout.split() == ["0"]

@@ -57,6 +57,19 @@ _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
 SUM, AGREEING_SUM, AGREEING_MEAN = 0, 1, 2  # how ``masked_merge`` combines the K masked task vectors
 
+_FEWEST_SLOTS = 8  # the client tuples' smallest padded length: K = 1…8 share one compiled kernel
+
+
+def padded(xs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """The K clients' arrays padded (with the first again) to 8, 16, 32, … entries, for the kernels that take
+    them as a tuple: numba compiles a kernel once per tuple length, so without padding every new K compiled
+    for 3 to 7 s; now K = 1…8 run the kernels compiled at install (``mergeflow.merge.warm``). The kernels read
+    K from the masks or the streams, never from the tuple."""
+    slots = _FEWEST_SLOTS
+    while slots < len(xs):
+        slots *= 2
+    return xs + (xs[0],) * (slots - len(xs))
+
 
 _TILE = 256  # elements merged at a time: the K clients' task vectors of a tile stay in L1 between the two passes
 
@@ -64,8 +77,8 @@ _TILE = 256  # elements merged at a time: the K clients' task vectors of a tile 
 @_jit
 def masked_merge(xs, base, masks, divisor, coefficient, combine, out, start, end):  # pragma: no cover - compiled
     """``out = base + coefficient · combine_k((x_k − base) · mask_k / divisor)`` over elements ``start:end``,
-    for K 1-D client arrays ``xs`` (a tuple; float32 or float64, widened to float64 here), the base and
-    ``(K, n)`` boolean ``masks`` (``divisor`` 0: no division); ``out`` float64, or float32 (each float64 result
+    for K 1-D client arrays ``xs`` (a tuple, ``padded``; float32 or float64, widened to float64 here), the base
+    and ``(K, n)`` boolean ``masks`` (``divisor`` 0: no division); ``out`` float64, or float32 (each float64 result
     rounded once as it is stored).
 
     ``combine``: ``SUM`` (in order k = 0..K−1), ``AGREEING_SUM`` (the entries whose sign agrees with their
@@ -73,7 +86,7 @@ def masked_merge(xs, base, masks, divisor, coefficient, combine, out, start, end
     least 1: TIES' disjoint mean). A tile at a time, client by client, so that each inner loop is
     over elements and vectorizes; every element's sums still run k = 0..K−1.
     """
-    count = len(xs)
+    count = masks.shape[0]
     tasks = np.empty((count, _TILE))
     total, sign, kept, agreeing = np.empty(_TILE), np.empty(_TILE), np.empty(_TILE), np.empty(_TILE)
     for first in range(start, end, _TILE):
@@ -410,10 +423,10 @@ def della_merge(
     """``out = base + coefficient · combine_k(pruned_k)`` for rows ``first:last`` of the tensor (``rows =
     n // width`` rows of ``width``), ``combine`` and ``out``'s dtype as ``cpu_kernels.masked_merge``'s.
 
-    ``xs`` (a tuple) are the K clients' flat tensors and ``base`` the base's (float32 or float64, widened
-    here). Client k's draws come from ``states[k]`` and ``positions[k]`` (``cpu_kernels.draw``), set to
+    ``xs`` (a tuple, ``padded``) are the K clients' flat tensors and ``base`` the base's (float32 or float64,
+    widened here). Client k's draws come from ``states[k]`` and ``positions[k]`` (``cpu_kernels.draw``), set to
     its row ``first``'s first uniform and advanced in place; pruning as ``della_prune``."""
-    count = len(xs)
+    count = states.shape[0]
     per_block = max(1, _DELLA_BLOCK // width)
     tile = np.empty((count, per_block * width))
     total, sign = np.empty(per_block * width), np.empty(per_block * width)

@@ -125,13 +125,14 @@ def _compiled(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Ten
     words, position = stream_state(tensor_generator(options.seed, x.name, x.base.device))
     code, flat = getattr(cpu_kernels, combine.upper()), out.view(-1).numpy()
     per_thread = max(1, _PER_THREAD // width)  # rows
+    slots = cpu_kernels.padded(xs)
     if options.rescale == "l1":
         tasks = x.working(count * n).view(count, n)
 
         def prune(rows: tuple[int, int]) -> None:
             state, at = words.copy(), position.copy()
             cpu_kernels.skip(state, at, 2 * rows[0] * width)  # two words a uniform
-            cpu_kernels.della_prune(xs, base, width, step, low, rescale, state, at, *rows, tasks.numpy().reshape(-1))
+            cpu_kernels.della_prune(slots, base, width, step, low, rescale, state, at, *rows, tasks.numpy().reshape(-1))
 
         in_threads(prune, thread_shares(count * (n // width), per_thread))
         for task, client in zip(tasks, xs, strict=True):
@@ -152,7 +153,7 @@ def _compiled(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Ten
             if k + 1 < count:
                 cpu_kernels.skip(state, at, 2 * n)
         cpu_kernels.della_merge(
-            xs, base, width, step, low, rescale, states, positions, *rows, options.scaling, code, flat
+            slots, base, width, step, low, rescale, states, positions, *rows, options.scaling, code, flat
         )
 
     in_threads(merge, thread_shares(n // width, per_thread))

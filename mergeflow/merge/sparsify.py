@@ -501,18 +501,20 @@ def masked_merge(x: TensorInputs, coefficient: float, combine: str, divisor: flo
     masks = x.masks.reshape(len(xs), -1).numpy()
     flat, code = out.view(-1).numpy(), getattr(cpu_kernels, combine.upper())  # SUM, AGREEING_SUM or AGREEING_MEAN
 
+    slots = cpu_kernels.padded(xs)
+
     def merge(share: tuple[int, int]) -> None:
-        cpu_kernels.masked_merge(xs, base, masks, divisor or 0.0, coefficient, code, flat, *share)
+        cpu_kernels.masked_merge(slots, base, masks, divisor or 0.0, coefficient, code, flat, *share)
 
     in_threads(merge, thread_shares(len(base), _MERGE_PER_THREAD))
     return out
 
 
 def kernel_operands(x: TensorInputs) -> tuple[tuple[np.ndarray, ...], np.ndarray, torch.Tensor]:
-    """What a compiled merge takes of ``x`` on the CPU: the K clients' flat arrays as a tuple (compiled once per
-    K and dtype and cached on disk; a numba typed list compiled its own methods anew in every process,
-    0.17 s each time) and the base's, all float32 or all float64 (else widened to float64), and the
-    tensor to merge into (``x.out``, else a new float64 one)."""
+    """What a compiled merge takes of ``x`` on the CPU: the K clients' flat arrays as a tuple (padded at the
+    kernel's call, ``cpu_kernels.padded``: compiled once per padded length and dtype and cached on disk; a numba
+    typed list compiled its own methods anew in every process, 0.17 s each time) and the base's, all float32 or
+    all float64 (else widened to float64), and the tensor to merge into (``x.out``, else a new float64 one)."""
     assert x.base is not None
     tensors = [*(x.stack.unbind(0) if x.stack is not None else x.tensors), x.base]
     if len({t.dtype for t in tensors}) > 1 or tensors[0].dtype not in (torch.float32, torch.float64):
