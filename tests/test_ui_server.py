@@ -78,8 +78,14 @@ def test_sigint_stops_the_servers_whole_group(tmp_path, capsys):
         "open(sys.argv[1], 'w').write(f'{os.getpid()} {child.pid}')\n"
         "time.sleep(120)\n"
     )
-    threading.Thread(target=_interrupt_when_written, args=(pids,), daemon=True).start()
-    code = run_server([sys.executable, "-c", script, str(pids)], f"http://127.0.0.1:{free_port()}", str)
+    # run_server leaves an ignored SIGINT ignored (as after a shell's `&`); a test run before may have left it so
+    # in this process, and the stand-in then slept its 120 s out (exit 0): the test wants Python's default.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=_interrupt_when_written, args=(pids,), daemon=True).start()
+        code = run_server([sys.executable, "-c", script, str(pids)], f"http://127.0.0.1:{free_port()}", str)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert code == 0
     assert capsys.readouterr().out.splitlines()[-1] == "mergeflow: ui: stopped on SIGINT"
     server, child = map(int, pids.read_text().split())
