@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -18,9 +20,24 @@ pytestmark = pytest.mark.slow
 FLOW, DEPLOYMENT, RUN = "cli-check-flow", "cli-check-deployment", "cli-check-run"
 
 
+_RETRIED = (429, 502, 503)  # what Prefect's own client retries: a busy server (its SQLite locked) answers 503
+
+
 def _post(url: str, body: dict) -> dict:
-    """POST ``body`` as JSON and return the decoded answer."""
+    """POST ``body`` as JSON and return the decoded answer, retrying a busy server's answer as Prefect's client
+    does (1, 2, 4 and 8 s apart)."""
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    for delay in (1, 2, 4, 8):
+        try:
+            return _answer(request)
+        except urllib.error.HTTPError as error:
+            if error.code not in _RETRIED:
+                raise
+        time.sleep(delay)
+    return _answer(request)
+
+
+def _answer(request: urllib.request.Request) -> dict:
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())
 
