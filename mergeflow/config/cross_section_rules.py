@@ -78,8 +78,8 @@ def check_cross_section_rules(params: Params) -> None:
         if "factors" in DECLARED[method].needs and not params.fisher.low_rank:
             raise ValueError(f"fisher.low_rank: merge method {name!r} needs Fisher factors; set it to true")
     rows = _known_training_rows(params.data)
-    shards = params.partition.method != "replicated"
-    if rows is not None and not params.multitask and shards and params.partition.num_clients > rows:
+    split = params.partition.splits_rows
+    if rows is not None and not params.multitask and split and params.partition.num_clients > rows:
         raise ValueError(
             f"partition.num_clients: {params.partition.num_clients} clients but only {rows} training samples"
         )

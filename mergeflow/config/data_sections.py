@@ -133,7 +133,12 @@ class PartitionConfig(Section):
     classes_per_client: int = Field(2, ge=1)
     min_partition_size: int = Field(10, ge=0)
 
+    @property
+    def splits_rows(self) -> bool:
+        """Whether the clients split the training rows between them (every method but ``replicated``)."""
+        return self.method != "replicated"
+
     def pooled(self, local: int) -> bool:
         """Whether the centralized oracle trains on client ``local``'s data (index among its task's clients): every
         client's, the training split once, except with ``replicated``, where client 0 holds all of it."""
-        return self.method != "replicated" or local == 0
+        return self.splits_rows or local == 0

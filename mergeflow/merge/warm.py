@@ -1,9 +1,10 @@
 """Compile the CPU merge kernels before a user's first merge: ``python -m mergeflow.merge.warm``, which
 ``make install`` runs. numba compiles a kernel for each set of argument types it meets and caches it on disk
-(beside ``mergeflow/merge/cpu_kernels.py``, or under ``NUMBA_CACHE_DIR``); cold, a first TIES or DELLA merge
-spent 17-26 s compiling. Merging small stand-ins with every sparsifying method, in memory and streamed from
-files, in float32, bfloat16 and float64, meets every type a merge of up to 8 clients uses
-(``cpu_kernels.padded``), so later merges load the kernels (about 0.5 s) instead.
+(beside ``mergeflow/merge/cpu_kernels.py``, or under ``NUMBA_CACHE_DIR``); cold, a first TIES or DELLA merge of
+GPT-2 files spent about 9 s a method compiling (``bench/first_merge.py``, docs/benchmarks.md). Merging small
+stand-ins with every sparsifying method, in memory and streamed from files, in float32, bfloat16 and float64,
+meets every type a merge of up to 8 clients uses (``cpu_kernels.padded``), so later merges load the kernels
+(about 0.5 s) instead.
 """
 
 from __future__ import annotations
