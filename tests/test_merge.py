@@ -369,6 +369,30 @@ def test_ssf_with_random_masks_approaches_the_exact_merge():
     assert all(torch.equal(result.state[k], again.state[k]) for k in result.state)  # deterministic
 
 
+def test_ssf_loss_stays_bounded_with_partial_masks_where_eq7_as_printed_runs_away():
+    # Five clients whose precisions couple 16 coordinates through 2 factor rows each (10 < 16), a strong
+    # prior and 2 masked coordinates a mask: subtracting the prior after conditioning (Eq. 7 as printed)
+    # is unbounded below here; taking it out of each client's Gaussian first is a sum of proper conditionals.
+    from mergeflow.merge.engine import model_inputs
+    from mergeflow.merge.ssf import ssf_iterates
+    from mergeflow.schema.merge import SSFOptions
+
+    g = torch.Generator().manual_seed(0)
+    count, dim = 5, 16
+    states = [{"w": torch.randn(dim, generator=g, dtype=torch.float64)} for _ in range(count)]
+    factors = [torch.randn(2, dim, generator=g, dtype=torch.float64) for _ in range(count)]
+    fishers = [{"w": (f**2).sum(0)} for f in factors]
+    inputs = {"weights": [100.0] * count, "fishers": fishers, "factors": factors}
+    exact = merge("exact", states, **inputs, prior_precision=10.0)["w"].norm()
+    options = {"mask_rate": 0.125, "masks_per_step": 8, "steps": 1000, "window": None, "lr": 0.05}
+    options |= {"optimizer": "adam", "schedule": "constant", "start": "average", "prior_precision": 10.0}
+    x = model_inputs(states, **inputs)
+    bounded = list(ssf_iterates(x, SSFOptions(**options)))
+    printed = list(ssf_iterates(x, SSFOptions(**options, prior_correction="as_printed")))
+    assert min(loss for _, loss in bounded) >= 0 and bounded[-1][0].norm() < 1.5 * exact
+    assert printed[-1][1] < -1000 and printed[-1][0].norm() > 4 * exact
+
+
 def test_ssf_iterates_are_the_same_with_a_formed_precision_and_with_factors(monkeypatch):
     import mergeflow.merge.ssf as ssf_module
 

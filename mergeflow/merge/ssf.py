@@ -12,6 +12,14 @@ posteriors), optimised by SGD. Λ_k = n_k(U_kᵀU_k + D_k) + δI is low-rank plu
 so Λ_MM⁻¹ comes from the Woodbury identity with an r × r solve and Λ_MR never forms; the
 reference code's rank-1 mean-gradient precision is the r = 1 case. With the full mask the
 objective is the exact merge's, so its optimum is the product of the Gaussians.
+
+Where the correction goes (``prior_correction``): ``per_client`` (the default) takes it out of each
+client's Gaussian before conditioning, p(θ|D_k) · p0(θ)^−(K−1)/K = N(μ'_k, Λ'_k⁻¹) with
+Λ'_k = Λ_k − (K−1)/K·δI, so every term is a proper conditional and the loss is bounded below.
+``as_printed`` subtracts the prior's conditional after conditioning, as Eq. 7 is printed; with partial
+masks and coupled precisions that loss is unbounded below from K = 3 (bench/ssf_horizon.py), since each
+conditional is flat along directions that move masked and conditioning coordinates together while the
+subtracted prior is not. Both are the exact merge's objective at the full mask.
 """
 
 from __future__ import annotations
@@ -144,11 +152,34 @@ def _compressed(client: ClientPrecision) -> ClientPrecision:
 
 
 def _conditional_quadratic(
-    diff: torch.Tensor, system: _MaskedSystem, masked: torch.Tensor, rest: torch.Tensor
+    diff: torch.Tensor,
+    system: _MaskedSystem,
+    masked: torch.Tensor,
+    rest: torch.Tensor,
+    shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Σ over masks of (θ_M − μ)ᵀ Λ_MM (θ_M − μ) = bᵀ Λ_MM⁻¹ b, with b = Λ_MM Δ_M + Λ_MR Δ_R."""
+    """Σ over masks of (θ_M − μ)ᵀ Λ_MM (θ_M − μ) = bᵀ Λ_MM⁻¹ b, with b = Λ_MM Δ_M + Λ_MR Δ_R (+ ``shift``_M,
+    which moves the Gaussian's mean: Λ(θ − μ') = Λ(θ − θ_k) + shift)."""
     b = system.rhs(diff[masked], diff[rest])
+    if shift is not None:
+        b = b + shift[masked]
     return (b * system.solve(b)).sum()
+
+
+def _tempered_prior(
+    clients: list[ClientPrecision], delta: float, theta0: torch.Tensor, options: SSFOptions
+) -> tuple[float, list[torch.Tensor | None], float]:
+    """(the prior precision inside each client's Gaussian, each client's mean shift, the weight of the prior
+    subtracted after conditioning) for the chosen ``prior_correction``.
+
+    ``per_client``: N(θ_k, Λ_k⁻¹) · p0^−c with c = (K−1)/K has precision Λ'_k = Λ_k − cδI and
+    Λ'_k μ'_k = Λ_k θ_k − cδθ0, so Λ'_k(θ − μ'_k) = Λ'_k(θ − θ_k) + cδ(θ0 − θ_k): no solve for μ'_k.
+    """
+    count = len(clients)
+    if options.prior_correction == "as_printed" or count == 1:
+        return delta, [None] * count, (count - 1) * delta
+    correction = (count - 1) / count * delta
+    return delta - correction, [correction * (theta0 - c.theta) for c in clients], 0.0
 
 
 def ssf_iterates(x: ModelInputs, options: SSFOptions) -> Iterator[tuple[torch.Tensor, float]]:
@@ -179,18 +210,22 @@ def ssf_iterates(x: ModelInputs, options: SSFOptions) -> Iterator[tuple[torch.Te
     )
     count, dim = len(clients), theta.numel()
     masked_count = _mask_sizes(dim, options)[1]
+    client_delta, shifts, subtracted = _tempered_prior(clients, delta, theta0, options)
     # Formed only for clients whose Λ_MM would be factored directly (m ≤ rows) anyway.
     small = count * dim * dim * 8 <= _DENSE_MAX_BYTES
-    dense = [_dense_precision(c, delta) if small and c.factors.shape[0] >= masked_count else None for c in clients]
+    dense = [
+        _dense_precision(c, client_delta) if small and c.factors.shape[0] >= masked_count else None for c in clients
+    ]
     for _ in range(options.steps):
         cancel.check()
         masked, rest = _masks(dim, options, generator, theta.device)
-        systems = [_masked_system(c, delta, masked, rest, d) for c, d in zip(clients, dense, strict=True)]
+        systems = [_masked_system(c, client_delta, masked, rest, d) for c, d in zip(clients, dense, strict=True)]
         optimizer.zero_grad()
         quadratic = sum(
-            _conditional_quadratic(theta - c.theta, s, masked, rest) for c, s in zip(clients, systems, strict=True)
+            _conditional_quadratic(theta - c.theta, s, masked, rest, shift)
+            for c, s, shift in zip(clients, systems, shifts, strict=True)
         )
-        prior = (count - 1) * delta * ((theta[masked] - theta0[masked]) ** 2).sum()
+        prior = subtracted * ((theta[masked] - theta0[masked]) ** 2).sum()
         loss = 0.5 * (quadratic - prior) / masked.numel()
         loss.backward()
         optimizer.step()

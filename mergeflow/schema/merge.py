@@ -162,6 +162,8 @@ class SSFOptions(BaseModel):
     The paper optimises with SGD from a random init; Adam from the average is the default
     here because its step size does not depend on the scale of the precisions. The cosine
     schedule anneals the noise of the random masks away, so θ settles instead of hovering.
+    ``prior_correction`` says where the (K−1)/K prior correction goes (mergeflow/merge/ssf.py):
+    ``per_client`` keeps the loss bounded below; ``as_printed`` is Eq. 7 as the paper prints it.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -176,6 +178,7 @@ class SSFOptions(BaseModel):
     start: Literal["random", "average"] = "average"
     prior_precision: float = Field(1e-3, ge=0)
     prior_mean: PriorMean = "auto"
+    prior_correction: Literal["per_client", "as_printed"] = "per_client"
     by_size: bool = True
     seed: int = 0
 
