@@ -1,17 +1,20 @@
 """Streaming merges of K Hugging Face GPT-2 checkpoints against a raw read of the files and a naive merge.
 
-Usage: python bench/streaming_merge.py [--models 4 8] [--n-layer 12] [--shard-size 200MB] [--dir DIR] [--keep]
-                                      [--mergekit /tmp/mk-venv/bin/mergekit-yaml] [--cases model_stock slerp]
-                                      [--repeat 1] [--threads 2]
+Usage: python bench/streaming_merge.py [--arch gpt2] [--models 4 8] [--n-layer 12] [--shard-size 200MB] [--dir DIR]
+                                      [--keep] [--mergekit /tmp/mk-venv/bin/mergekit-yaml]
+                                      [--cases model_stock slerp] [--repeat 1] [--threads 2]
 
 Writes GPT-2 checkpoints with ``save_pretrained`` (``GPT2Config()``: 124M parameters, float32,
-sharded at ``--shard-size``): a base model, K fine-tuned stand-ins (the base plus noise) and K
+sharded at ``--shard-size``), or with ``--arch llama`` LLaMA-style ones (``LlamaConfig``, 768 wide, 12 heads,
+an MLP of 3,072, a 32,000-token vocabulary and an untied head: 162M parameters, whose largest tensors are
+the 32,000 × 768 embedding and head): a base model, K fine-tuned stand-ins (the base plus noise) and K
 diagonal Fishers in the same format. For each K it then runs, each case in a fresh interpreter:
 
 - a raw read of the K models' files (every byte, ``readinto`` a 64 MiB buffer): the I/O floor;
 - a naive merge: ``load_file`` every shard of every model, ``torch.stack(...).mean(0)``, ``save_file``;
 - ``merge_files`` for every tensor-scope method into an HF directory (``slerp`` on the first two
-  models; methods that need a base get the base model, ``fisher`` the K Fisher directories).
+  models; methods that need a base get the base model, ``fisher`` the K Fisher directories), and
+  DELLA with mergekit's ``rescale: l1``.
 
 - mergekit (``--mergekit``, the ``mergekit-yaml`` of a separate venv; skipped when it is missing) with
   ``linear``, ``task_arithmetic`` and ``ties`` on the same files and the same settings as mergeflow's
@@ -126,6 +129,8 @@ def cases() -> dict[str, str]:
         f"max_shard_size=case['shard_size'], {_ARGUMENTS.get(name, '')})"
         for name in methods
     }
+    l1 = f"merge_files('della', models, out, max_shard_size=case['shard_size'], {_ARGUMENTS['della']}, rescale='l1')"
+    streaming["merge_files('della', rescale='l1')"] = l1
     return {"raw read": _RAW_READ, "naive: load, stack, mean, save": _NAIVE, **streaming, "import only": ""}
 
 
@@ -185,17 +190,36 @@ def run_mergekit(mergekit: Path, method: str, case: dict, shard_size: str) -> di
     return {"seconds": seconds, "process": seconds, "anon_kib": peak}
 
 
-def write_checkpoints(directory: Path, count: int, n_layer: int, shard_size: str) -> tuple[list[str], str, list[str]]:
-    """A base GPT-2, ``count`` noisy copies and ``count`` Fishers as HF directories (kept between runs)."""
+def base_model(arch: str, n_layer: int) -> torch.nn.Module:
+    """The random base model: GPT-2 (124M at 12 layers) or LLaMA-style (162M at 12 layers)."""
+    import transformers
+
+    if arch == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=n_layer))
+    config = transformers.LlamaConfig(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=n_layer,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def write_checkpoints(
+    directory: Path, count: int, arch: str, n_layer: int, shard_size: str
+) -> tuple[list[str], str, list[str]]:
+    """A base model, ``count`` noisy copies and ``count`` Fishers as HF directories (kept between runs)."""
     from huggingface_hub import save_torch_state_dict
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     base, models, fishers = directory / "base", [], []
     paths = [directory / f"model_{k}" for k in range(count)] + [directory / f"fisher_{k}" for k in range(count)]
     if base.exists() and all(p.exists() for p in paths):
         return [str(p) for p in paths[:count]], str(base), [str(p) for p in paths[count:]]
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=n_layer))
+    model = base_model(arch, n_layer)
     model.save_pretrained(base, max_shard_size=shard_size)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     for k in range(count):
@@ -288,10 +312,11 @@ def warm(paths: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
     parser.add_argument("--models", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--n-layer", type=int, default=12)
     parser.add_argument("--shard-size", default="200MB")
-    parser.add_argument("--dir", default="/tmp/mergeflow-stream-gpt2")
+    parser.add_argument("--dir", help="where the checkpoints go (default /tmp/mergeflow-stream-ARCH)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints for another run")
     parser.add_argument("--mergekit", type=Path, default=Path("/tmp/mk-venv/bin/mergekit-yaml"))
     parser.add_argument("--cases", nargs="+", help="only the cases whose name holds one of these (and the raw read)")
@@ -304,12 +329,12 @@ def main() -> None:
     else:
         interpreter = str(mergekit.parent / "python")
         _, mergekit_import_kib = rss_anon_peak([interpreter, "-c", "import mergekit.merge, mergekit.config"])
-    directory = Path(args.dir)
-    models, base, fishers = write_checkpoints(directory, max(args.models), args.n_layer, args.shard_size)
+    directory = Path(args.dir or f"/tmp/mergeflow-stream-{args.arch}")
+    models, base, fishers = write_checkpoints(directory, max(args.models), args.arch, args.n_layer, args.shard_size)
     model_bytes = sum(p.stat().st_size for p in Path(models[0]).glob("*.safetensors"))
-    print(
-        f"GPT-2 (n_layer={args.n_layer}), float32, {model_bytes / 2**20:.0f} MiB per model, shards of {args.shard_size}"
-    )
+    name = {"gpt2": "GPT-2", "llama": "LLaMA-style"}[args.arch]
+    size = f"{model_bytes / 2**20:.0f} MiB per model"
+    print(f"{name} (n_layer={args.n_layer}), float32, {size}, shards of {args.shard_size}")
     for count in args.models:
         warm([*models[:count], base, *fishers[:count]])
         results, outputs = {}, {}

@@ -75,11 +75,12 @@ _TILE = 256  # elements merged at a time: the K clients' task vectors of a tile 
 
 
 @_jit
-def masked_merge(xs, base, masks, divisor, coefficient, combine, out, start, end):  # pragma: no cover - compiled
-    """``out = base + coefficient · combine_k((x_k − base) · mask_k / divisor)`` over elements ``start:end``,
-    for K 1-D client arrays ``xs`` (a tuple, ``padded``; float32 or float64, widened to float64 here), the base
-    and ``(K, n)`` boolean ``masks`` (``divisor`` 0: no division); ``out`` float64, or float32 (each float64 result
-    rounded once as it is stored).
+def masked_merge(xs, base, masks, scales, divisor, coefficient, combine, out, start, end):  # pragma: no cover
+    """``out = base + coefficient · combine_k((x_k − base) · mask_k · scale_k / divisor)`` over elements
+    ``start:end``, for K 1-D client arrays ``xs`` (a tuple, ``padded``; float32 or float64, widened to float64
+    here), the base, ``(K, n)`` boolean ``masks`` and ``(K,)`` float64 ``scales`` (1: exact, no change to a
+    bit) (``divisor`` 0: no division); ``out`` float64, or float32 (each float64 result rounded once as it is
+    stored).
 
     ``combine``: ``SUM`` (in order k = 0..K−1), ``AGREEING_SUM`` (the entries whose sign agrees with their
     sum's, ties to +, as ``sparsify.agreeing_sum``) or ``AGREEING_MEAN`` (that sum over their number, at
@@ -93,9 +94,9 @@ def masked_merge(xs, base, masks, divisor, coefficient, combine, out, start, end
         size = min(end, first + _TILE) - first
         b = base[first : first + size]
         for k in range(count):
-            x, m, task = xs[k][first : first + size], masks[k, first : first + size], tasks[k]
+            x, m, task, scale = xs[k][first : first + size], masks[k, first : first + size], tasks[k], scales[k]
             for j in range(size):
-                task[j] = _masked(np.float64(x[j]), np.float64(b[j]), m[j], divisor)
+                task[j] = _masked(np.float64(x[j]), np.float64(b[j]), m[j], scale, divisor)
         _combine(tasks, size, combine, total, sign, kept, agreeing)
         merged = out[first : first + size]  # a slice indexed from 0: the loop vectorizes (``draw``)
         for j in range(size):
@@ -143,8 +144,8 @@ def _combine(tasks, size, combine, total, sign, kept, agreeing):  # pragma: no c
 
 
 @numba.njit(inline="always", error_model="numpy")
-def _masked(x, b, keep, divisor):  # pragma: no cover - compiled
-    task = (x - b) * (1.0 if keep else 0.0)
+def _masked(x, b, keep, scale, divisor):  # pragma: no cover - compiled
+    task = (x - b) * (1.0 if keep else 0.0) * scale
     return task / divisor if divisor != 0.0 else task
 
 
@@ -469,6 +470,57 @@ def della_prune(
         at = (g % rows) * width
         _prune_row(xs[g // rows][at : at + width], base[at : at + width], step, low, rescale, state, tempered,
                    position, scratch, tasks[g * width : (g + 1) * width])  # fmt: skip
+
+
+@_jit
+def della_keep(xs, base, width, step, low, state, position, first, last, bits, norms):  # pragma: no cover - compiled
+    """DELLA's keep flags of stream rows ``first:last`` into ``bits`` (``(K · rows, ⌈width / 8⌉)`` uint8: row g's
+    flags packed from the first byte of its own row, high bit first, as ``np.unpackbits`` reads them) and each
+    row's L1 norm before and after the drops into ``norms`` (``(K · rows, 2)`` float64): mergekit's ``l1``
+    rescale without writing the pruned task vectors out. Rows, draws and ranks as ``della_prune``'s."""
+    rows = base.shape[0] // width
+    scratch = _scratch(width)
+    tempered = np.empty(624, dtype=np.uint32)
+    pruned, flags, lanes = np.empty(width), np.empty(width, np.bool_), np.empty(8)
+    _temper_all(state, tempered)
+    for g in range(first, last):
+        at = (g % rows) * width
+        _prune_row(xs[g // rows][at : at + width], base[at : at + width], step, low, RESCALE_NONE, state, tempered,
+                   position, scratch, pruned)  # fmt: skip
+        uniform, ranks, sizes = scratch[5], scratch[0][1], scratch[3]
+        for j in range(width):  # the flags as _prune_row drew them, from the uniforms and ranks it left
+            flags[j] = uniform[j] < (low if step == 0.0 else ranks[j] * step + low)
+            pruned[j] = abs(pruned[j])
+        _pack(flags, bits[g])
+        norms[g, 0], norms[g, 1] = _lane_sum(sizes, lanes), _lane_sum(pruned, lanes)
+
+
+@numba.njit(inline="always", error_model="numpy")
+def _pack(flags, packed):  # pragma: no cover - compiled
+    """``flags`` (booleans) into the bytes ``packed``, high bit first, each byte built in a register."""
+    width = flags.shape[0]
+    for q in range(packed.shape[0]):
+        byte = 0
+        for t in range(min(8, width - 8 * q)):
+            byte |= (1 if flags[8 * q + t] else 0) << (7 - t)
+        packed[q] = byte
+
+
+@numba.njit(inline="always", error_model="numpy")
+def _lane_sum(values, lanes):  # pragma: no cover - compiled
+    """The sum of ``values`` in a fixed order that vectorizes: eight running sums (entry j into sum j mod 8, the
+    tail into the first ones), then those in order; ``lanes`` is their (8,) scratch."""
+    lanes[:] = 0.0
+    whole = values.shape[0] // 8 * 8
+    for q in range(0, whole, 8):
+        for t in range(8):
+            lanes[t] += values[q + t]
+    for j in range(whole, values.shape[0]):
+        lanes[j - whole] += values[j]
+    total = lanes[0]
+    for t in range(1, 8):
+        total += lanes[t]
+    return total
 
 
 @numba.njit(inline="always", error_model="numpy")

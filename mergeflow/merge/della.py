@@ -110,8 +110,7 @@ def _compiled(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Ten
     """``_merged`` on the CPU by the compiled kernels (``mergeflow.merge.cpu_kernels``), from the tensors as
     given (float32 or float64), into ``x.out`` if given. The tensor's rows are split between threads, each
     with its own K streams, skipped to its first row: every client's rows of a block are pruned and merged
-    at once. With ``rescale: l1`` the pruned task vectors are written out first (``x.working``), scaled,
-    then merged."""
+    at once. With ``rescale: l1``, ``_compiled_l1``."""
     assert x.base is not None
     cpu_kernels = kernels()
     xs, base, out = kernel_operands(x)
@@ -127,21 +126,9 @@ def _compiled(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Ten
     per_thread = max(1, _PER_THREAD // width)  # rows
     slots = cpu_kernels.padded(xs)
     if options.rescale == "l1":
-        tasks = x.working(count * n).view(count, n)
-
-        def prune(rows: tuple[int, int]) -> None:
-            state, at = words.copy(), position.copy()
-            cpu_kernels.skip(state, at, 2 * rows[0] * width)  # two words a uniform
-            cpu_kernels.della_prune(slots, base, width, step, low, rescale, state, at, *rows, tasks.numpy().reshape(-1))
-
-        in_threads(prune, thread_shares(count * (n // width), per_thread))
-        for task, client in zip(tasks, xs, strict=True):
-            _to_l1_norm(
-                task,
-                (torch.from_numpy(client).to(torch.float64) - torch.from_numpy(base).to(torch.float64)).abs().sum(),
-            )
-        in_threads(lambda share: cpu_kernels.merge_tasks(tasks.numpy(), base, options.scaling, code, flat, *share),
-                   thread_shares(n, per_thread * width))  # fmt: skip
+        size = count * (n // width) * -(-width // 8)  # bytes of packed keep flags, every row from a byte
+        bits = x.working(-(-size // 8)).view(torch.uint8)[:size].numpy()
+        _compiled_l1(xs, base, width, (step, low), (words, position), options.scaling, code, flat, bits)
         return out
 
     def merge(rows: tuple[int, int]) -> None:
@@ -158,6 +145,50 @@ def _compiled(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Ten
 
     in_threads(merge, thread_shares(n // width, per_thread))
     return out
+
+
+def _compiled_l1(
+    xs: tuple[np.ndarray, ...],
+    base: np.ndarray,
+    width: int,
+    ranking: tuple[float, float],
+    stream: tuple[np.ndarray, np.ndarray],
+    coefficient: float,
+    code: int,
+    flat: np.ndarray,
+    bits: np.ndarray,
+) -> None:
+    """mergekit's ``l1`` rescale in two compiled passes over the stored tensors, into ``flat``: the first draws
+    every client's keep flags into ``bits`` (packed, a bit an entry, where a float64 copy of the pruned task
+    vectors took 64) and each row's L1 norms before and after the drops; the second unpacks a block of rows at
+    a time and merges the kept entries scaled by their client's before/after (``_to_l1_norm``). The norms are
+    summed along each row, then over the rows in order (the same bits at any thread count), not in torch's
+    order: the merge agrees with the eager code's to rounding, not bit for bit."""
+    cpu_kernels = kernels()
+    count, rows = len(xs), base.shape[0] // width
+    bits, norms = bits.reshape(count * rows, -1), np.empty((count * rows, 2))
+    slots, words, position = cpu_kernels.padded(xs), *stream
+    block = max(1, _PER_THREAD // width)  # rows
+
+    def prune(share: tuple[int, int]) -> None:
+        state, at = words.copy(), position.copy()
+        cpu_kernels.skip(state, at, 2 * share[0] * width)  # two words a uniform
+        cpu_kernels.della_keep(slots, base, width, *ranking, state, at, *share, bits, norms)
+
+    in_threads(prune, thread_shares(count * rows, block))
+    before, after = norms.reshape(count, rows, 2).sum(axis=1).T
+    scales = np.where((before >= 1e-7) & (after >= 1e-7), before / np.where(after > 0, after, 1.0), 1.0)
+    clients = bits.reshape(count, rows, -1)
+
+    def merge(share: tuple[int, int]) -> None:
+        for first in range(share[0], share[1], block):
+            last = min(share[1], first + block)
+            masks = np.unpackbits(clients[:, first:last], axis=-1, count=width).reshape(count, -1).view(np.bool_)
+            at, end = first * width, last * width
+            cpu_kernels.masked_merge(tuple(x[at:end] for x in slots), base[at:end], masks, scales, 0.0, coefficient,
+                                     code, flat[at:end], 0, end - at)  # fmt: skip
+
+    in_threads(merge, thread_shares(rows, block))
 
 
 def _row_width(tensor: torch.Tensor) -> int:

@@ -501,10 +501,10 @@ def masked_merge(x: TensorInputs, coefficient: float, combine: str, divisor: flo
     masks = x.masks.reshape(len(xs), -1).numpy()
     flat, code = out.view(-1).numpy(), getattr(cpu_kernels, combine.upper())  # SUM, AGREEING_SUM or AGREEING_MEAN
 
-    slots = cpu_kernels.padded(xs)
+    slots, scales = cpu_kernels.padded(xs), np.ones(len(xs))
 
     def merge(share: tuple[int, int]) -> None:
-        cpu_kernels.masked_merge(slots, base, masks, divisor or 0.0, coefficient, code, flat, *share)
+        cpu_kernels.masked_merge(slots, base, masks, scales, divisor or 0.0, coefficient, code, flat, *share)
 
     in_threads(merge, thread_shares(len(base), _MERGE_PER_THREAD))
     return out
