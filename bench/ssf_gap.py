@@ -10,9 +10,11 @@ point of ``mergeflow reproduce pinwheel``; test loss = test NLL), SSF options fr
 cosine schedule spans ``--steps``); θ is scored at steps 1, 3, 10, 30, … of that run.
 
 Besides the exact optimum θ* (the product of the Gaussians) it computes the optimum of SSF's
-expected objective at a partial mask, θ_CL = (Σ_k A_k − (K−1)δ(m/D)I)⁻¹ Σ_k A_k θ_k with
-A_k = E_M[Λ_{:M} Λ_MM⁻¹ Λ_{M:}] (exact over all masks when there are at most ``--max-masks``,
-else a Monte Carlo average over ``--mc-masks`` random ones), to tell the noise of SSF's SGD from its bias.
+expected objective at a partial mask, to tell the noise of SSF's SGD from its bias. With the prior
+correction per client (the default), each client's Gaussian less (K−1)/K of the prior is N(μ'_k, Λ'_k⁻¹),
+Λ'_k = Λ_k − (K−1)/K·δI, and θ_CL = (Σ_k A'_k)⁻¹ Σ_k A'_k μ'_k with A'_k = E_M[Λ'_{:M} Λ'_MM⁻¹ Λ'_{M:}];
+as printed (``--correction as_printed``), θ_CL = (Σ_k A_k − (K−1)δ(m/D)I)⁻¹ Σ_k A_k θ_k. The expectations are
+exact over all masks when there are at most ``--max-masks``, else Monte Carlo over ``--mc-masks`` random ones.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from safetensors.torch import load_file
 
 from mergeflow.merge import run_merge
 from mergeflow.merge.engine import ModelInputs, model_inputs
-from mergeflow.merge.precision import client_precisions
+from mergeflow.merge.precision import client_precisions, prior_mean
 from mergeflow.merge.ssf import ssf_iterates
 from mergeflow.schema.merge import validate_options
 
@@ -89,30 +91,33 @@ def pinwheel_workspace(root: Path) -> Setting:
 
 
 def composite_optimum(
-    inputs: ModelInputs, delta: float, masked: int, max_masks: int, mc_masks: int, seed: int = 0
+    inputs: ModelInputs, delta: float, masked: int, max_masks: int, mc_masks: int, correction: str, seed: int = 0
 ) -> torch.Tensor:
     """θ_CL, the minimiser of SSF's objective averaged over masks of ``masked`` coordinates (window = D)."""
     clients = client_precisions(inputs, by_size=True)
-    dim = len(clients[0].theta)
+    dim, count = len(clients[0].theta), len(clients)
     if math.comb(dim, masked) <= max_masks:
         masks = torch.tensor(list(itertools.combinations(range(dim), masked)))
     else:
         g = torch.Generator().manual_seed(seed)
         masks = torch.stack([torch.randperm(dim, generator=g)[:masked] for _ in range(mc_masks)])
-    count = len(clients)
-    system = -(count - 1) * delta * masked / dim * torch.eye(dim, dtype=torch.float64)
+    theta0 = prior_mean(inputs, "auto")
+    printed = correction == "as_printed"
+    removed = 0.0 if printed else (count - 1) / count * delta  # the prior taken out of each client's Gaussian
+    system = -(count - 1) * delta * masked / dim * torch.eye(dim, dtype=torch.float64) if printed else 0.0
     rhs = torch.zeros(dim, dtype=torch.float64)
     for c in clients:
         u = c.factors.to(torch.float64) * c.factor_scale**0.5
-        precision = u.T @ u + torch.diag(c.diagonal + delta)
+        precision = u.T @ u + torch.diag(c.diagonal + delta - removed)
+        mean = torch.linalg.solve(precision, precision @ c.theta + removed * (c.theta - theta0))  # μ'_k
         a = torch.zeros(dim, dim, dtype=torch.float64)
         for chunk in torch.split(masks, max(1, min(4096, 2**24 // dim**2))):
             rows = precision[chunk]  # (J, m, D): Λ_{M:}
             block = torch.gather(rows, 2, chunk[:, None, :].expand(-1, masked, -1))  # Λ_MM
             a += (rows.transpose(1, 2) @ torch.linalg.solve(block, rows)).sum(0)
         a /= len(masks)
-        system += a
-        rhs += a @ c.theta
+        system = system + a
+        rhs += a @ mean
     return torch.linalg.solve(system, rhs)
 
 
@@ -125,6 +130,7 @@ def main() -> None:
     parser.add_argument("--max-masks", type=int, default=400_000)
     parser.add_argument("--mc-masks", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--correction", choices=["per_client", "as_printed"], default="per_client")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     inputs, test_loss, ssf_options, delta = (
@@ -162,9 +168,9 @@ def main() -> None:
     checkpoints = {n for n in (10**e * f for e in range(6) for f in (1, 3)) if n < ssf_options["steps"]}
     checkpoints.add(ssf_options["steps"])
     for rate in args.rates:
-        options = validate_options("ssf", {**ssf_options, "mask_rate": rate})
+        options = validate_options("ssf", {**ssf_options, "mask_rate": rate, "prior_correction": args.correction})
         masked = max(1, round(rate * dim))
-        theta_cl = composite_optimum(inputs, delta, masked, args.max_masks, args.mc_masks)
+        theta_cl = composite_optimum(inputs, delta, masked, args.max_masks, args.mc_masks, args.correction)
         print(
             f"\n### mask rate {rate:.0%} (m = {masked} of {dim})\n\n"
             f"θ_CL (mask-averaged SSF optimum): test-loss gap {test_loss(theta_cl) - loss_star:+.2e}, "
