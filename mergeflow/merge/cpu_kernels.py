@@ -408,8 +408,8 @@ def draw(state, tempered, position, out):  # pragma: no cover - compiled
 # ordered by a stable merge sort instead. Each entry's rank is then its position in that order, and its
 # probability ``p = low + rank · step``, its uniform and its pruned value follow. ``della_merge`` prunes a
 # block of rows of all K clients, each from its own position in the stream, and combines them while they
-# are in cache; ``della_prune`` writes the pruned task vectors out (for mergekit's ``l1`` rescale, which
-# needs each whole vector's norm first).
+# are in cache; ``della_keep`` keeps only the keep flags and the rows' L1 norms (for mergekit's ``l1``
+# rescale, which needs each whole vector's norm before anything is merged).
 
 RESCALE_NONE, RESCALE_PROBABILITY = 0, 1  # DELLA's rescale: none (mergekit's l1 is applied afterwards) or by 1/p
 
@@ -426,7 +426,7 @@ def della_merge(
 
     ``xs`` (a tuple, ``padded``) are the K clients' flat tensors and ``base`` the base's (float32 or float64,
     widened here). Client k's draws come from ``states[k]`` and ``positions[k]`` (``cpu_kernels.draw``), set to
-    its row ``first``'s first uniform and advanced in place; pruning as ``della_prune``."""
+    its row ``first``'s first uniform and advanced in place; pruning as ``_prune_row``."""
     count = states.shape[0]
     per_block = max(1, _DELLA_BLOCK // width)
     tile = np.empty((count, per_block * width))
@@ -452,32 +452,17 @@ def della_merge(
 
 
 @_jit
-def della_prune(
-    xs, base, width, step, low, rescale, state, position, first, last, tasks
-):  # pragma: no cover - compiled
-    """DELLA's pruned task vectors of stream rows ``first:last`` into ``tasks`` (float64, ``K · n``).
-
-    The stream is the K clients' rows one client after another (row g is client ``g // rows``'s row
-    ``g % rows``), as the eager code draws them. Each entry of task ``t = x − base`` gets
-    ``p = low + rank · step`` (its rank by magnitude in its row, equal ones by index) and its uniform
-    ``u``; it is kept where ``u < p``, as ``t · keep``, divided by ``p`` with ``rescale``
-    ``RESCALE_PROBABILITY``. ``state`` and ``position`` are the generator at row ``first``'s first uniform."""
-    rows = base.shape[0] // width
-    scratch = _scratch(width)
-    tempered = np.empty(624, dtype=np.uint32)
-    _temper_all(state, tempered)
-    for g in range(first, last):
-        at = (g % rows) * width
-        _prune_row(xs[g // rows][at : at + width], base[at : at + width], step, low, rescale, state, tempered,
-                   position, scratch, tasks[g * width : (g + 1) * width])  # fmt: skip
-
-
-@_jit
 def della_keep(xs, base, width, step, low, state, position, first, last, bits, norms):  # pragma: no cover - compiled
     """DELLA's keep flags of stream rows ``first:last`` into ``bits`` (``(K · rows, ⌈width / 8⌉)`` uint8: row g's
     flags packed from the first byte of its own row, high bit first, as ``np.unpackbits`` reads them) and each
     row's L1 norm before and after the drops into ``norms`` (``(K · rows, 2)`` float64): mergekit's ``l1``
-    rescale without writing the pruned task vectors out. Rows, draws and ranks as ``della_prune``'s."""
+    rescale without writing the pruned task vectors out.
+
+    The stream is the K clients' rows one client after another (row g is client ``g // rows``'s row
+    ``g % rows``), as the eager code draws them. Each entry of task ``t = x − base`` gets
+    ``p = low + rank · step`` (its rank by magnitude in its row, equal ones by index) and its uniform
+    ``u``, and is kept where ``u < p``. ``state`` and ``position`` are the generator at row ``first``'s first
+    uniform."""
     rows = base.shape[0] // width
     scratch = _scratch(width)
     tempered = np.empty(624, dtype=np.uint32)
@@ -535,7 +520,8 @@ def _scratch(width):  # pragma: no cover - compiled
 
 @numba.njit(inline="always", error_model="numpy")
 def _prune_row(x, b, step, low, rescale, state, tempered, position, scratch, out):  # pragma: no cover - compiled
-    """One row's pruned task vector into ``out``, its uniforms drawn in index order (``della_prune``)."""
+    """One row's pruned task vector ``t · [u < p]`` into ``out`` (divided by ``p`` with ``RESCALE_PROBABILITY``),
+    its uniforms drawn in index order (``della_keep``)."""
     radix, order, ordered, sizes, task, uniform = scratch
     width = x.shape[0]
     for j in range(width):
