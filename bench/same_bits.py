@@ -25,6 +25,8 @@ from pathlib import Path
 from mergeflow.merge import merge
 from mergeflow.merge.streaming import merge_files
 methods, out, files = sys.argv[1].split(","), Path(sys.argv[2]), sys.argv[3]
+import mergeflow.merge.engine
+assert mergeflow.merge.engine.__file__.startswith(sys.argv[4]), f"imported {mergeflow.merge.engine.__file__}"
 generator = torch.Generator().manual_seed(0)
 shapes = {"tiny": (3,), "small": (40, 50), "mid": (300, 400), "radix": (5_000_001,)}
 def state(scale):
@@ -63,8 +65,11 @@ def main() -> None:
             out = Path(tmp) / Path(tree).name
             out.mkdir()
             env = {"PYTHONPATH": tree, "PATH": "/usr/bin:/bin"}
-            subprocess.run([sys.executable, "-c", _MERGE, ",".join(args.methods), str(out), args.files], env=env,
-                           check=True)  # fmt: skip
+            # run in the tree: ``-c`` puts the working directory first on the path, ahead of PYTHONPATH, so a
+            # run from a checkout would import that checkout for both trees
+            tree_path = str(Path(tree).resolve())
+            command = [sys.executable, "-c", _MERGE, ",".join(args.methods), str(out), args.files, tree_path]
+            subprocess.run(command, env=env, cwd=tree_path, check=True)
             outs.append(out)
         for method in args.methods:
             old, new = (torch.load(o / f"{method}.pt") for o in outs)
