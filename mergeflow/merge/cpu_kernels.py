@@ -103,20 +103,6 @@ def masked_merge(xs, base, masks, scales, divisor, coefficient, combine, out, st
             merged[j] = np.float64(b[j]) + coefficient * total[j]
 
 
-@_jit
-def merge_tasks(tasks, base, coefficient, combine, out, start, end):  # pragma: no cover - compiled
-    """``out = base + coefficient · combine_k(tasks_k)`` over elements ``start:end``, for ``(K, n)`` float64 task
-    vectors ``tasks`` (``combine``, and ``out``'s dtype, as in ``masked_merge``); ``base`` float32 or float64,
-    widened here."""
-    total, sign, kept, agreeing = np.empty(_TILE), np.empty(_TILE), np.empty(_TILE), np.empty(_TILE)
-    for first in range(start, end, _TILE):
-        size = min(end, first + _TILE) - first
-        _combine(tasks[:, first : first + size], size, combine, total, sign, kept, agreeing)
-        merged, b = out[first : first + size], base[first : first + size]  # slices: as ``masked_merge``
-        for j in range(size):
-            merged[j] = np.float64(b[j]) + coefficient * total[j]
-
-
 @numba.njit(inline="always", error_model="numpy")
 def _combine(tasks, size, combine, total, sign, kept, agreeing):  # pragma: no cover - compiled
     """``total[:size] = combine_k(tasks[k, :size])`` (``masked_merge``'s ``combine``), every element's sums

@@ -120,16 +120,16 @@ def _compiled(x: TensorInputs, options: DellaOptions, combine: str) -> torch.Ten
     width = _row_width(x.base)
     step = 2.0 * options.epsilon / (width - 1) if width > 1 else 0.0  # as _row_probabilities
     low = options.density - options.epsilon if width > 1 else options.density
-    rescale = cpu_kernels.RESCALE_PROBABILITY if options.rescale == "probability" else cpu_kernels.RESCALE_NONE
     words, position = stream_state(tensor_generator(options.seed, x.name, x.base.device))
     code, flat = getattr(cpu_kernels, combine.upper()), out.view(-1).numpy()
-    per_thread = max(1, _PER_THREAD // width)  # rows
-    slots = cpu_kernels.padded(xs)
     if options.rescale == "l1":
         size = count * (n // width) * -(-width // 8)  # bytes of packed keep flags, every row from a byte
         bits = x.working(-(-size // 8)).view(torch.uint8)[:size].numpy()
         _compiled_l1(xs, base, width, (step, low), (words, position), options.scaling, code, flat, bits)
         return out
+    rescale = cpu_kernels.RESCALE_PROBABILITY if options.rescale == "probability" else cpu_kernels.RESCALE_NONE
+    per_thread = max(1, _PER_THREAD // width)  # rows
+    slots = cpu_kernels.padded(xs)
 
     def merge(rows: tuple[int, int]) -> None:
         states, positions = np.empty((count, 624), np.uint32), np.empty((count, 2), np.int64)
