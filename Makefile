@@ -25,8 +25,12 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/mergeflow run
 
+# The suite's files spread over one pytest-xdist worker per CPU, at most TEST_WORKERS (a test file stays on
+# one worker, so that its module fixtures run once); TEST_WORKERS=1 runs it in one process.
+TEST_WORKERS ?= 4
 test: $(STAMP)
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q \
+		$(if $(filter 1,$(TEST_WORKERS)),,-n logical --maxprocesses $(TEST_WORKERS) --dist loadfile)
 
 repro: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
