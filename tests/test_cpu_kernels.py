@@ -181,6 +181,33 @@ def test_split_counts_marks_and_gathers_like_numpy_whatever_the_room(upper):
         )
 
 
+@pytest.mark.parametrize("kind", ["spread", "few values", "subnormal", "zeros and inf", "one value", "short"])
+def test_a_cut_marks_the_wanted_largest_equal_ones_by_lower_index(kind):
+    """``finish`` (the cut found by radix steps on the magnitudes' bits) marks what a stable sort would: the
+    ``wanted`` largest gathered values, those equal at the cut in index order, at every ``wanted``."""
+    from mergeflow.merge import cpu_kernels
+
+    generator = np.random.default_rng(3)
+    size = 40 if kind == "short" else 30_000
+    values = {
+        "spread": generator.uniform(0.01, 0.0100001, size),
+        "few values": generator.integers(0, 6, size) * 0.125,
+        "subnormal": np.abs(generator.standard_normal(size)) * 1e-310,
+        "zeros and inf": np.where(generator.random(size) < 0.3, 0.0, generator.random(size)),
+        "one value": np.full(size, 0.25),
+        "short": generator.random(size),
+    }[kind]
+    if kind == "zeros and inf":
+        values[generator.choice(size, 5, replace=False)] = np.inf
+    indices = np.sort(generator.choice(3 * size, size, replace=False))
+    for wanted in (1, 2, size // 3, size // 2 + 1, size - 1, size):
+        mask = np.zeros(3 * size, bool)
+        cpu_kernels.finish(mask, values, indices, wanted)
+        expected = np.zeros(3 * size, bool)
+        expected[indices[np.lexsort((indices, -values))[:wanted]]] = True
+        assert np.array_equal(mask, expected), (kind, wanted)
+
+
 def test_loading_the_kernels_leaves_scipy_linalg_to_whoever_calls_blas():
     """numba's array registry would import ``scipy.linalg`` (0.2 s) to probe for BLAS; the kernels load
     without it, and numba still finds BLAS for a function that calls it (imported then)."""
