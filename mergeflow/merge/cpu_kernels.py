@@ -232,13 +232,7 @@ def _sample_ranks(x, b, low_rank, high_rank):  # pragma: no cover - compiled
         sample[i] = abs(np.float64(x[i]) - np.float64(b[i]))
     if np.isnan(sample).any():  # unordered: a NaN bracket, which every comparison misses
         return np.nan, np.nan
-    size = sample.shape[0]
-    low_at = size - low_rank  # ascending positions
-    ordered = np.partition(sample, low_at)
-    if high_rank <= 1:
-        return ordered[low_at], np.inf
-    above = ordered[low_at:]
-    return ordered[low_at], np.partition(above, size - high_rank - low_at)[size - high_rank - low_at]
+    return _kth_largest(sample, low_rank), _kth_largest(sample, high_rank) if high_rank > 1 else np.inf
 
 
 _RADIX_BITS = 11  # a radix step's digit: 2,048 counts, in L1
